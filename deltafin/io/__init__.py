@@ -1,0 +1,1 @@
+"""Reads: direct I/O into aligned buffers, drives, reader threads, the drive emulator."""

@@ -1,0 +1,36 @@
+"""Weight-only int8, symmetric, one float32 scale per output row (the resident trunk's default)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q = round(w / s) with s = amax(row) / 127; rows of zeros get s = 1."""
+    w = np.asarray(w, dtype=np.float32)
+    amax = np.abs(w).max(axis=-1, keepdims=True)
+    s = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / s), -127, 127).astype(np.int8)
+    return q, s[..., 0]
+
+
+def dequantize_ref(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    return np.asarray(q, dtype=np.float32) * np.asarray(s, dtype=np.float32)[..., None]
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.detach().to(torch.float32)
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.clamp(torch.round(w / s), -127, 127).to(torch.int8)
+    return q, s.squeeze(-1)
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * s.to(torch.float32).unsqueeze(-1)).to(dtype)
+
+
+def matmul(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with W = q * s, without materialising W: (x @ q^T) * s (exact per-row scaling)."""
+    return (x @ q.to(x.dtype).T) * s.to(x.dtype)

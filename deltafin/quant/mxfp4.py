@@ -1,0 +1,115 @@
+"""MXFP4 (OCP Microscaling v1.0): FP4 E2M1 elements with one E8M0 scale per block of 32.
+
+Layout used everywhere in Deltafin (same as gpt-oss, transformers and compressed-tensors):
+``packed`` uint8 [..., in/2] with the even element in the low nibble, ``scales`` uint8 [..., in/32].
+The GGUF order (low nibble = element j, high = element j + 16 of a block) is converted on import.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+BLOCK = 32
+# OCP MX v1.0 E2M1 code -> value: sign<<3 | exp<<1 | mantissa, bias 1, subnormal at exp 0.
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+_POS = E2M1_VALUES[:8]
+_MIDPOINTS = (_POS[1:] + _POS[:-1]) / 2  # decision boundaries between magnitudes
+
+
+def _check_shapes(packed_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> None:
+    if packed_shape[:-1] != scales_shape[:-1] or packed_shape[-1] * 2 != scales_shape[-1] * BLOCK:
+        raise ValueError(
+            f"mxfp4: packed {tuple(packed_shape)} and scales {tuple(scales_shape)} disagree; "
+            f"expected packed[..., n/2] with scales[..., n/32]"
+        )
+
+
+# ---------------------------------------------------------------- reference codec (numpy)
+
+
+def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Reference quantizer: shared exponent floor(log2(amax)) - 2, nearest E2M1, saturate at 6."""
+    w = np.asarray(w, dtype=np.float32)
+    *lead, n = w.shape
+    if n % BLOCK:
+        raise ValueError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
+    blocks = w.reshape(*lead, n // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-45))) - 2, -127)
+    exp = np.clip(exp, -127, 127).astype(np.int32)
+    scaled = blocks / np.exp2(exp.astype(np.float64))[..., None]
+    mag = np.minimum(np.abs(scaled), 6.0)
+    idx = np.searchsorted(_MIDPOINTS, mag, side="left")  # ties go to the lower magnitude...
+    tie = np.isin(mag, _MIDPOINTS)
+    # ...except where the upper neighbour has an even mantissa (round half to even).
+    idx = np.where(tie & (idx % 2 == 1), idx + 1, idx)
+    codes = (idx | np.where(np.signbit(scaled), 8, 0)).astype(np.uint8).reshape(*lead, n)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def dequantize_ref(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Reference dequantizer: value[c] = E2M1[code] * 2**(scale[c // 32] - 127)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    scales = np.asarray(scales, dtype=np.uint8)
+    _check_shapes(packed.shape, scales.shape)
+    *lead, half = packed.shape
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*lead, half * 2)
+    vals = E2M1_VALUES[codes]
+    mult = np.exp2(scales.astype(np.float64) - 127.0).astype(np.float32)
+    mult = np.where(scales == 255, np.nan, mult)  # OCP MX: E8M0 0xFF is NaN
+    return (vals.reshape(*lead, half * 2 // BLOCK, BLOCK) * mult[..., None]).reshape(*lead, half * 2)
+
+
+def gguf_to_standard(packed: np.ndarray) -> np.ndarray:
+    """GGUF MXFP4 order (per 16-byte block: low nibble j, high nibble j+16) to the standard order."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    *lead, half = packed.shape
+    blocks = packed.reshape(*lead, half // 16, 16)
+    codes = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)  # element order 0..31
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).reshape(*lead, half)
+
+
+def standard_to_gguf(packed: np.ndarray) -> np.ndarray:
+    packed = np.asarray(packed, dtype=np.uint8)
+    *lead, half = packed.shape
+    blocks = packed.reshape(*lead, half // 16, 16)
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*lead, half // 16, 32)
+    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8).reshape(*lead, half)
+
+
+# ---------------------------------------------------------------- fast path (torch)
+
+_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    lut = _LUT_CACHE.get(device)
+    if lut is None:
+        lut = _LUT_CACHE[device] = torch.tensor(E2M1_VALUES, device=device)
+    return lut
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Torch dequantizer, bit-identical to :func:`dequantize_ref` (powers of two are exact)."""
+    _check_shapes(tuple(packed.shape), tuple(scales.shape))
+    *lead, half = packed.shape
+    p = packed.to(torch.uint8)
+    codes = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*lead, half // 16, BLOCK)
+    vals = _lut(p.device)[codes.long()]  # [..., n/32, 32]
+    exps = scales.to(torch.int32) - 127
+    out = torch.ldexp(vals, exps.unsqueeze(-1).to(torch.float32))
+    if bool((scales == 255).any()):
+        out = torch.where((scales == 255).unsqueeze(-1), torch.nan, out)
+    return out.reshape(*lead, half * 2).to(dtype)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float tensor (any float dtype) with the reference convention."""
+    packed, scales = quantize_ref(w.detach().to(torch.float32).cpu().numpy())
+    return torch.from_numpy(packed), torch.from_numpy(scales)
