@@ -1,0 +1,55 @@
+"""What every model module relies on: weights as records, an injected expert source, per-layer state.
+
+Model modules are pure math. They never open files, start threads or print. Routed experts come from
+an ``ExpertSource``: the MoE block asks for ``(layer, expert ids)`` and gets each expert's tensors back
+in *arrival order* (cached ones first, then misses as their reads land). To keep output independent of
+arrival order, a model writes each expert's result into its own slot and sums the slots in a fixed order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from deltafin.quant.record import QTensor, dequantize, matmul
+
+Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
+ExpertTensors = Mapping[str, QTensor]  # roles: gate/up/down, or gpt-oss gate_up/gate_up_bias/down/down_bias
+
+
+class ExpertSource(Protocol):
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterable[tuple[int, ExpertTensors]]:
+        """Yield (expert id, tensors) once for every requested id, in arrival order."""
+        ...
+
+
+class ResidentExperts:
+    """All experts in memory (tests, tiny models, the all-resident reference path)."""
+
+    def __init__(self, experts: Mapping[tuple[int, int], ExpertTensors], device: torch.device | str = "cpu"):
+        self.experts = {k: {n: t.to(device) for n, t in v.items()} for k, v in experts.items()}
+
+    def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, ExpertTensors]]:
+        for e in expert_ids:
+            yield e, self.experts[(layer, e)]
+
+
+def linear(x: torch.Tensor, w: QTensor | torch.Tensor, bias: QTensor | torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ b) for a weight record [out, in] in any format, computed in x's dtype."""
+    y = matmul(x, w)
+    if bias is not None:
+        y = y + (bias if isinstance(bias, torch.Tensor) else dequantize(bias, x.dtype)).to(x.dtype)
+    return y
+
+
+def dense(w: QTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The plain tensor of a record (norm weights, biases, embeddings rows)."""
+    return w.to(dtype) if isinstance(w, torch.Tensor) else dequantize(w, dtype)
+
+
+def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return dense(w, torch.float32).mul(y).to(x.dtype)

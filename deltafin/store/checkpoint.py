@@ -1,0 +1,153 @@
+"""Lazy reads of a Hugging Face safetensors checkpoint: headers parsed on demand, tensors by pread.
+
+Nothing is memory-mapped, so reading a 1.5 TB checkpoint keeps memory bounded by the tensors in hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.errors import CheckpointError
+
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+            "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    shard: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset
+    nbytes: int
+
+
+class Checkpoint:
+    """A checkpoint directory: config.json plus model.safetensors or an index with shards."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"{path}: checkpoint directory not found; pass the folder holding config.json")
+        self.config = self._read_json("config.json")
+        self._headers: dict[str, dict[str, TensorInfo]] = {}
+        self.weight_map, self.total_size = self._read_index()
+
+    def _read_json(self, name: str) -> dict:
+        p = os.path.join(self.path, name)
+        if not os.path.exists(p):
+            raise CheckpointError(f"{p}: missing; a Hugging Face checkpoint needs {name}")
+        try:
+            with open(p) as f:
+                return json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{p}: invalid JSON ({e})") from e
+
+    def _read_index(self) -> tuple[dict[str, str], int | None]:
+        for idx in ("model.safetensors.index.json", "model.safetensors.index.json.gz"):
+            p = os.path.join(self.path, idx)
+            if os.path.exists(p):
+                if idx.endswith(".gz"):
+                    import gzip
+
+                    with gzip.open(p, "rt") as f:
+                        doc = json.load(f)
+                else:
+                    doc = self._read_json(idx)
+                return dict(doc["weight_map"]), doc.get("metadata", {}).get("total_size")
+        single = os.path.join(self.path, "model.safetensors")
+        if os.path.exists(single):
+            return {n: "model.safetensors" for n in self._header("model.safetensors")}, None
+        raise CheckpointError(
+            f"{self.path}: no model.safetensors or model.safetensors.index.json; "
+            f"is this a Hugging Face safetensors checkpoint?"
+        )
+
+    def shards(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def has_shard(self, shard: str) -> bool:
+        return os.path.exists(os.path.join(self.path, shard))
+
+    def _header(self, shard: str) -> dict[str, TensorInfo]:
+        if shard in self._headers:
+            return self._headers[shard]
+        p = os.path.join(self.path, shard)
+        if not os.path.exists(p):
+            raise CheckpointError(f"{p}: shard missing (named in the index); download it, then re-run")
+        with open(p, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            try:
+                doc = json.loads(f.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{p}: corrupt safetensors header ({e}); re-download this shard") from e
+        base = 8 + n
+        out = {}
+        for name, d in doc.items():
+            if name == "__metadata__":
+                continue
+            a, b = d["data_offsets"]
+            out[name] = TensorInfo(name, shard, d["dtype"], tuple(d["shape"]), base + a, b - a)
+        self._headers[shard] = out
+        return out
+
+    def info(self, name: str) -> TensorInfo:
+        shard = self.weight_map.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.path}: tensor {name} not in the checkpoint index")
+        h = self._header(shard)
+        if name not in h:
+            raise CheckpointError(f"{shard}: tensor {name} named in the index is missing from the shard; re-download it")
+        return h[name]
+
+    def read_bytes(self, name: str) -> bytearray:
+        ti = self.info(name)
+        buf = bytearray(ti.nbytes)
+        p = os.path.join(self.path, ti.shard)
+        with open(p, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], ti.offset)
+        if got != ti.nbytes:
+            raise CheckpointError(f"{p}: short read of {name} ({got} of {ti.nbytes} bytes); the shard is truncated")
+        return buf
+
+    def read(self, name: str) -> torch.Tensor:
+        ti = self.info(name)
+        if ti.dtype not in ST_DTYPES:
+            raise CheckpointError(f"{ti.shard}: tensor {name} has unsupported dtype {ti.dtype}")
+        buf = self.read_bytes(name)
+        if ti.nbytes == 0:
+            return torch.empty(ti.shape, dtype=ST_DTYPES[ti.dtype])
+        return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape(ti.shape)
+
+
+def read_row(ckpt: Checkpoint, name: str, i: int) -> torch.Tensor:
+    """Row ``i`` along dim 0 of a stacked tensor (e.g. one expert of gpt-oss's [E, ...] tensors)."""
+    ti = ckpt.info(name)
+    row = ti.nbytes // ti.shape[0]
+    buf = bytearray(row)
+    p = os.path.join(ckpt.path, ti.shard)
+    with open(p, "rb", buffering=0) as f:
+        got = os.preadv(f.fileno(), [buf], ti.offset + i * row)
+    if got != row:
+        raise CheckpointError(f"{p}: short read of {name}[{i}] ({got} of {row} bytes); the shard is truncated")
+    return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape(ti.shape[1:])

@@ -1,0 +1,55 @@
+"""Turn checkpoint tensors into packed records: the one place tensors are renamed, sliced or re-encoded."""
+
+from __future__ import annotations
+
+import torch
+
+from deltafin.quant import fp8, int4, mxfp4
+from deltafin.quant.record import QTensor, from_plain
+from deltafin.store.checkpoint import Checkpoint, read_row
+from deltafin.store.plan import PackPlan, RoleSource, TrunkEntry
+
+
+def expert_tensors(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int) -> dict[str, QTensor]:
+    """All tensors of one routed expert, in file order, in their output formats."""
+    key = (layer, None) if plan.family.name == "gpt_oss" else (layer, expert)
+    names = plan.expert_names[key]
+    return {r.role: _role(ckpt, r, names[r.role], expert) for r in plan.roles[layer]}
+
+
+def _role(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> QTensor:
+    if r.src == "ct_mxfp4" and r.out == "mxfp4":  # released QAT bytes: copied unchanged
+        return QTensor("mxfp4", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
+    if r.src == "ct_int4" and r.out == "int4g32":
+        return QTensor("int4g32", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
+    if r.src == "oss_mxfp4" and r.out == "mxfp4":
+        blocks = read_row(ckpt, kinds["blocks"], expert)  # [out, in/32, 16]
+        return QTensor("mxfp4", r.shape, blocks.reshape(r.shape[0], -1), read_row(ckpt, kinds["scales"], expert))
+    if r.src == "bias":
+        return from_plain(read_row(ckpt, kinds["bias"], expert), r.out)
+    return from_plain(_dense(ckpt, r, kinds, expert), r.out)
+
+
+def _dense(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> torch.Tensor:
+    """The float weight [out, in] of a role, dequantizing imported formats."""
+    if r.src == "plain":
+        return ckpt.read(kinds["weight"])
+    if r.src == "fp8":
+        return fp8.dequantize(ckpt.read(kinds["weight"]), ckpt.read(kinds["weight_scale_inv"]))
+    if r.src == "ct_mxfp4":
+        return mxfp4.dequantize(ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
+    if r.src == "ct_int4":
+        return int4.dequantize(ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
+    if r.src == "oss_mxfp4":
+        blocks = read_row(ckpt, kinds["blocks"], expert)
+        return mxfp4.dequantize(blocks.reshape(r.shape[0], -1), read_row(ckpt, kinds["scales"], expert))
+    if r.src == "oss_fused":
+        return read_row(ckpt, kinds["fused"], expert).T.contiguous()  # stored [in, out]
+    raise AssertionError(r.src)
+
+
+def trunk_tensor(ckpt: Checkpoint, t: TrunkEntry) -> QTensor:
+    w = ckpt.read(t.source)
+    if t.scale_inv is not None:
+        w = fp8.dequantize(w, ckpt.read(t.scale_inv)).to(torch.bfloat16)  # as DeepSeek's reference does
+    return from_plain(w, t.format)

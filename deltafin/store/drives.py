@@ -1,0 +1,114 @@
+"""Drives given on the command line: parsing, write checks, free space, and a short read-rate probe."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from deltafin.errors import DriveError, NotEnoughSpaceError, UsageError
+from deltafin.io.direct import FileDriveReader, aligned_buffer
+
+PROBE_BYTES = 256 << 20
+PROBE_READ = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DriveArg:
+    label: str
+    path: str
+    gbps: float | None  # None: measure
+
+
+def parse_drive(arg: str, index: int) -> DriveArg:
+    """'PATH[=GBPS]', optionally 'LABEL:PATH[=GBPS]' with a label of letters, digits, '-' and '_'."""
+    spec, sep, rate = arg.rpartition("=") if "=" in arg else (arg, "", "")
+    label = f"d{index}"
+    head, colon, tail = spec.partition(":")
+    if colon and head and head.replace("-", "").replace("_", "").isalnum() and not head.startswith("/"):
+        label, spec = head, tail
+    if not spec:
+        raise UsageError(f"--drive {arg!r}: expected PATH[=GBPS] (e.g. /mnt/ssd1=6.5) or LABEL:PATH[=GBPS]")
+    gbps = None
+    if sep:
+        try:
+            gbps = float(rate)
+        except ValueError:
+            raise UsageError(f"--drive {arg!r}: read rate {rate!r} is not a number of GB/s (e.g. =6.5)") from None
+        if gbps <= 0:
+            raise UsageError(f"--drive {arg!r}: read rate must be positive GB/s")
+    return DriveArg(label, os.path.abspath(spec), gbps)
+
+
+def parse_drives(args: list[str]) -> list[DriveArg]:
+    out = [parse_drive(a, i) for i, a in enumerate(args)]
+    labels = [d.label for d in out]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--drive labels must be unique, got {labels}")
+    paths = [os.path.realpath(d.path) for d in out]
+    if len(set(paths)) != len(paths):
+        raise UsageError(f"--drive paths must be distinct, got {[d.path for d in out]}")
+    return out
+
+
+def ensure_writable(path: str, label: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".deltafin-write-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.unlink(probe)
+    except OSError as e:
+        raise DriveError(f"drive {label} ({path}) is not writable: {e.strerror}; check the mount and permissions") from e
+
+
+def free_bytes(path: str) -> int:
+    p = path
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return shutil.disk_usage(p).free
+
+
+def check_space(needs: dict[str, tuple[str, int]]) -> None:
+    """needs: label -> (path, bytes still to write). Raises naming every drive that is short."""
+    short = []
+    for label, (path, need) in needs.items():
+        have = free_bytes(path)
+        if need > have:
+            short.append(f"drive {label} ({path}) needs {need / 1e9:.2f} GB, has {have / 1e9:.2f} GB free")
+    if short:
+        raise NotEnoughSpaceError("not enough space: " + "; ".join(short) + ". Free space, add drives, or give "
+                                  "faster drives a smaller share")
+
+
+def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int = 8) -> float:
+    """Direct-read rate of the drive holding ``path``: write a probe file, read it back with O_DIRECT."""
+    ensure_writable(path, label)
+    f = os.path.join(path, f".deltafin-probe-{os.getpid()}")
+    chunk = os.urandom(1 << 20) * (PROBE_READ >> 20)
+    try:
+        with open(f, "wb") as fh:
+            for _ in range(nbytes // len(chunk)):
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        reader = FileDriveReader(label, path)
+        bufs = [aligned_buffer(PROBE_READ) for _ in range(depth)]
+        offsets = list(range(0, nbytes, PROBE_READ))
+
+        def work(i: int) -> int:
+            buf = bufs[i % depth]
+            return sum(reader.read_into(f, off, buf) for off in offsets[i::depth])
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(depth) as ex:
+            total = sum(ex.map(work, range(depth)))
+        dt = time.perf_counter() - t0
+        return total / dt / 1e9
+    finally:
+        try:
+            os.unlink(f)
+        except OSError:
+            pass

@@ -1,0 +1,209 @@
+"""The expert file (.dfx): one routed expert, all of its tensors back to back, readable in one read.
+
+Layout (all offsets multiples of 4 KiB, so the whole file is read with direct I/O into an aligned
+buffer)::
+
+    [0, 4096)        header block: b"DFX1", u32 header length, JSON header, zero padding
+    [4096, ...)      sections, each starting on a 4 KiB boundary, zero padded to the next one
+
+JSON header: {"version": 1, "layer": L, "expert": E, "tensors": [{"name", "format", "shape",
+"sections": [{"kind": "data"|"scale", "dtype", "shape", "offset", "nbytes"}]}]}. The file's xxh3-64
+checksum is recorded in the model manifest, not in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from deltafin.errors import ExpertChecksumError, ExpertFileError
+from deltafin.io.direct import ALIGN, align_up
+from deltafin.quant.record import QTensor
+
+MAGIC = b"DFX1"
+VERSION = 1
+HEADER_BYTES = ALIGN
+
+DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    kind: str  # data | scale
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    name: str
+    format: str
+    shape: tuple[int, ...]
+    sections: tuple[Section, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """Where each tensor of an expert sits in its file. Identical for every expert of a layer."""
+
+    tensors: tuple[TensorLayout, ...]
+    file_bytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.nbytes for t in self.tensors for s in t.sections)
+
+
+def layout_for(specs: list[tuple[str, str, tuple[int, ...], list[tuple[str, str, tuple[int, ...]]]]]) -> ExpertLayout:
+    """Build a layout from (name, format, logical shape, [(kind, dtype, shape)]) in file order."""
+    off = HEADER_BYTES
+    tensors = []
+    for name, fmt, shape, secs in specs:
+        out = []
+        for kind, dtype, sshape in secs:
+            nbytes = int(np.prod(sshape)) * torch.empty((), dtype=DTYPES[dtype]).element_size()
+            out.append(Section(kind, dtype, tuple(sshape), off, nbytes))
+            off = align_up(off + nbytes)
+        tensors.append(TensorLayout(name, fmt, tuple(shape), tuple(out)))
+    return ExpertLayout(tuple(tensors), off)
+
+
+def layout_from_tensors(tensors: dict[str, QTensor]) -> ExpertLayout:
+    specs = []
+    for name, t in tensors.items():
+        secs = [("data", DTYPE_NAMES[t.data.dtype], tuple(t.data.shape))]
+        if t.scale is not None:
+            secs.append(("scale", DTYPE_NAMES[t.scale.dtype], tuple(t.scale.shape)))
+        specs.append((name, t.format, t.shape, secs))
+    return layout_for(specs)
+
+
+def _header_json(layout: ExpertLayout, layer: int, expert: int) -> bytes:
+    doc = {
+        "version": VERSION,
+        "layer": layer,
+        "expert": expert,
+        "file_bytes": layout.file_bytes,
+        "tensors": [
+            {
+                "name": t.name,
+                "format": t.format,
+                "shape": list(t.shape),
+                "sections": [
+                    {"kind": s.kind, "dtype": s.dtype, "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes}
+                    for s in t.sections
+                ],
+            }
+            for t in layout.tensors
+        ],
+    }
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    if len(raw) + 8 > HEADER_BYTES:
+        raise ExpertFileError(f"expert header of {len(raw)} bytes does not fit the {HEADER_BYTES}-byte header block")
+    return raw
+
+
+def encode(tensors: dict[str, QTensor], layer: int, expert: int) -> bytes:
+    """Serialise one expert into the .dfx byte layout."""
+    layout = layout_from_tensors(tensors)
+    buf = bytearray(layout.file_bytes)
+    raw = _header_json(layout, layer, expert)
+    buf[0:8] = MAGIC + struct.pack("<I", len(raw))
+    buf[8 : 8 + len(raw)] = raw
+    for tl, t in zip(layout.tensors, tensors.values(), strict=True):
+        for sec, src in zip(tl.sections, (t.data, t.scale), strict=False):
+            b = src.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert len(b) == sec.nbytes
+            buf[sec.offset : sec.offset + sec.nbytes] = b
+    return bytes(buf)
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def parse_header(buf: bytes | memoryview, where: str = "expert file") -> tuple[ExpertLayout, int, int]:
+    """(layout, layer, expert) from the first 4 KiB of an expert file."""
+    head = bytes(buf[:HEADER_BYTES])
+    if len(head) < 8 or head[:4] != MAGIC:
+        raise ExpertFileError(f"{where}: not a Deltafin expert file (bad magic {head[:4]!r}); repack this expert")
+    (n,) = struct.unpack("<I", head[4:8])
+    try:
+        doc = json.loads(head[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExpertFileError(f"{where}: corrupt expert header ({e}); repack this expert") from e
+    if doc.get("version") != VERSION:
+        raise ExpertFileError(f"{where}: expert file version {doc.get('version')} is not {VERSION}; repack with this Deltafin")
+    tensors = tuple(
+        TensorLayout(
+            t["name"],
+            t["format"],
+            tuple(t["shape"]),
+            tuple(Section(s["kind"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"]) for s in t["sections"]),
+        )
+        for t in doc["tensors"]
+    )
+    return ExpertLayout(tensors, doc["file_bytes"]), doc["layer"], doc["expert"]
+
+
+def decode(buf: memoryview | bytes, layout: ExpertLayout | None = None, where: str = "expert file") -> dict[str, QTensor]:
+    """Zero-copy views of an expert's tensors over ``buf`` (the whole file)."""
+    if layout is None:
+        layout, _, _ = parse_header(buf, where)
+    if len(buf) < layout.file_bytes:
+        raise ExpertFileError(f"{where}: truncated ({len(buf)} of {layout.file_bytes} bytes); repack this expert")
+    out: dict[str, QTensor] = {}
+    for t in layout.tensors:
+        parts = []
+        for s in t.sections:
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=s.nbytes, offset=s.offset)
+            parts.append(flat.view(DTYPES[s.dtype]).reshape(s.shape))
+        out[t.name] = QTensor(t.format, t.shape, parts[0], parts[1] if len(parts) > 1 else None)
+    return out
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename, fsync the directory: never a partial file."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check(data: bytes | memoryview, expected: str, where: str, fix: str) -> None:
+    got = checksum(data)
+    if got != expected:
+        raise ExpertChecksumError(f"{where}: checksum mismatch (expected {expected}, got {got}); {fix}")

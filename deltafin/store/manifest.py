@@ -1,0 +1,123 @@
+"""The model manifest (deltafin.json): versioned, validated on load, the last file a pack writes.
+
+Expert files live on drives at ``<drive root>/<model_id>/L{layer:03d}/E{expert:04d}.dfx``; the manifest
+names drives by label only, and paths are derived, so a manifest can never point outside its drive roots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from deltafin.errors import ManifestError
+
+MANIFEST = "deltafin.json"
+FORMAT = "deltafin-model"
+VERSION = 1
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_REQUIRED = ("format", "version", "model_id", "family", "model_type", "config", "trunk", "experts", "drives")
+
+
+@dataclass(frozen=True, slots=True)
+class DriveEntry:
+    label: str
+    path: str  # mount point at pack time; remappable at run time
+    gbps: float
+    measured: bool
+
+
+def expert_relpath(model_id: str, layer: int, expert: int) -> str:
+    return os.path.join(model_id, f"L{layer:03d}", f"E{expert:04d}.dfx")
+
+
+def check_model_id(model_id: str) -> str:
+    if not isinstance(model_id, str) or not _SAFE_ID.fullmatch(model_id) or model_id in (".", ".."):
+        raise ManifestError(
+            f"model id {model_id!r} is not a safe folder name (letters, digits, '.', '_', '-'; no '/' or '..')"
+        )
+    return model_id
+
+
+def resolve_under(root: str, rel: str) -> str:
+    """root/rel, refusing anything that escapes root (absolute paths, '..', symlinked parents)."""
+    if os.path.isabs(rel) or ".." in rel.split(os.sep):
+        raise ManifestError(f"path {rel!r} escapes its drive root {root}; the manifest is corrupt")
+    root_real = os.path.realpath(root)
+    full = os.path.realpath(os.path.join(root_real, rel))
+    if os.path.commonpath([root_real, full]) != root_real:
+        raise ManifestError(f"path {rel!r} resolves outside its drive root {root}; the manifest is corrupt")
+    return full
+
+
+def validate(doc: dict, where: str) -> dict:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestError(f"{where}: not a Deltafin model manifest (format {doc.get('format')!r} "
+                            f"is not {FORMAT!r}); pass the directory written by 'deltafin pack'")
+    if doc.get("version") != VERSION:
+        raise ManifestError(f"{where}: manifest version {doc.get('version')!r} is not supported (this Deltafin "
+                            f"reads version {VERSION}); repack the model with this version")
+    missing = [k for k in _REQUIRED if k not in doc]
+    if missing:
+        raise ManifestError(f"{where}: manifest is missing field(s) {', '.join(missing)}; repack the model")
+    check_model_id(doc["model_id"])
+    ex = doc["experts"]
+    for k in ("layers", "num_experts", "layouts", "locations", "checksums"):
+        if k not in ex:
+            raise ManifestError(f"{where}: manifest experts section is missing {k!r}; repack the model")
+    labels = [d["label"] for d in doc["drives"]]
+    if len(set(labels)) != len(labels):
+        raise ManifestError(f"{where}: duplicate drive labels {labels}")
+    n = len(labels)
+    for L in ex["layers"]:
+        locs, sums = ex["locations"].get(str(L)), ex["checksums"].get(str(L))
+        if locs is None or sums is None or len(locs) != ex["num_experts"] or len(sums) != ex["num_experts"]:
+            raise ManifestError(f"{where}: layer {L} has incomplete expert locations or checksums; repack the model")
+        if any(not loc or any(not (0 <= d < n) for d in loc) for loc in locs):
+            raise ManifestError(f"{where}: layer {L} names a drive that is not in the drive list; repack the model")
+    return doc
+
+
+def load(model_dir: str) -> dict:
+    p = os.path.join(model_dir, MANIFEST)
+    if not os.path.exists(p):
+        hint = " (a pack is in progress or was interrupted: re-run 'deltafin pack' to finish it)" if os.path.exists(
+            os.path.join(model_dir, "pack-state.json")) else ""
+        raise ManifestError(f"{model_dir}: no {MANIFEST}; not a packed Deltafin model{hint}")
+    try:
+        with open(p) as f:
+            doc = json.load(f)
+    except ValueError as e:
+        raise ManifestError(f"{p}: invalid JSON ({e}); the manifest is corrupt, re-run 'deltafin pack'") from e
+    return validate(doc, p)
+
+
+def write_json_atomic(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drives(doc: dict) -> list[DriveEntry]:
+    return [DriveEntry(d["label"], d["path"], float(d["gbps"]), bool(d.get("measured", False))) for d in doc["drives"]]
+
+
+def parse_drive_map(items: list[str] | None) -> dict[str, str]:
+    """'LABEL=PATH' pairs from --drive-map."""
+    out = {}
+    for it in items or []:
+        label, sep, path = it.partition("=")
+        if not sep or not label or not path:
+            raise ManifestError(f"--drive-map {it!r}: expected LABEL=PATH, e.g. d1=/mnt/ssd2")
+        out[label] = path
+    return out

@@ -1,0 +1,308 @@
+"""``deltafin pack``: checkpoint -> model directory + one file per expert over the drives.
+
+Resumable and crash-safe: every file is written under a temporary name, fsynced and renamed; progress
+is kept in ``pack-state.json``; the manifest is written last, so a model without one is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+
+from safetensors.torch import save_file
+
+from deltafin.errors import ManifestError, UsageError
+from deltafin.store import expert_file as ef
+from deltafin.store import manifest as mf
+from deltafin.store.checkpoint import Checkpoint
+from deltafin.store.convert import expert_tensors, trunk_tensor
+from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
+from deltafin.store.placement import DriveSpec, place
+from deltafin.store.plan import PackPlan, build_plan
+
+log = logging.getLogger(__name__)
+STATE = "pack-state.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "tiktoken.model", "vocab.json", "merges.txt", "tokenizer.model",
+    "generation_config.json",
+)
+TOKENIZER_PATTERNS = (re.compile(r"tokenization_.*\.py"), re.compile(r"encoding_.*\.py"))
+
+
+@dataclass(frozen=True, slots=True)
+class PackOptions:
+    experts: str = "auto"
+    trunk: str = "int8"
+    placement: str = "bandwidth"
+    model_id: str | None = None
+    repair: bool = False
+    progress: bool = True
+
+
+@dataclass
+class PackSummary:
+    out: str
+    model_id: str
+    expert_files: int
+    written: int
+    skipped: int
+    repaired: int
+    expert_bytes: int
+    bytes_written: int
+    trunk_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+    per_drive: dict[str, dict]
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / max(self.seconds, 1e-9) / 1e9
+
+
+def resolve_drives(out: str, args: list[DriveArg]) -> list[mf.DriveEntry]:
+    """Drive entries with rates; no --drive means one drive at OUT/experts."""
+    if not args:
+        args = [DriveArg("d0", os.path.join(os.path.abspath(out), "experts"), None)]
+    entries = []
+    for a in args:
+        ensure_writable(a.path, a.label)
+        gbps = a.gbps if a.gbps is not None else probe_read_gbps(a.path, a.label)
+        entries.append(mf.DriveEntry(a.label, a.path, gbps, a.gbps is None))
+    return entries
+
+
+def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
+    t0 = time.perf_counter()
+    ckpt = Checkpoint(src)
+    plan = build_plan(ckpt, opts.experts, opts.trunk)
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    prior = _prior_manifest(out)
+    if not drive_args and prior is not None:  # a re-run (e.g. --repair) keeps the packed drives
+        drive_args = [DriveArg(d.label, d.path, d.gbps) for d in mf.drives(prior)]
+    drives = resolve_drives(out, drive_args)
+    model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
+    sizes = {L: [plan.layouts[L].file_bytes] * plan.num_experts for L in plan.moe_layers}
+    locations = place(sizes, [DriveSpec(d.label, d.gbps) for d in drives], opts.placement)
+    state = _load_state(out, _fingerprint(plan, drives, model_id, opts))
+    job = _Job(ckpt, plan, out, drives, model_id, locations, state, opts)
+    job.check_space()
+    job.write_all()
+    _copy_side_files(ckpt, out)
+    doc = job.manifest(src)
+    mf.write_json_atomic(os.path.join(out, mf.MANIFEST), doc)
+    os.unlink(os.path.join(out, STATE))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return PackSummary(out, model_id, plan.expert_files, job.written, job.skipped, job.repaired, plan.expert_bytes,
+                       job.bytes_written, plan.trunk_bytes, time.perf_counter() - t0, peak, job.per_drive())
+
+
+def _default_id(out: str) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", os.path.basename(out.rstrip("/"))).lstrip(".-_") or "model"
+    return base[:128]
+
+
+def _prior_manifest(out: str) -> dict | None:
+    try:
+        return mf.load(out)
+    except ManifestError:
+        return None
+
+
+def _fingerprint(plan: PackPlan, drives: list[mf.DriveEntry], model_id: str, opts: PackOptions) -> str:
+    doc = {
+        "config": plan.config, "experts": opts.experts, "trunk": opts.trunk, "placement": opts.placement,
+        "model_id": model_id, "drives": [(d.label, os.path.realpath(d.path)) for d in drives],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load_state(out: str, fingerprint: str) -> dict:
+    p = os.path.join(out, STATE)
+    if os.path.exists(p):
+        with open(p) as f:
+            st = json.load(f)
+        if st.get("fingerprint") != fingerprint:
+            raise UsageError(
+                f"{out} holds an interrupted pack with different settings (source config, formats, drives or "
+                f"placement); re-run with the same arguments to resume, or remove {p} and the expert folders to start over"
+            )
+        return st
+    return {"fingerprint": fingerprint, "experts": {}, "trunk": []}
+
+
+class _Job:
+    def __init__(self, ckpt, plan, out, drives, model_id, locations, state, opts: PackOptions):
+        self.ckpt, self.plan, self.out, self.drives = ckpt, plan, out, drives
+        self.model_id, self.locations, self.state, self.opts = model_id, locations, state, opts
+        self.written = self.skipped = self.repaired = self.bytes_written = 0
+        self._last_save = time.monotonic()
+
+    def path(self, d: int, L: int, e: int) -> str:
+        return mf.resolve_under(self.drives[d].path, mf.expert_relpath(self.model_id, L, e))
+
+    def _done(self, L: int) -> dict[str, str]:
+        return self.state["experts"].setdefault(str(L), {})
+
+    def check_space(self) -> None:
+        need = {d.label: (d.path, 0) for d in self.drives}
+        for L in self.plan.moe_layers:
+            done = self._done(L)
+            for e, loc in enumerate(self.locations[L]):
+                if str(e) not in done:
+                    for d in loc:
+                        p, n = need[self.drives[d].label]
+                        need[self.drives[d].label] = (p, n + self.plan.layouts[L].file_bytes)
+        trunk_label = "model directory"
+        need[trunk_label] = (self.out, 0 if self.state["trunk"] else self.plan.trunk_bytes)
+        check_space(need)
+
+    def write_all(self) -> None:
+        from tqdm import tqdm
+
+        groups: dict = {}
+        for t in self.plan.trunk:
+            groups.setdefault(t.layer if t.layer is not None else "global", []).append(t)
+        self.trunk_groups = groups
+        layers = sorted({g for g in groups if g != "global"} | set(self.plan.moe_layers))
+        total = self.plan.expert_bytes + self.plan.trunk_bytes
+        with tqdm(total=total, unit="B", unit_scale=True, desc="pack", disable=not self.opts.progress,
+                  dynamic_ncols=True) as bar:
+            for L in layers:
+                if L in groups:
+                    self._write_trunk(L, bar)
+                if L in self.plan.layouts:
+                    self._write_layer(L, bar)
+            if "global" in groups:
+                self._write_trunk("global", bar)
+        self._save_state(force=True)
+
+    def _write_trunk(self, group, bar) -> None:
+        entries = self.trunk_groups[group]
+        bar.update(sum(t.out_bytes for t in entries))
+        rel = _trunk_file(group)
+        if rel in self.state["trunk"]:
+            return
+        tensors = {}
+        for t in entries:
+            q = trunk_tensor(self.ckpt, t)
+            tensors[t.name] = q.data.contiguous()
+            if q.scale is not None:
+                tensors[t.name + "#scale"] = q.scale.contiguous()
+        full = os.path.join(self.out, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        tmp = full + f".tmp-{os.getpid()}"
+        save_file(tensors, tmp, metadata={"format": "deltafin-trunk"})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, full)
+        self.bytes_written += os.path.getsize(full)
+        self.state["trunk"].append(rel)
+        self._save_state(force=True)
+
+    def _write_layer(self, L: int, bar) -> None:
+        done = self._done(L)
+        nbytes = self.plan.layouts[L].file_bytes
+        for e in range(self.plan.num_experts):
+            if str(e) in done and not self.opts.repair:
+                self.skipped += 1
+            elif str(e) in done and self._intact(L, e, done[str(e)]):
+                self.skipped += 1
+            else:
+                self.repaired += str(e) in done
+                done[str(e)] = self._write_expert(L, e)
+                self.written += 1
+            bar.update(nbytes)
+            self._save_state()
+        self._save_state(force=True)
+
+    def _intact(self, L: int, e: int, digest: str) -> bool:
+        for d in self.locations[L][e]:
+            p = self.path(d, L, e)
+            if not os.path.exists(p):
+                return False
+            with open(p, "rb") as f:
+                if ef.checksum(f.read()) != digest:
+                    log.warning("repair: %s is corrupt; rewriting it", p)
+                    return False
+        return True
+
+    def _write_expert(self, L: int, e: int) -> str:
+        data = ef.encode(expert_tensors(self.ckpt, self.plan, L, e), L, e)
+        assert len(data) == self.plan.layouts[L].file_bytes
+        for d in self.locations[L][e]:
+            ef.write_atomic(self.path(d, L, e), data)
+            self.bytes_written += len(data)
+        return ef.checksum(data)
+
+    def _save_state(self, force: bool = False) -> None:
+        if force or time.monotonic() - self._last_save > 2.0:
+            mf.write_json_atomic(os.path.join(self.out, STATE), self.state)
+            self._last_save = time.monotonic()
+
+    def per_drive(self) -> dict[str, dict]:
+        out = {d.label: {"path": d.path, "gbps": d.gbps, "files": 0, "bytes": 0} for d in self.drives}
+        for L in self.plan.moe_layers:
+            for loc in self.locations[L]:
+                for d in loc:
+                    out[self.drives[d].label]["files"] += 1
+                    out[self.drives[d].label]["bytes"] += self.plan.layouts[L].file_bytes
+        return out
+
+    def manifest(self, src: str) -> dict:
+        plan = self.plan
+        trunk = {}
+        for group, entries in self.trunk_groups.items():
+            for t in entries:
+                trunk[t.name] = {"file": _trunk_file(group), "format": t.format, "shape": list(t.shape)}
+        return {
+            "format": mf.FORMAT,
+            "version": mf.VERSION,
+            "model_id": self.model_id,
+            "family": plan.family.name,
+            "model_type": plan.config.get("model_type"),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": {"path": os.path.abspath(src), "experts": self.opts.experts, "trunk": self.opts.trunk},
+            "config": "config.json",
+            "trunk": {"bytes": plan.trunk_bytes, "default": self.opts.trunk, "tensors": trunk},
+            "experts": {
+                "layers": plan.moe_layers,
+                "num_experts": plan.num_experts,
+                "placement": self.opts.placement,
+                "layouts": {str(L): _layout_doc(plan.layouts[L]) for L in plan.moe_layers},
+                "locations": {str(L): self.locations[L] for L in plan.moe_layers},
+                "checksums": {str(L): [self._done(L)[str(e)] for e in range(plan.num_experts)] for L in plan.moe_layers},
+            },
+            "drives": [{"label": d.label, "path": d.path, "gbps": round(d.gbps, 3), "measured": d.measured}
+                       for d in self.drives],
+            "skipped": len(plan.skipped),
+        }
+
+
+def _trunk_file(group) -> str:
+    return os.path.join("trunk", f"layer-{group:03d}.safetensors" if isinstance(group, int) else "global.safetensors")
+
+
+def _layout_doc(layout: ef.ExpertLayout) -> dict:
+    return {
+        "file_bytes": layout.file_bytes,
+        "payload_bytes": layout.payload_bytes,
+        "tensors": [{"name": t.name, "format": t.format, "shape": list(t.shape)} for t in layout.tensors],
+    }
+
+
+def _copy_side_files(ckpt: Checkpoint, out: str) -> None:
+    for name in sorted(os.listdir(ckpt.path)):
+        if name in TOKENIZER_FILES or name == "config.json" or any(p.fullmatch(name) for p in TOKENIZER_PATTERNS):
+            dst = os.path.join(out, name)
+            tmp = dst + f".tmp-{os.getpid()}"
+            shutil.copyfile(os.path.join(ckpt.path, name), tmp)
+            os.replace(tmp, dst)
