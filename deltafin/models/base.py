@@ -53,3 +53,40 @@ def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Te
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return dense(w, torch.float32).mul(y).to(x.dtype)
+
+
+class SequenceState:
+    """One sequence's state: the next position and one model-specific object per layer (KV cache,
+    latent cache, recurrent state...). Models create it with ``Model.new_state()``."""
+
+    def __init__(self, layers: list):
+        self.pos = 0
+        self.layers = layers
+
+
+def moe_dispatch(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    layer: int,
+    experts: ExpertSource,
+    expert_fn,
+) -> torch.Tensor:
+    """Run the routed experts of one layer over all tokens at once (expert-major).
+
+    Legend: T tokens, k experts per token, D model width. ``ids``/``weights`` are [T, k].
+    Each requested expert runs once on all of its tokens as soon as it arrives; results land in
+    per-(token, slot) buffers and are summed over k in slot order, so arrival order cannot change them.
+    """
+    T, D = x.shape
+    k = ids.shape[1]
+    out = x.new_zeros(T, k, D)  # [T, k, D]
+    wanted = ids.unique().tolist()
+    seen = 0
+    for eid, tensors in experts.fetch(layer, wanted):
+        tok, slot = (ids == eid).nonzero(as_tuple=True)
+        y = expert_fn(x[tok], tensors)  # [n, D]
+        out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)
+        seen += 1
+    assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {layer}"
+    return out.sum(1)

@@ -28,7 +28,7 @@ _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 _LEAD = r"[^\r\n\p{L}\p{N}]?"
 PAT_STR = "|".join(
     [
-
+        r"[\p{Han}]+",
         _LEAD + _UPPER + "*" + _LOWER + "+" + _CONTRACTION,  # "Hello", " don't"
         _LEAD + _UPPER + "+" + _LOWER + "*" + _CONTRACTION,  # "HTTP", " I'LL"
         r"\p{N}{1,3}",

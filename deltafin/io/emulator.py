@@ -1,0 +1,585 @@
+"""An emulated drive set: real bytes at modelled speeds, behind the ``DriveReader`` interface.
+
+Each emulated drive serves the bytes of real files (buffered reads) or of in-memory buffers, and
+makes every read take the time its ``DriveModel`` says. The same model (``DriveTimeline``) drives
+the discrete-event simulator in ``deltafin.sim``, so the two agree by construction.
+
+Timing model of one drive (all reads of a drive share it):
+  * a read waits for one of ``qd`` device slots (0 = unlimited), then pays its latency
+    (mean ``lat``; lognormal with sigma ``jitter``, mean-preserving);
+  * its transfer then occupies the drive's bus, in arrival order, for ``bytes / rate`` seconds
+    (at least ``1 / iops`` when an IOPS cap is set): concurrent reads share the rate;
+  * with probability ``p`` a read is slow: its own completion is delayed by ``(x - 1)`` times its
+    latency plus transfer (the bus is not held longer: one slow read does not stall the others).
+  So a drive reaches its rate only with enough reads in flight: with reads of ``s`` bytes the
+  saturation depth is about ``1 + lat * rate / s`` (see ``DriveModel.rate_at``).
+
+Spec grammar (``--emulate-drives SPEC``, ``parse_spec``)::
+
+    SPEC    := SET [ "@" SCALE ]
+    SET     := PRESET | DRIVE ( ";" DRIVE )*
+    DRIVE   := LABEL ":" RATE ( "," OPTION )*
+    RATE    := NUMBER ( "GBps" | "GB/s" | "MBps" | "MB/s" )       6.0GBps, 800MBps
+    OPTION  := "lat=" NUMBER ( "ns" | "us" | "ms" | "s" )          mean per-read latency (default 80us)
+             | "jitter=" NUMBER                                   lognormal sigma of latency (default 0)
+             | "slow=" PROB "x" NUMBER                            slow-read chance and multiplier: slow=0.01x8
+             | "qd=" INT                                          device slots, 0 = unlimited (default 0)
+             | "iops=" NUMBER [ "k" | "M" ]                       cap on reads per second (default none)
+             | "fail=" PROB                                       fraction of reads failing (emulated EIO)
+             | "failpath=" TEXT                                   reads of paths containing TEXT fail
+    SCALE   := NUMBER                                             multiplies every RATE and iops cap
+
+``PRESET`` names a set from ``PRESETS``: ``report4`` is shaped like the original report's machine
+(internal 7 GB/s, three Thunderbolt 5 enclosures at 6 GB/s: ~25 GB/s summed); ``report4@0.04``
+scales it to ~1 GB/s for a small machine. Latencies are never scaled.
+
+``calibrate(path)`` measures the real disk with direct reads and returns a ``DriveModel`` that
+reproduces its rate and latency; ``measure_reader`` runs the same measurement on any reader.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import os
+import random
+import re
+import statistics
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from deltafin.errors import ReadError, UsageError
+from deltafin.io.direct import ALIGN, FileDriveReader, aligned_buffer
+from deltafin.store.placement import DriveSpec
+
+log = logging.getLogger(__name__)
+
+PRESETS: dict[str, str] = {
+    "report4": (
+        "internal:7GBps,lat=70us,jitter=0.3;"
+        "tb1:6GBps,lat=120us,jitter=0.4,slow=0.001x4;"
+        "tb2:6GBps,lat=120us,jitter=0.4,slow=0.001x4;"
+        "tb3:6GBps,lat=120us,jitter=0.4,slow=0.001x4"
+    ),
+    "internal": "internal:7GBps,lat=70us,jitter=0.3",
+}
+
+_LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class DriveModel:
+    """Speed, latency, queueing, tail and failure behaviour of one (emulated or simulated) drive."""
+
+    label: str
+    gbps: float  # read rate, GB/s (1e9 bytes/s)
+    lat_us: float = 80.0  # mean per-read latency
+    jitter: float = 0.0  # lognormal sigma of the latency
+    slow_p: float = 0.0  # probability that a read is slow
+    slow_x: float = 1.0  # time multiplier of a slow read
+    qd: int = 0  # device slots (reads served at once); 0 = unlimited
+    iops: float = 0.0  # cap on reads per second; 0 = none
+    fail_p: float = 0.0  # fraction of reads failing with an emulated I/O error
+    fail_paths: tuple[str, ...] = ()  # reads of paths containing one of these fail
+
+    def __post_init__(self) -> None:
+        if not _LABEL_RE.match(self.label):
+            raise ValueError(f"drive label {self.label!r}: use letters, digits, '_', '-', '.'")
+        if not (self.gbps > 0 and math.isfinite(self.gbps)):
+            raise ValueError(f"drive {self.label}: read rate must be > 0 GB/s, got {self.gbps}")
+        checks = [
+            (self.lat_us >= 0, f"latency must be >= 0 us, got {self.lat_us}"),
+            (self.jitter >= 0, f"jitter (lognormal sigma) must be >= 0, got {self.jitter}"),
+            (0 <= self.slow_p < 1, f"slow-read probability must be in [0, 1), got {self.slow_p}"),
+            (self.slow_x >= 1, f"slow-read multiplier must be >= 1, got {self.slow_x}"),
+            (self.qd >= 0, f"qd must be >= 0 (0 = unlimited), got {self.qd}"),
+            (self.iops >= 0, f"iops must be >= 0 (0 = no cap), got {self.iops}"),
+            (0 <= self.fail_p <= 1, f"failure fraction must be in [0, 1], got {self.fail_p}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"drive {self.label}: {msg}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbps * 1e9
+
+    def service_s(self, nbytes: int) -> float:
+        """Seconds the drive's bus is busy transferring one read of ``nbytes``."""
+        t = nbytes / self.bytes_per_s
+        return max(t, 1.0 / self.iops) if self.iops else t
+
+    def rate_at(self, depth: int, nbytes: int) -> float:
+        """Steady-state GB/s with ``depth`` reads of ``nbytes`` always in flight (mean latency)."""
+        svc = self.service_s(nbytes)
+        slots = min(depth, self.qd) if self.qd else depth
+        per_read = self.lat_us * 1e-6 + svc
+        return min(nbytes / svc, slots * nbytes / per_read) / 1e9
+
+    def saturation_depth(self, nbytes: int) -> int:
+        """Reads of ``nbytes`` that must be in flight for the drive to reach its rate."""
+        svc = self.service_s(nbytes)
+        return math.ceil((self.lat_us * 1e-6 + svc) / svc)
+
+    def scaled(self, scale: float) -> DriveModel:
+        """The same drive with rate and IOPS cap multiplied by ``scale`` (latency unchanged)."""
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        return replace(self, gbps=self.gbps * scale, iops=self.iops * scale)
+
+    def spec(self) -> str:
+        """This drive in the ``--emulate-drives`` grammar."""
+        parts = [f"{self.label}:{self.gbps:.6g}GBps", f"lat={self.lat_us:.6g}us"]
+        if self.jitter:
+            parts.append(f"jitter={self.jitter:.6g}")
+        if self.slow_p:
+            parts.append(f"slow={self.slow_p:.6g}x{self.slow_x:.6g}")
+        if self.qd:
+            parts.append(f"qd={self.qd}")
+        if self.iops:
+            parts.append(f"iops={self.iops:.6g}")
+        if self.fail_p:
+            parts.append(f"fail={self.fail_p:.6g}")
+        parts += [f"failpath={p}" for p in self.fail_paths]
+        return ",".join(parts)
+
+    def to_drive_spec(self) -> DriveSpec:
+        return DriveSpec(self.label, self.gbps)
+
+
+class DriveTimeline:
+    """Virtual-time service model of one drive. Not thread-safe: callers serialise ``reserve``.
+
+    Times are seconds on any clock the caller uses consistently (``time.monotonic`` in the
+    emulator, simulated time in ``deltafin.sim``).
+    """
+
+    def __init__(self, model: DriveModel, seed: int = 0):
+        self.model = model
+        self.bus_free = 0.0
+        self._slots: list[float] = []  # end times of reads holding a device slot
+        self._rng = random.Random(seed)
+
+    def sample_latency(self) -> float:
+        m = self.model
+        lat = m.lat_us * 1e-6
+        if m.jitter:
+            # mean-preserving lognormal: E[exp(sZ - s^2/2)] = 1
+            lat *= math.exp(m.jitter * self._rng.gauss(0.0, 1.0) - m.jitter**2 / 2)
+        return lat
+
+    def reserve(self, now: float, nbytes: int) -> float:
+        """Book a read of ``nbytes`` arriving at ``now``; return the time it completes."""
+        m = self.model
+        start = now
+        if m.qd:
+            while self._slots and self._slots[0] <= now:
+                heapq.heappop(self._slots)
+            if len(self._slots) >= m.qd:
+                start = max(now, heapq.heappop(self._slots))
+        lat = self.sample_latency()
+        svc = m.service_s(nbytes)
+        end = max(start + lat, self.bus_free) + svc
+        self.bus_free = end
+        if m.slow_p and self._rng.random() < m.slow_p:
+            end += (m.slow_x - 1.0) * (lat + svc)
+        if m.qd:
+            heapq.heappush(self._slots, end)
+        return end
+
+    def backlog_bytes(self, now: float) -> float:
+        """Bytes still queued on the bus at ``now`` (what a scheduler sees as the drive's queue)."""
+        return max(0.0, self.bus_free - now) * self.model.bytes_per_s
+
+
+# ---------------------------------------------------------------- spec parsing
+
+
+def _bad(part: str, expected: str) -> UsageError:
+    return UsageError(f"--emulate-drives: cannot read {part!r}; expected {expected}")
+
+
+_DRIVE_FORM = "LABEL:RATE[,OPTION...] such as 'ext1:2.5GBps,lat=120us,jitter=0.2' (see deltafin.io.emulator)"
+
+
+def _number(text: str, part: str, expected: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise _bad(part, expected) from None
+    if not math.isfinite(v):
+        raise _bad(part, expected)
+    return v
+
+
+def _parse_rate(text: str) -> float:
+    m = re.fullmatch(r"([0-9.eE+-]+)\s*(GBps|GB/s|MBps|MB/s)", text.strip(), re.IGNORECASE)
+    expected = "a rate such as 6.0GBps or 800MBps"
+    if not m:
+        raise _bad(text, expected)
+    v = _number(m.group(1), text, expected)
+    return v / 1000.0 if m.group(2).upper().startswith("M") else v
+
+
+def _parse_duration_us(text: str, part: str) -> float:
+    m = re.fullmatch(r"([0-9.eE+-]+)\s*(ns|us|ms|s)", text.strip())
+    expected = "a latency such as lat=80us or lat=0.2ms"
+    if not m:
+        raise _bad(part, expected)
+    mult = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[m.group(2)]
+    return _number(m.group(1), part, expected) * mult
+
+
+def _parse_option(key: str, val: str, part: str, fields: dict) -> None:
+    if key == "lat":
+        fields["lat_us"] = _parse_duration_us(val, part)
+    elif key == "jitter":
+        fields["jitter"] = _number(val, part, "jitter=SIGMA such as jitter=0.2")
+    elif key == "slow":
+        p, sep, x = val.partition("x")
+        if not sep:
+            raise _bad(part, "slow=PROBxMULT such as slow=0.01x8")
+        fields["slow_p"] = _number(p, part, "slow=PROBxMULT such as slow=0.01x8")
+        fields["slow_x"] = _number(x, part, "slow=PROBxMULT such as slow=0.01x8")
+    elif key == "qd":
+        if not val.isdigit():
+            raise _bad(part, "qd=INT such as qd=32 (0 = unlimited)")
+        fields["qd"] = int(val)
+    elif key == "iops":
+        mult = {"k": 1e3, "K": 1e3, "M": 1e6}.get(val[-1:], 1.0)
+        num = val[:-1] if mult != 1.0 else val
+        fields["iops"] = _number(num, part, "iops=NUMBER such as iops=500k") * mult
+    elif key == "fail":
+        fields["fail_p"] = _number(val, part, "fail=FRACTION such as fail=0.01")
+    elif key == "failpath":
+        if not val:
+            raise _bad(part, "failpath=TEXT (reads of paths containing TEXT fail)")
+        fields["fail_paths"] = fields.get("fail_paths", ()) + (val,)
+    else:
+        raise _bad(part, "an option among lat=, jitter=, slow=, qd=, iops=, fail=, failpath=")
+
+
+def _parse_drive(text: str) -> DriveModel:
+    label, sep, rest = text.partition(":")
+    if not sep or not label.strip() or not rest.strip():
+        raise _bad(text, _DRIVE_FORM)
+    items = rest.split(",")
+    fields: dict = {"gbps": _parse_rate(items[0])}
+    for item in items[1:]:
+        key, eq, val = item.strip().partition("=")
+        if not eq:
+            raise _bad(item, "OPTION=VALUE such as lat=80us")
+        _parse_option(key.strip(), val.strip(), item.strip(), fields)
+    try:
+        return DriveModel(label=label.strip(), **fields)
+    except ValueError as e:
+        raise UsageError(f"--emulate-drives: {text!r}: {e}") from None
+
+
+def parse_spec(spec: str, scale: float | None = None) -> tuple[DriveModel, ...]:
+    """Parse an ``--emulate-drives`` spec (grammar in the module docstring) into drive models.
+
+    ``scale`` multiplies every rate (after any ``@SCALE`` in the spec). Raises ``UsageError``
+    naming the part it could not read and the form it expected.
+    """
+    body, at, factor = spec.strip().partition("@")
+    total = 1.0
+    if at:
+        total = _number(factor.strip(), "@" + factor, "@SCALE such as report4@0.04")
+        if total <= 0:
+            raise _bad("@" + factor, "a scale > 0 such as @0.04")
+    if scale is not None:
+        if not scale > 0:
+            raise UsageError(f"--emulate-drives: scale must be > 0, got {scale}")
+        total *= scale
+    body = PRESETS.get(body.strip(), body)
+    parts = [p.strip() for p in body.split(";") if p.strip()]
+    if not parts:
+        raise _bad(spec, f"a preset ({', '.join(PRESETS)}) or {_DRIVE_FORM}")
+    models = tuple(_parse_drive(p) for p in parts)
+    labels = [m.label for m in models]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise UsageError(f"--emulate-drives: drive label {dup[0]!r} appears twice; give each drive its own label")
+    return tuple(m.scaled(total) for m in models) if total != 1.0 else models
+
+
+def format_spec(models: Sequence[DriveModel]) -> str:
+    """The inverse of ``parse_spec`` (without scale)."""
+    return ";".join(m.spec() for m in models)
+
+
+# ---------------------------------------------------------------- emulated reads
+
+
+class _Clock:
+    """Sleeps until monotonic deadlines, learning the OS sleep overshoot so deadlines are kept.
+
+    time.sleep on Linux overshoots by ~50-150 us; we sleep short of the deadline by the learned
+    overshoot and yield (sleep(0)) for the last few tens of microseconds.
+    """
+
+    _MARGIN = 20e-6
+
+    def __init__(self) -> None:
+        self._over = 100e-6
+        self._lock = threading.Lock()
+
+    def sleep_until(self, deadline: float) -> float:
+        """Return how late (seconds, >= 0) the caller wakes after ``deadline``."""
+        while True:
+            now = time.monotonic()
+            rem = deadline - now
+            if rem <= 0:
+                return -rem
+            want = rem - self._over - self._MARGIN
+            if want > 0:
+                time.sleep(want)
+                took = time.monotonic() - now
+                with self._lock:
+                    self._over = 0.9 * self._over + 0.1 * max(0.0, took - want)
+            else:
+                time.sleep(0)  # releases the GIL while we wait out the last microseconds
+
+
+class EmulatedDriveReader:
+    """One emulated drive: serves real bytes, timed by its ``DriveModel``. Thread-safe."""
+
+    direct = True  # models a direct-I/O drive: no page-cache speedup on repeated reads
+
+    def __init__(self, model: DriveModel, clock: _Clock, memory: Mapping[str, bytes] | None = None,
+                 seed: int = 0):
+        self.model = model
+        self._clock = clock
+        self._memory = memory
+        self._timeline = DriveTimeline(model, seed)
+        self._fail_rng = random.Random(seed ^ 0x5EED)
+        self._lock = threading.Lock()
+        self.reads = 0
+        self.bytes = 0
+        self.failures = 0
+        self.late_s = 0.0  # total time reads finished after their modelled completion
+
+    @property
+    def label(self) -> str:
+        return self.model.label
+
+    def set_failures(self, fraction: float | None = None, paths: Sequence[str] | None = None) -> None:
+        """Change failure injection at run time (fraction of reads, and/or path substrings)."""
+        fields = {}
+        if fraction is not None:
+            fields["fail_p"] = fraction
+        if paths is not None:
+            fields["fail_paths"] = tuple(paths)
+        with self._lock:
+            self.model = replace(self.model, **fields)
+            self._timeline.model = self.model
+
+    def _should_fail(self, path: str) -> str | None:
+        m = self.model
+        for sub in m.fail_paths:
+            if sub in path:
+                return f"failpath={sub}"
+        if m.fail_p and self._fail_rng.random() < m.fail_p:
+            return f"fail={m.fail_p:g}"
+        return None
+
+    def _copy(self, path: str, offset: int, buf: memoryview) -> int:
+        if self._memory is not None and path in self._memory:
+            src = self._memory[path]
+            n = max(0, min(len(buf), len(src) - offset))
+            buf[:n] = memoryview(src)[offset : offset + n]
+            return n
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ReadError(f"drive {self.label}: cannot open {path}: {e.strerror}") from e
+        try:
+            total = 0
+            while total < len(buf):
+                got = os.preadv(fd, [buf[total:]], offset + total)
+                if got == 0:
+                    break
+                total += got
+            return total
+        except OSError as e:
+            raise ReadError(f"drive {self.label}: read of {path} at offset {offset} failed: {e.strerror}") from e
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from ``path`` at ``offset``, taking the modelled time; return bytes read."""
+        t0 = time.monotonic()
+        with self._lock:
+            why = self._should_fail(path)
+        got = 0 if why else self._copy(path, offset, buf)
+        with self._lock:
+            end = self._timeline.reserve(t0, got if got else len(buf))
+        late = self._clock.sleep_until(end)
+        with self._lock:
+            self.reads += 1
+            self.bytes += got
+            self.late_s += late
+            self.failures += bool(why)
+        if why:
+            raise ReadError(f"drive {self.label}: read of {path} at offset {offset} failed: emulated I/O error "
+                            f"({why}); read a replica on another drive, or drop '{why}' from --emulate-drives")
+        return got
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"label": self.label, "reads": self.reads, "bytes": self.bytes,
+                    "failures": self.failures, "late_s": self.late_s}
+
+
+class EmulatedDriveSet:
+    """A set of emulated drives sharing one sleep clock. ``readers()[i]`` is drive i."""
+
+    def __init__(self, models: Sequence[DriveModel], *, memory: Mapping[str, bytes] | None = None, seed: int = 0):
+        if not models:
+            raise UsageError("an emulated drive set needs at least one drive; e.g. --emulate-drives report4@0.04")
+        self.models = tuple(models)
+        clock = _Clock()
+        self._readers = [EmulatedDriveReader(m, clock, memory, seed + 7919 * i) for i, m in enumerate(self.models)]
+
+    @classmethod
+    def from_spec(cls, spec: str, *, scale: float | None = None, memory: Mapping[str, bytes] | None = None,
+                  seed: int = 0) -> EmulatedDriveSet:
+        return cls(parse_spec(spec, scale), memory=memory, seed=seed)
+
+    def readers(self) -> list[EmulatedDriveReader]:
+        return list(self._readers)
+
+    def drive_specs(self) -> list[DriveSpec]:
+        """The drives as placement sees them (label, rate)."""
+        return [m.to_drive_spec() for m in self.models]
+
+    @property
+    def summed_gbps(self) -> float:
+        return sum(m.gbps for m in self.models)
+
+    def stats(self) -> list[dict]:
+        return [r.stats() for r in self._readers]
+
+
+# ---------------------------------------------------------------- measurement and calibration
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Random aligned reads of ``size`` bytes with ``qd`` in flight, for a fixed time."""
+
+    size: int
+    qd: int
+    reads: int
+    gbps: float
+    lat_mean_us: float
+    lat_p50_us: float
+    lat_p90_us: float
+    lat_p99_us: float
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    model: DriveModel
+    points: tuple[Measurement, ...]
+    direct: bool  # False: the filesystem refused O_DIRECT and the figures include the page cache
+
+    def point(self, size: int, qd: int) -> Measurement:
+        return next(p for p in self.points if p.size == size and p.qd == qd)
+
+
+def _pct(sorted_xs: list[float], q: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+def measure_reader(reader, path: str, *, size: int, qd: int, seconds: float = 0.3, seed: int = 0) -> Measurement:
+    """Measure a ``DriveReader`` on ``path``: random ``size``-aligned reads, ``qd`` threads."""
+    if size % ALIGN or size <= 0:
+        raise ValueError(f"measurement size {size} must be a positive multiple of {ALIGN}")
+    slots = os.path.getsize(path) // size
+    if slots < 1:
+        raise ValueError(f"{path} is smaller than one read of {size} bytes; use a larger test file")
+    lats: list[float] = []
+    moved = [0]
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def worker(k: int) -> None:
+        rng = random.Random(seed * 1000 + k)
+        buf = aligned_buffer(size)
+        mine, got = [], 0
+        while time.monotonic() < stop:
+            t = time.perf_counter()
+            got += reader.read_into(path, rng.randrange(slots) * size, buf)
+            mine.append(time.perf_counter() - t)
+        with lock:
+            lats.extend(mine)
+            moved[0] += got
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(qd)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    lats.sort()
+    us = [x * 1e6 for x in lats] or [0.0]
+    return Measurement(size, qd, len(lats), moved[0] / elapsed / 1e9, statistics.fmean(us),
+                       _pct(us, 0.5), _pct(us, 0.9), _pct(us, 0.99))
+
+
+def write_test_file(path: str, nbytes: int = 32 << 20) -> str:
+    """Write ``nbytes`` of random data to ``path`` (fsynced) for measurements; return the path."""
+    nbytes = nbytes // ALIGN * ALIGN
+    with open(path, "wb") as f:
+        left = nbytes
+        while left:
+            chunk = min(left, 1 << 20)
+            f.write(os.urandom(chunk))
+            left -= chunk
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def fit_model(points: Sequence[Measurement], small: int, big: int, label: str = "disk") -> DriveModel:
+    """Drive model reproducing measured points: rate from the big reads, latency from small at qd 1."""
+    rate = max(p.gbps for p in points if p.size == big)
+    qd1 = next(p for p in points if p.size == small and p.qd == 1)
+    probe = DriveModel(label, rate, lat_us=0.0)
+    iops = 0.0
+    deep = [p for p in points if p.size == small and p.qd > 1]
+    if deep:
+        p = max(deep, key=lambda p: p.qd)
+        measured_iops = p.gbps * 1e9 / small
+        unc = DriveModel(label, rate, lat_us=max(0.0, qd1.lat_mean_us - probe.service_s(small) * 1e6))
+        if measured_iops < 0.9 * unc.rate_at(p.qd, small) * 1e9 / small:
+            iops = measured_iops  # the drive (or the host) caps reads per second below what latency allows
+    svc_us = DriveModel(label, rate, lat_us=0.0, iops=iops).service_s(small) * 1e6
+    lat_mean = max(1.0, qd1.lat_mean_us - svc_us)
+    lat_p50 = max(1.0, qd1.lat_p50_us - svc_us)
+    # lognormal: mean / median = exp(sigma^2 / 2)
+    jitter = math.sqrt(2 * math.log(lat_mean / lat_p50)) if lat_mean > lat_p50 else 0.0
+    return DriveModel(label, rate, lat_us=lat_mean, jitter=round(jitter, 4), iops=iops)
+
+
+def calibrate(path: str, *, seconds: float = 0.3, small: int = 4096, big: int = 1 << 20, big_qd: int = 4,
+              deep_qd: int = 8, label: str = "disk") -> Calibration:
+    """Measure the disk holding ``path`` (an existing test file) with direct reads; fit a drive model.
+
+    Points measured: (small, qd 1) for latency, (big, 1) and (big, ``big_qd``) for rate, and
+    (small, ``deep_qd``) to find an IOPS cap. ``seconds`` per point.
+    """
+    reader = FileDriveReader(label, os.path.dirname(os.path.abspath(path)), direct=True)
+    if not reader.direct:
+        log.warning("calibrate: %s refuses O_DIRECT; figures include the page cache", path)
+    plan = [(small, 1), (big, 1), (big, big_qd), (small, deep_qd)]
+    points = tuple(measure_reader(reader, path, size=s, qd=q, seconds=seconds) for s, q in plan)
+    model = fit_model(points, small, big, label)
+    log.info("calibrate: %s -> %s", path, model.spec())
+    return Calibration(model, points, reader.direct)
