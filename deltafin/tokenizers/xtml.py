@@ -239,7 +239,7 @@ def _assistant_message(
         # The think channel is structural: present (maybe empty) on every turn when thinking is on.
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         text = str(reasoning) if reasoning is not None and str(reasoning).strip() else ""
-        body += (_open_tag("think") + _seg(text) + _close_tag("think")) if text else []
+        body += _open_tag("think") + _seg(text) + _close_tag("think")
     body += _open_tag("response") + _content(msg.get("content"), where) + _close_tag("response")
     if calls:
         body += _tools_section(calls)
