@@ -1,0 +1,90 @@
+"""The ``deltafin`` command. Subcommands import their code lazily: ``--help`` never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module under deltafin.interfaces, help line)
+COMMANDS = {
+    "demo": ("cmd_demo", "build a small random MoE model, pack it over two drives, verify and inspect it"),
+    "pack": ("cmd_store", "pack a Hugging Face checkpoint into a model dir + one file per expert over drives"),
+    "verify": ("cmd_store", "re-read every expert file and check its checksum"),
+    "inspect": ("cmd_store", "show what a packed model holds, where, and what streams per token"),
+    "bench": ("cmd_bench", "benchmarks, each figure beside the limit it is measured against"),
+}
+
+
+def _add_pack(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="Hugging Face checkpoint folder (config.json + safetensors)")
+    p.add_argument("out", nargs="?", help="output model folder (not needed with --plan)")
+    p.add_argument("--drive", action="append", default=[], metavar="[LABEL:]PATH[=GBPS]",
+                   help="expert drive root, repeatable; GB/s is measured with a short direct-read probe if omitted")
+    p.add_argument("--experts", default="auto", choices=["auto", "mxfp4", "bf16", "f32"],
+                   help="expert format: auto keeps released MXFP4/INT4 bytes and turns float experts into MXFP4")
+    p.add_argument("--trunk", default="int8", choices=["int8", "bf16"],
+                   help="resident trunk: int8 weights (per-row scales) or kept as released (bf16/f32)")
+    p.add_argument("--placement", default="bandwidth", help="expert placement policy (default: bandwidth)")
+    p.add_argument("--model-id", help="folder name of this model on the drives (default: OUT's name)")
+    p.add_argument("--plan", action="store_true", help="print what the pack would write; read no weights")
+    p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
+    p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="packed model folder")
+    p.add_argument("--drive-map", action="append", metavar="LABEL=PATH",
+                   help="drive LABEL is now mounted at PATH (drives move between machines)")
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    b = sub.add_parser("pack", help="pack throughput beside the disk's raw write rate")
+    b.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
+    b.add_argument("--gb", type=float, default=2.0, help="GB of expert bytes to pack (default 2)")
+    b.add_argument("--json", metavar="PATH")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="deltafin", description="Run MoE models far larger than memory by "
+                                 "streaming routed experts from SSDs.")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == "pack":
+            _add_pack(p)
+        elif name in ("verify", "inspect"):
+            _add_model(p)
+            if name == "verify":
+                p.add_argument("--threads", type=int, default=4)
+        elif name == "demo":
+            p.add_argument("--dir", help="work folder (default: a new temp dir)")
+            p.add_argument("--keep", action="store_true", help="keep the work folder")
+        elif name == "bench":
+            _add_bench(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    module = importlib.import_module(f"deltafin.interfaces.{COMMANDS[args.command][0]}")
+    from deltafin.errors import DeltafinError
+
+    try:
+        return int(module.run(args) or 0)
+    except DeltafinError as e:
+        print(f"deltafin {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"deltafin {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""pack, verify, inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from deltafin.errors import UsageError
+
+
+def run(args) -> int:
+    return {"pack": _pack, "verify": _verify, "inspect": _inspect}[args.command](args)
+
+
+def _write_json(path: str | None, doc: dict) -> None:
+    if path:
+        from deltafin.store.manifest import write_json_atomic
+
+        write_json_atomic(os.path.abspath(path), doc)
+
+
+def _pack(args) -> int:
+    from deltafin.store.drives import parse_drives
+
+    drives = parse_drives(args.drive)
+    if args.plan:
+        return _plan(args, drives)
+    if not args.out:
+        raise UsageError("deltafin pack SRC OUT: OUT (the model folder to write) is missing; or use --plan")
+    from deltafin.store.pack import PackOptions, pack
+
+    opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress)
+    s = pack(args.src, args.out, drives, opts)
+    print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
+          + (f", {s.repaired} repaired" if s.repaired else "") + f"), {s.expert_bytes / 1e9:.3f} GB experts, "
+          f"{s.trunk_bytes / 1e9:.3f} GB trunk")
+    print(f"  wrote {s.bytes_written / 1e9:.3f} GB in {s.seconds:.1f} s ({s.write_gbps:.2f} GB/s); "
+          f"peak RSS {s.peak_rss_bytes / 2**20:,.0f} MiB")
+    for label, d in s.per_drive.items():
+        print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
+    _write_json(args.json, {k: getattr(s, k) for k in s.__dataclass_fields__} | {"write_gbps": s.write_gbps})
+    return 0
+
+
+def _plan(args, drives) -> int:
+    from deltafin.store.checkpoint import Checkpoint
+    from deltafin.store.plan_report import plan_report, format_plan
+
+    rep = plan_report(Checkpoint(args.src), drives, args.experts, args.trunk, args.placement)
+    print(format_plan(rep))
+    _write_json(args.json, rep)
+    return 0
+
+
+def _open(args):
+    from deltafin.store.manifest import parse_drive_map
+    from deltafin.store.model_dir import PackedModel
+
+    return PackedModel.open(args.model, parse_drive_map(args.drive_map))
+
+
+def _verify(args) -> int:
+    from tqdm import tqdm
+
+    from deltafin.store.verify import repair_hint, verify
+
+    model = _open(args)
+    total = sum(model.file_bytes(L) * model.num_experts for L in model.moe_layers)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", dynamic_ncols=True) as bar:
+        rep = verify(model, args.threads, bar.update)
+    print(f"verified {rep.files:,} expert files, {rep.bytes / 1e9:.3f} GB in {rep.seconds:.1f} s "
+          f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s): "
+          + ("all good" if rep.ok else f"{len(rep.bad)} bad"))
+    for path, problem in rep.bad:
+        print(f"  BAD {path}: {problem}", file=sys.stderr)
+    if not rep.ok:
+        print(f"fix: {repair_hint(model)}  (rewrites only the bad files)", file=sys.stderr)
+    _write_json(args.json, {"files": rep.files, "bytes": rep.bytes, "seconds": rep.seconds,
+                            "bad": [{"path": p, "problem": q} for p, q in rep.bad]})
+    return 0 if rep.ok else 1
+
+
+def _inspect(args) -> int:
+    from deltafin.store.inspect import format_summary, model_summary
+
+    s = model_summary(_open(args))
+    print(format_summary(s))
+    _write_json(args.json, s)
+    return 0

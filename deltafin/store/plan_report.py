@@ -1,0 +1,85 @@
+"""``deltafin pack --plan``: what a pack would write, from config.json and the index alone."""
+
+from __future__ import annotations
+
+import os
+
+from deltafin.errors import UsageError
+from deltafin.store.checkpoint import Checkpoint
+from deltafin.store.drives import DriveArg, free_bytes, probe_read_gbps
+from deltafin.store.placement import DriveSpec, place
+from deltafin.store.plan import build_plan
+
+
+def _rate(d: DriveArg) -> tuple[float, bool]:
+    if d.gbps is not None:
+        return d.gbps, False
+    if not os.path.isdir(d.path):
+        raise UsageError(f"--drive {d.path}: folder does not exist, so its read rate cannot be measured; "
+                         f"give it as {d.path}=GBPS")
+    return probe_read_gbps(d.path, d.label), True
+
+
+def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: str, policy: str) -> dict:
+    plan = build_plan(ckpt, experts, trunk)
+    if not drives:
+        drives = [DriveArg("d0", os.path.abspath("experts"), 1.0)]
+    rates = [_rate(d) for d in drives]
+    specs = [DriveSpec(d.label, r) for d, (r, _) in zip(drives, rates, strict=True)]
+    sizes = {L: [plan.layouts[L].file_bytes] * plan.num_experts for L in plan.moe_layers}
+    loc = place(sizes, specs, policy)
+    per_drive = {d.label: {"path": d.path, "gbps": r, "measured": m, "files": 0, "bytes": 0,
+                           "free_bytes": free_bytes(d.path) if os.path.exists(os.path.dirname(d.path) or "/") else None}
+                 for d, (r, m) in zip(drives, rates, strict=True)}
+    for L in plan.moe_layers:
+        for row in loc[L]:
+            for di in row:
+                per_drive[drives[di].label]["files"] += 1
+                per_drive[drives[di].label]["bytes"] += plan.layouts[L].file_bytes
+    for d in per_drive.values():
+        d["seconds_at_rate"] = d["bytes"] / (d["gbps"] * 1e9)
+        d["fits"] = d["free_bytes"] is None or d["free_bytes"] >= d["bytes"]
+    L0 = plan.moe_layers[0] if plan.moe_layers else None
+    return {
+        "family": plan.family.name,
+        "model_type": plan.config.get("model_type"),
+        "shapes_from": plan.shapes_from,
+        "expert_files": plan.expert_files,
+        "moe_layers": len(plan.moe_layers),
+        "experts_per_layer": plan.num_experts,
+        "expert_payload_bytes": plan.layouts[L0].payload_bytes if L0 is not None else 0,
+        "expert_file_bytes": plan.layouts[L0].file_bytes if L0 is not None else 0,
+        "expert_bytes": plan.expert_bytes,
+        "expert_formats": sorted({r.out for rs in plan.roles.values() for r in rs}),
+        "trunk_bytes": plan.trunk_bytes,
+        "trunk_tensors": len(plan.trunk),
+        "trunk_int8_tensors": sum(t.format == "int8" for t in plan.trunk),
+        "skipped_tensors": len(plan.skipped),
+        "skipped_examples": sorted({n.split(".")[0] for n, _ in plan.skipped}),
+        "assigned_tensors": len(ckpt.weight_map) - len(plan.skipped),
+        "index_tensors": len(ckpt.weight_map),
+        "per_drive": per_drive,
+        "seconds_one_pass": max((d["seconds_at_rate"] for d in per_drive.values()), default=0.0),
+    }
+
+
+def format_plan(r: dict) -> str:
+    lines = [
+        f"plan for {r['model_type']} ({r['family']} family; shapes from {r['shapes_from']})",
+        f"  tensors      {r['index_tensors']:,} in the index: {r['assigned_tensors']:,} assigned, "
+        f"{r['skipped_tensors']:,} skipped ({', '.join(r['skipped_examples']) or 'none'})",
+        f"  experts      {r['expert_files']:,} files ({r['moe_layers']} layers x {r['experts_per_layer']}), "
+        f"{r['expert_payload_bytes']:,} B payload / {r['expert_file_bytes']:,} B file each, "
+        f"{r['expert_bytes'] / 1e9:,.2f} GB ({'/'.join(r['expert_formats'])})",
+        f"  trunk        {r['trunk_bytes'] / 1e9:,.2f} GB ({r['trunk_tensors']:,} tensors, "
+        f"{r['trunk_int8_tensors']:,} int8)",
+        "  drives:",
+    ]
+    for label, d in r["per_drive"].items():
+        free = "free unknown" if d["free_bytes"] is None else f"{d['free_bytes'] / 1e9:,.1f} GB free"
+        lines.append(f"    {label:<8} {d['path']}  {d['gbps']:.2f} GB/s{' (measured)' if d['measured'] else ''}  "
+                     f"{d['files']:,} files  {d['bytes'] / 1e9:,.2f} GB  {free}{'' if d['fits'] else '  DOES NOT FIT'}"
+                     f"  {d['seconds_at_rate']:,.0f} s at rate")
+    lines.append(f"  one pass over all experts at the drives' rates: {r['seconds_one_pass']:,.0f} s "
+                 f"(the slowest drive's share / its rate)")
+    return "\n".join(lines)

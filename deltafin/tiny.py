@@ -1,0 +1,64 @@
+"""Tiny randomly initialised Hugging Face MoE models, built and saved locally (never downloaded).
+
+Used by the tests and by `deltafin demo`: transformers config classes, random weights, save_pretrained.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Small but real shapes: every width a multiple of 32 so MXFP4 can hold the experts.
+TINY: dict[str, dict] = {
+    "qwen3_moe": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256),
+    "mixtral": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=256),
+    "olmoe": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                  max_position_embeddings=256),
+    "deepseek_v3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256),
+    "glm4_moe_lite": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                          num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+                          max_position_embeddings=256),
+    "gpt_oss": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=4),
+}
+
+
+def build_tiny(model_type: str, path: str | os.PathLike, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Build, randomise and save a tiny model; weights are rounded to bf16 so a bf16 pack is lossless."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(TINY[model_type])
+    kw.update(overrides)
+    kw.setdefault("eos_token_id", None)
+    kw.setdefault("bos_token_id", None)
+    kw.setdefault("pad_token_id", None)
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "e_score_correction_bias" in name or "bias" in name and p.dim() == 1:
+                p.normal_(0, 0.5)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            else:
+                p.normal_(1.0, 0.1)
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn_like(b).to(torch.bfloat16).float() * 0.5)
+    model.save_pretrained(str(path))
+    return model
