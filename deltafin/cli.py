@@ -13,6 +13,8 @@ COMMANDS = {
     "pack": ("cmd_store", "pack a Hugging Face checkpoint into a model dir + one file per expert over drives"),
     "verify": ("cmd_store", "re-read every expert file and check its checksum"),
     "inspect": ("cmd_store", "show what a packed model holds, where, and what streams per token"),
+    "run": ("cmd_run", "generate text from a prompt, streaming routed experts from the drives"),
+    "chat": ("cmd_run", "multi-turn chat with the checkpoint's chat template; state kept between turns"),
     "bench": ("cmd_bench", "benchmarks, each figure beside the limit it is measured against"),
 }
 
@@ -67,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--keep", action="store_true", help="keep the work folder")
         elif name == "bench":
             _add_bench(p)
+        elif name in ("run", "chat"):
+            from deltafin.interfaces.cmd_run import add_engine_args, add_sampling_args
+
+            add_engine_args(p)
+            add_sampling_args(p)
+            if name == "run":
+                p.add_argument("-p", "--prompt", help="prompt text")
+                p.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+                p.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user turn")
+            else:
+                p.add_argument("--system", help="system message")
     return ap
 
 

@@ -62,3 +62,45 @@ def build_tiny(model_type: str, path: str | os.PathLike, seed: int = 0, **overri
                 b.copy_(torch.randn_like(b).to(torch.bfloat16).float() * 0.5)
     model.save_pretrained(str(path))
     return model
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_byte_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
+    """A byte-level tokenizer (256 byte tokens, no merges) with <|im_start|>/<|im_end|> and a chat template.
+
+    Needs vocab_size >= 258: specials take ids 256 and 257.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 258:
+        raise ValueError(f"a byte tokenizer needs vocab_size >= 258, got {vocab_size}")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None,
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of the GPT-2 byte-to-unicode map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs, strict=True))[ch]

@@ -1,0 +1,30 @@
+"""Family name -> model module. Each module exports ``Config`` (with ``from_dict``) and ``Model``."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from deltafin.errors import UnsupportedArchitectureError
+
+MODULES = {
+    "deepseek_v3": "deltafin.models.deepseek_v3",
+    "qwen3_moe": "deltafin.models.qwen3_moe",
+    "mixtral": "deltafin.models.mixtral",
+    "olmoe": "deltafin.models.olmoe",
+    "gpt_oss": "deltafin.models.gpt_oss",
+    "kimi_k3": "deltafin.models.kimi_k3",
+}
+
+
+def module_for(family: str) -> ModuleType:
+    if family not in MODULES:
+        raise UnsupportedArchitectureError(f"no model code for family {family!r}; supported: {', '.join(MODULES)}")
+    return importlib.import_module(MODULES[family])
+
+
+def build(family: str, text_config: dict, weights, device="cpu", dtype=None):
+    import torch
+
+    mod = module_for(family)
+    return mod.Model(mod.Config.from_dict(text_config), weights, device=device, dtype=dtype or torch.float32)

@@ -1,0 +1,1 @@
+"""Runtime: expert cache, streaming expert source, generation, sampling, stats."""

@@ -1,0 +1,164 @@
+"""The engine: a packed model's trunk resident, its routed experts streamed, tokens generated."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.errors import UsageError
+from deltafin.models import registry
+from deltafin.models.base import SequenceState
+from deltafin.runtime.sampling import Sampler, SamplingParams
+from deltafin.runtime.source import StreamingExperts
+from deltafin.runtime.stats import RunStats
+from deltafin.store.model_dir import PackedModel
+
+log = logging.getLogger(__name__)
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    device: str = "cpu"
+    cache_gb: float | None = None  # None: derived from free memory and trunk size
+    threads: int = 4  # reader threads per drive
+    verify_reads: bool = False
+    drive_map: dict | None = None
+    emulate_drives: str | None = None
+    max_len: int = 4096
+
+
+def default_cache_bytes(trunk_bytes: int) -> int:
+    """Half of what is left of available memory after the trunk and 2 GB of headroom."""
+    import psutil
+
+    spare = psutil.virtual_memory().available - trunk_bytes - 2 * 1024**3
+    return max(int(spare * 0.5), 0)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps: the Apple GPU is not available to torch here; use --device cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {name!r}: choose cpu, cuda or mps")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, model_dir: str, opts: EngineOptions = EngineOptions()):
+        self.opts = opts
+        self.device = resolve_device(opts.device)
+        self.packed = PackedModel.open(model_dir, opts.drive_map)
+        trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
+        self.cache_bytes = int(opts.cache_gb * GB) if opts.cache_gb is not None else default_cache_bytes(trunk_bytes)
+        weights = {k: v.to(self.device) for k, v in self.packed.trunk_records().items()}
+        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device)
+        readers = None
+        if opts.emulate_drives:
+            from deltafin.io.emulator import emulated_readers
+
+            readers = emulated_readers(opts.emulate_drives, self.packed)
+        self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
+                                       opts.verify_reads)
+        from deltafin.runtime.tokenizer import load_codec
+
+        self.codec = load_codec(self.packed.path, self.packed.config)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.codec.eos_ids if self.codec else ()
+
+    def new_state(self, max_len: int | None = None) -> SequenceState:
+        return self.model.new_state(max_len or self.opts.max_len)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], state: SequenceState) -> torch.Tensor:
+        """Run tokens through the model (layer by layer over all of them) -> logits of the last one."""
+        if state.pos + len(ids) > self.opts.max_len:
+            raise UsageError(f"{state.pos + len(ids)} tokens exceed the context limit of {self.opts.max_len}; "
+                             f"raise --max-len or shorten the prompt")
+        x = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.model.forward(x, state, self.source)[-1]
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_new: int,
+        sampling: SamplingParams = SamplingParams(),
+        stop_ids: tuple[int, ...] | None = None,
+        stop_strings: tuple[str, ...] = (),
+        state: SequenceState | None = None,
+        on_logits: Callable[[torch.Tensor], None] | None = None,
+    ) -> Iterator[tuple[int, str]]:
+        """Yield (token id, text delta); fills ``self.last_stats``. ``state`` continues a conversation."""
+        if not prompt:
+            raise UsageError("the prompt is empty; give at least one token")
+        stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=str(self.device),
+                                           cache_bytes=self.cache_bytes, direct_io=self.source.direct)
+        stop_ids = self.eos_ids if stop_ids is None else stop_ids
+        state = state if state is not None else self.new_state()
+        sampler = Sampler(sampling)
+        src = self.source.stats
+        base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses)
+        t0 = time.perf_counter()
+        logits = self.forward(prompt, state)
+        emitted, text = [], ""
+        t_first = None
+        while len(emitted) < max_new:
+            if on_logits:
+                on_logits(logits)
+            tok = sampler(logits)
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            emitted.append(tok)
+            if tok in stop_ids:
+                stats.stop_reason = "stop token"
+                break
+            delta = self._delta(emitted, text)
+            text += delta
+            yield tok, delta
+            hit = next((s for s in stop_strings if s and s in text), None)
+            if hit:
+                text = text[: text.index(hit)]
+                stats.stop_reason = f"stop string {hit!r}"
+                break
+            if len(emitted) < max_new:
+                logits = self.forward([tok], state)
+        else:
+            stats.stop_reason = "max tokens"
+        self._finish(stats, emitted, text, t0, t_first, base)
+
+    def _delta(self, emitted: list[int], text: str) -> str:
+        if self.codec is None:
+            return ""
+        full = self.codec.decode(emitted)
+        return "" if full.endswith("\ufffd") else full[len(text):]  # hold back split UTF-8
+
+    def _finish(self, stats: RunStats, emitted, text, t0, t_first, base) -> None:
+        end = time.perf_counter()
+        src = self.source.stats
+        stats.tokens = emitted
+        stats.text = self.codec.decode([t for t in emitted if t not in self.eos_ids]) if self.codec else ""
+        if "stop string" in stats.stop_reason:
+            stats.text = text
+        stats.prefill_tok_s = stats.prompt_tokens / max(stats.ttft_s, 1e-9)
+        stats.decode_s = end - (t_first or end)
+        stats.decode_tok_s = (len(emitted) - 1) / stats.decode_s if len(emitted) > 1 and stats.decode_s > 0 else 0.0
+        stats.io_wait_s = src.io_wait_s - base[0]
+        stats.expert_math_s = src.expert_math_s - base[1]
+        stats.trunk_math_s = max(end - t0 - stats.io_wait_s - stats.expert_math_s, 0.0)
+        stats.bytes_read = src.bytes_read - base[2]
+        stats.reads = src.reads - base[3]
+        hits, misses = src.hits - base[4], src.misses - base[5]
+        stats.cache_hit_rate = hits / (hits + misses) if hits + misses else 0.0
+        stats.per_drive = self.source.per_drive()
+
+    def close(self) -> None:
+        self.source.close()

@@ -1,0 +1,57 @@
+"""Tokenizers and chat templates from the packed model folder (copied there from the checkpoint)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from deltafin.errors import UsageError
+
+
+@dataclass
+class TextCodec:
+    """encode / decode / chat for one model; ``eos_ids`` are its stop tokens."""
+
+    impl: object
+    kind: str  # "hf" | "kimi"
+    eos_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "kimi":
+            return self.impl.encode(text)
+        return self.impl.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "kimi":
+            return self.impl.decode(ids)
+        return self.impl.decode(ids, skip_special_tokens=False)
+
+    def chat(self, messages: list[dict], thinking: bool = True) -> list[int]:
+        """Prompt ids for a conversation, with the generation prompt, from the checkpoint's template."""
+        if self.kind == "kimi":
+            from deltafin.tokenizers.xtml import encode_chat
+
+            return encode_chat(self.impl, messages, thinking=thinking)
+        if not getattr(self.impl, "chat_template", None):
+            raise UsageError("this model's checkpoint has no chat template; use 'deltafin run -p' with plain text")
+        return list(self.impl.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
+
+def load_codec(model_dir: str, config: dict) -> TextCodec | None:
+    """None when the checkpoint shipped no tokenizer (then prompts must be given as ids)."""
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if os.path.exists(os.path.join(model_dir, "tiktoken.model")):
+        from deltafin.tokenizers.kimi_k3 import KimiTokenizer
+
+        tok = KimiTokenizer.from_dir(model_dir)
+        return TextCodec(tok, "kimi", tuple(sorted(set(eos_ids) | {tok.eos_id})))
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")) or os.path.exists(
+            os.path.join(model_dir, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        extra = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        return TextCodec(tok, "hf", tuple(sorted(set(eos_ids) | set(extra))))
+    return None
