@@ -5,10 +5,11 @@ makes every read take the time its ``DriveModel`` says. The same model (``DriveT
 the discrete-event simulator in ``deltafin.sim``, so the two agree by construction.
 
 Timing model of one drive (all reads of a drive share it):
-  * a read waits for one of ``qd`` device slots (0 = unlimited), then pays its latency
-    (mean ``lat``; lognormal with sigma ``jitter``, mean-preserving);
+  * a read waits for one of ``qd`` device slots (0 = unlimited), then pays its latency ``lat``;
   * its transfer then occupies the drive's bus, in arrival order, for ``bytes / rate`` seconds
     (at least ``1 / iops`` when an IOPS cap is set): concurrent reads share the rate;
+  * both are scaled by one factor per read, lognormal with sigma ``jitter`` and mean 1, so jitter
+    spreads the latency distribution without changing the mean rate;
   * with probability ``p`` a read is slow: its own completion is delayed by ``(x - 1)`` times its
     latency plus transfer (the bus is not held longer: one slow read does not stall the others).
   So a drive reaches its rate only with enough reads in flight: with reads of ``s`` bytes the
@@ -21,7 +22,7 @@ Spec grammar (``--emulate-drives SPEC``, ``parse_spec``)::
     DRIVE   := LABEL ":" RATE ( "," OPTION )*
     RATE    := NUMBER ( "GBps" | "GB/s" | "MBps" | "MB/s" )       6.0GBps, 800MBps
     OPTION  := "lat=" NUMBER ( "ns" | "us" | "ms" | "s" )          mean per-read latency (default 80us)
-             | "jitter=" NUMBER                                   lognormal sigma of latency (default 0)
+             | "jitter=" NUMBER                                   lognormal sigma of read time (default 0)
              | "slow=" PROB "x" NUMBER                            slow-read chance and multiplier: slow=0.01x8
              | "qd=" INT                                          device slots, 0 = unlimited (default 0)
              | "iops=" NUMBER [ "k" | "M" ]                       cap on reads per second (default none)
@@ -46,6 +47,7 @@ import os
 import random
 import re
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -77,7 +79,7 @@ class DriveModel:
     label: str
     gbps: float  # read rate, GB/s (1e9 bytes/s)
     lat_us: float = 80.0  # mean per-read latency
-    jitter: float = 0.0  # lognormal sigma of the latency
+    jitter: float = 0.0  # lognormal sigma of each read's time factor (mean 1)
     slow_p: float = 0.0  # probability that a read is slow
     slow_x: float = 1.0  # time multiplier of a slow read
     qd: int = 0  # device slots (reads served at once); 0 = unlimited
@@ -163,13 +165,10 @@ class DriveTimeline:
         self._slots: list[float] = []  # end times of reads holding a device slot
         self._rng = random.Random(seed)
 
-    def sample_latency(self) -> float:
-        m = self.model
-        lat = m.lat_us * 1e-6
-        if m.jitter:
-            # mean-preserving lognormal: E[exp(sZ - s^2/2)] = 1
-            lat *= math.exp(m.jitter * self._rng.gauss(0.0, 1.0) - m.jitter**2 / 2)
-        return lat
+    def sample_jitter(self) -> float:
+        s = self.model.jitter
+        # mean-preserving lognormal: E[exp(sZ - s^2/2)] = 1
+        return math.exp(s * self._rng.gauss(0.0, 1.0) - s * s / 2) if s else 1.0
 
     def reserve(self, now: float, nbytes: int) -> float:
         """Book a read of ``nbytes`` arriving at ``now``; return the time it completes."""
@@ -180,8 +179,9 @@ class DriveTimeline:
                 heapq.heappop(self._slots)
             if len(self._slots) >= m.qd:
                 start = max(now, heapq.heappop(self._slots))
-        lat = self.sample_latency()
-        svc = m.service_s(nbytes)
+        f = self.sample_jitter()
+        lat = m.lat_us * 1e-6 * f
+        svc = m.service_s(nbytes) * f
         end = max(start + lat, self.bus_free) + svc
         self.bus_free = end
         if m.slow_p and self._rng.random() < m.slow_p:
@@ -315,34 +315,60 @@ def format_spec(models: Sequence[DriveModel]) -> str:
 # ---------------------------------------------------------------- emulated reads
 
 
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_PR_SET_TIMERSLACK = 29
+
+
+def _tighten_timer_slack() -> None:
+    """Linux: cut this thread's timer slack from 50 us to 1 us, so short sleeps end on time."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class _Clock:
     """Sleeps until monotonic deadlines, learning the OS sleep overshoot so deadlines are kept.
 
-    time.sleep on Linux overshoots by ~50-150 us; we sleep short of the deadline by the learned
-    overshoot and yield (sleep(0)) for the last few tens of microseconds.
+    time.sleep overshoots by tens of microseconds (more under Linux's default 50 us timer slack,
+    which we lower per thread); we sleep short of the deadline by the learned overshoot (mean + 3
+    deviations) and yield the CPU for the last microseconds.
     """
 
-    _MARGIN = 20e-6
+    _MAX_GUARD = 300e-6  # never wake earlier than this before a deadline, whatever was learned
 
     def __init__(self) -> None:
-        self._over = 100e-6
+        self._over = 100e-6  # running mean of the overshoot
+        self._dev = 30e-6  # running mean absolute deviation
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self.overhead = 0.0  # seconds a read spends in Python around its timed window
 
     def sleep_until(self, deadline: float) -> float:
         """Return how late (seconds, >= 0) the caller wakes after ``deadline``."""
+        if not getattr(self._local, "tight", False) and sys.platform.startswith("linux"):
+            _tighten_timer_slack()
+            self._local.tight = True
         while True:
             now = time.monotonic()
             rem = deadline - now
             if rem <= 0:
                 return -rem
-            want = rem - self._over - self._MARGIN
+            want = rem - min(self._over + 3 * self._dev, self._MAX_GUARD)
             if want > 0:
                 time.sleep(want)
-                took = time.monotonic() - now
-                with self._lock:
-                    self._over = 0.9 * self._over + 0.1 * max(0.0, took - want)
+                self._learn(time.monotonic() - now - want)
+            elif rem > 50e-6:
+                time.sleep(0)  # ~20 us with tight slack: sleeping, not spinning, when CPUs are shared
             else:
-                time.sleep(0)  # releases the GIL while we wait out the last microseconds
+                _yield()  # releases the GIL while we wait out the last microseconds
+
+    def _learn(self, over: float) -> None:
+        with self._lock:
+            self._dev = 0.95 * self._dev + 0.05 * abs(over - self._over)
+            self._over = 0.95 * self._over + 0.05 * max(0.0, over)
 
 
 class EmulatedDriveReader:
@@ -418,7 +444,7 @@ class EmulatedDriveReader:
         got = 0 if why else self._copy(path, offset, buf)
         with self._lock:
             end = self._timeline.reserve(t0, got if got else len(buf))
-        late = self._clock.sleep_until(end)
+        late = self._clock.sleep_until(end - self._clock.overhead)
         with self._lock:
             self.reads += 1
             self.bytes += got
@@ -435,6 +461,20 @@ class EmulatedDriveReader:
                     "failures": self.failures, "late_s": self.late_s}
 
 
+def _measure_overhead(clock: _Clock, calls: int = 200) -> float:
+    """Median wall time of one emulated read that models zero time: what a caller sees on top of
+    the model, subtracted from every deadline so measured latencies match the model."""
+    probe = EmulatedDriveReader(DriveModel("probe", 1e6, lat_us=0.0), clock, {"": b""})
+    buf = aligned_buffer(ALIGN)
+    times = []
+    for i in range(calls + 20):
+        t = time.perf_counter()
+        probe.read_into("", 0, buf)
+        if i >= 20:  # the first calls pay for imports and timer-slack setup
+            times.append(time.perf_counter() - t)
+    return min(statistics.median(times), 20e-6)
+
+
 class EmulatedDriveSet:
     """A set of emulated drives sharing one sleep clock. ``readers()[i]`` is drive i."""
 
@@ -443,6 +483,7 @@ class EmulatedDriveSet:
             raise UsageError("an emulated drive set needs at least one drive; e.g. --emulate-drives report4@0.04")
         self.models = tuple(models)
         clock = _Clock()
+        clock.overhead = _measure_overhead(clock)
         self._readers = [EmulatedDriveReader(m, clock, memory, seed + 7919 * i) for i, m in enumerate(self.models)]
 
     @classmethod
@@ -548,8 +589,9 @@ def write_test_file(path: str, nbytes: int = 32 << 20) -> str:
 
 
 def fit_model(points: Sequence[Measurement], small: int, big: int, label: str = "disk") -> DriveModel:
-    """Drive model reproducing measured points: rate from the big reads, latency from small at qd 1."""
-    rate = max(p.gbps for p in points if p.size == big)
+    """Drive model reproducing measured points: rate from the big reads at the deepest queue,
+    latency and jitter from small reads at qd 1, an IOPS cap from small reads at depth."""
+    rate = max((p for p in points if p.size == big), key=lambda p: p.qd).gbps
     qd1 = next(p for p in points if p.size == small and p.qd == 1)
     probe = DriveModel(label, rate, lat_us=0.0)
     iops = 0.0
@@ -561,11 +603,23 @@ def fit_model(points: Sequence[Measurement], small: int, big: int, label: str = 
         if measured_iops < 0.9 * unc.rate_at(p.qd, small) * 1e9 / small:
             iops = measured_iops  # the drive (or the host) caps reads per second below what latency allows
     svc_us = DriveModel(label, rate, lat_us=0.0, iops=iops).service_s(small) * 1e6
-    lat_mean = max(1.0, qd1.lat_mean_us - svc_us)
-    lat_p50 = max(1.0, qd1.lat_p50_us - svc_us)
-    # lognormal: mean / median = exp(sigma^2 / 2)
-    jitter = math.sqrt(2 * math.log(lat_mean / lat_p50)) if lat_mean > lat_p50 else 0.0
-    return DriveModel(label, rate, lat_us=lat_mean, jitter=round(jitter, 4), iops=iops)
+    jitter, slow_p, slow_x = _fit_tail(qd1)
+    body_mean = qd1.lat_p50_us * math.exp(jitter**2 / 2)
+    lat = max(1.0, body_mean - svc_us)
+    return DriveModel(label, rate, lat_us=round(lat, 2), jitter=round(jitter, 4), slow_p=round(slow_p, 5),
+                      slow_x=round(slow_x, 2), iops=round(iops, 1))
+
+
+def _fit_tail(p: Measurement) -> tuple[float, float, float]:
+    """(jitter, slow_p, slow_x): a lognormal body from p50 and p90, and rare slow reads carrying
+    what the body leaves of the mean, as slow as the p99 (z(0.9) = 1.2816)."""
+    jitter = max(0.0, math.log(p.lat_p90_us / p.lat_p50_us) / 1.2816) if p.lat_p50_us > 0 else 0.0
+    body_mean = p.lat_p50_us * math.exp(jitter**2 / 2)
+    excess = p.lat_mean_us / body_mean - 1.0 if body_mean > 0 else 0.0
+    slow_x = p.lat_p99_us / body_mean
+    if excess < 0.02 or slow_x < 1.25:
+        return jitter, 0.0, 1.0
+    return jitter, min(0.2, excess / (slow_x - 1.0)), slow_x
 
 
 def calibrate(path: str, *, seconds: float = 0.3, small: int = 4096, big: int = 1 << 20, big_qd: int = 4,
