@@ -47,7 +47,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     b = sub.add_parser("pack", help="pack throughput beside the disk's raw write rate")
     b.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
-    b.add_argument("--gb", type=float, default=2.0, help="GB of expert bytes to pack (default 2)")
+    b.add_argument("--gb", type=float, default=4.0, help="GB of expert bytes to pack (default 4)")
     b.add_argument("--json", metavar="PATH")
 
 

@@ -151,3 +151,20 @@ def read_row(ckpt: Checkpoint, name: str, i: int) -> torch.Tensor:
     if got != row:
         raise CheckpointError(f"{p}: short read of {name}[{i}] ({got} of {row} bytes); the shard is truncated")
     return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape(ti.shape[1:])
+
+
+def read_into(ckpt: Checkpoint, name: str, out: memoryview, row: int | None = None) -> None:
+    """Copy a tensor's bytes (or row ``row`` along dim 0) straight into ``out`` (no intermediate buffer)."""
+    ti = ckpt.info(name)
+    size = ti.nbytes if row is None else ti.nbytes // ti.shape[0]
+    off = ti.offset + (0 if row is None else row * size)
+    if len(out) != size:
+        raise CheckpointError(f"{name}: {size} bytes do not fit a {len(out)}-byte section; the plan is stale")
+    p = os.path.join(ckpt.path, ti.shard)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, [out], off)
+    finally:
+        os.close(fd)
+    if got != size:
+        raise CheckpointError(f"{p}: short read of {name} ({got} of {size} bytes); the shard is truncated")

@@ -17,6 +17,25 @@ def expert_tensors(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int) ->
     return {r.role: _role(ckpt, r, names[r.role], expert) for r in plan.roles[layer]}
 
 
+_PASS = {("ct_mxfp4", "mxfp4"): ("weight_packed", "weight_scale"), ("ct_int4", "int4g32"): ("weight_packed", "weight_scale"),
+         ("oss_mxfp4", "mxfp4"): ("blocks", "scales")}
+
+
+def passthrough_sections(plan: PackPlan, layer: int, expert: int) -> list[tuple[str, int | None]] | None:
+    """For experts whose every tensor is copied unchanged: the (checkpoint name, row) behind each file
+    section in layout order, so the packer can read the bytes straight into the output buffer."""
+    key = (layer, None) if plan.family.name == "gpt_oss" else (layer, expert)
+    names = plan.expert_names[key]
+    out = []
+    for r in plan.roles[layer]:
+        kinds = _PASS.get((r.src, r.out))
+        if kinds is None:
+            return None
+        row = expert if r.src == "oss_mxfp4" else None
+        out.extend((names[r.role][k], row) for k in kinds)
+    return out
+
+
 def _role(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> QTensor:
     if r.src == "ct_mxfp4" and r.out == "mxfp4":  # released QAT bytes: copied unchanged
         return QTensor("mxfp4", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))

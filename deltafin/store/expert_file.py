@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,19 +120,37 @@ def _header_json(layout: ExpertLayout, layer: int, expert: int) -> bytes:
     return raw
 
 
-def encode(tensors: dict[str, QTensor], layer: int, expert: int) -> bytes:
-    """Serialise one expert into the .dfx byte layout."""
+def encode_into(tensors: dict[str, QTensor], layer: int, expert: int, out: memoryview | None = None) -> memoryview:
+    """Serialise one expert into ``out`` (e.g. an aligned buffer for direct writes); returns the file bytes."""
     layout = layout_from_tensors(tensors)
-    buf = bytearray(layout.file_bytes)
+    buf = out[: layout.file_bytes] if out is not None else memoryview(bytearray(layout.file_bytes))
+    if len(buf) < layout.file_bytes:
+        raise ValueError(f"buffer of {len(buf)} bytes is too small for a {layout.file_bytes}-byte expert file")
     raw = _header_json(layout, layer, expert)
-    buf[0:8] = MAGIC + struct.pack("<I", len(raw))
-    buf[8 : 8 + len(raw)] = raw
+    buf[:HEADER_BYTES] = MAGIC + struct.pack("<I", len(raw)) + raw + bytes(HEADER_BYTES - 8 - len(raw))
     for tl, t in zip(layout.tensors, tensors.values(), strict=True):
         for sec, src in zip(tl.sections, (t.data, t.scale), strict=False):
-            b = src.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-            assert len(b) == sec.nbytes
-            buf[sec.offset : sec.offset + sec.nbytes] = b
-    return bytes(buf)
+            flat = src.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            assert flat.nbytes == sec.nbytes
+            end = sec.offset + sec.nbytes
+            buf[sec.offset : end] = memoryview(flat)
+            buf[end : align_up(end)] = bytes(align_up(end) - end)  # padding is zero (the buffer may be reused)
+    return buf
+
+
+def header_into(layout: ExpertLayout, layer: int, expert: int, buf: memoryview) -> None:
+    """Header block plus zeroed padding of every section; the caller fills the section bytes."""
+    raw = _header_json(layout, layer, expert)
+    buf[:HEADER_BYTES] = MAGIC + struct.pack("<I", len(raw)) + raw + bytes(HEADER_BYTES - 8 - len(raw))
+    for t in layout.tensors:
+        for sec in t.sections:
+            end = sec.offset + sec.nbytes
+            buf[end : align_up(end)] = bytes(align_up(end) - end)
+
+
+def encode(tensors: dict[str, QTensor], layer: int, expert: int) -> bytes:
+    """Serialise one expert into the .dfx byte layout."""
+    return bytes(encode_into(tensors, layer, expert))
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -139,7 +158,8 @@ def checksum(data: bytes | memoryview) -> str:
 
 
 def parse_header(buf: bytes | memoryview, where: str = "expert file") -> tuple[ExpertLayout, int, int]:
-    """(layout, layer, expert) from the first 4 KiB of an expert file."""
+    """(layout, layer, expert) from the first 4 KiB of an expert file; every section is checked to lie
+    aligned inside the file, so a header that parses can be decoded without reading out of bounds."""
     head = bytes(buf[:HEADER_BYTES])
     if len(head) < 8 or head[:4] != MAGIC:
         raise ExpertFileError(f"{where}: not a Deltafin expert file (bad magic {head[:4]!r}); repack this expert")
@@ -148,18 +168,43 @@ def parse_header(buf: bytes | memoryview, where: str = "expert file") -> tuple[E
         doc = json.loads(head[8 : 8 + n])
     except (ValueError, UnicodeDecodeError) as e:
         raise ExpertFileError(f"{where}: corrupt expert header ({e}); repack this expert") from e
+    if not isinstance(doc, dict):
+        raise ExpertFileError(f"{where}: corrupt expert header (not a JSON object); repack this expert")
     if doc.get("version") != VERSION:
         raise ExpertFileError(f"{where}: expert file version {doc.get('version')} is not {VERSION}; repack with this Deltafin")
-    tensors = tuple(
-        TensorLayout(
-            t["name"],
-            t["format"],
-            tuple(t["shape"]),
-            tuple(Section(s["kind"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"]) for s in t["sections"]),
+    try:
+        tensors = tuple(
+            TensorLayout(
+                str(t["name"]),
+                str(t["format"]),
+                tuple(int(x) for x in t["shape"]),
+                tuple(Section(str(s["kind"]), str(s["dtype"]), tuple(int(x) for x in s["shape"]), int(s["offset"]),
+                              int(s["nbytes"])) for s in t["sections"]),
+            )
+            for t in doc["tensors"]
         )
-        for t in doc["tensors"]
-    )
-    return ExpertLayout(tensors, doc["file_bytes"]), doc["layer"], doc["expert"]
+        layout, layer, expert = ExpertLayout(tensors, int(doc["file_bytes"])), int(doc["layer"]), int(doc["expert"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExpertFileError(f"{where}: corrupt expert header (bad or missing field {e}); repack this expert") from e
+    problem = _layout_problem(layout)
+    if problem:
+        raise ExpertFileError(f"{where}: corrupt expert header ({problem}); repack this expert")
+    return layout, layer, expert
+
+
+def _layout_problem(layout: ExpertLayout) -> str | None:
+    end = HEADER_BYTES
+    if layout.file_bytes % ALIGN:
+        return f"file size {layout.file_bytes} is not a multiple of {ALIGN}"
+    for t in layout.tensors:
+        for s in t.sections:
+            if s.dtype not in DTYPES:
+                return f"{t.name}: unknown dtype {s.dtype!r}"
+            size = int(np.prod(s.shape)) * torch.empty((), dtype=DTYPES[s.dtype]).element_size()
+            if s.offset % ALIGN or s.offset < end or size != s.nbytes or s.offset + s.nbytes > layout.file_bytes:
+                return f"{t.name}: {s.kind} section at offset {s.offset} of {s.nbytes} bytes does not fit the layout"
+            end = s.offset + s.nbytes
+    return None
 
 
 def decode(buf: memoryview | bytes, layout: ExpertLayout | None = None, where: str = "expert file") -> dict[str, QTensor]:
@@ -178,21 +223,40 @@ def decode(buf: memoryview | bytes, layout: ExpertLayout | None = None, where: s
     return out
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename, fsync the directory: never a partial file."""
+def write_tmp(path: str, data: bytes | memoryview, direct: bool = False, sync: bool = True) -> str:
+    """Write ``data`` under a temporary name beside ``path``; returns that name.
+
+    ``direct`` writes with O_DIRECT (``data`` must be a 4 KiB-aligned buffer of whole 4 KiB blocks),
+    which keeps large packs out of the page cache; filesystems that refuse it get a buffered write.
+    With ``sync=False`` the caller makes the data durable (one flush for a batch) before renaming.
+    """
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = None
+    if direct and hasattr(os, "O_DIRECT") and len(data) % ALIGN == 0:
+        try:
+            fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
+        except OSError:
+            fd = None
+    if fd is None:
+        fd = os.open(tmp, flags, 0o644)
     try:
         view = memoryview(data)
         while view:
             n = os.write(fd, view)
             view = view[n:]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    return tmp
+
+
+def write_atomic(path: str, data: bytes | memoryview, direct: bool = False) -> None:
+    """Write to a temporary name, fsync, rename: a final name never holds a partial file."""
+    os.replace(write_tmp(path, data, direct), path)
 
 
 def fsync_dir(path: str) -> None:

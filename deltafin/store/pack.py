@@ -13,22 +13,26 @@ import os
 import re
 import resource
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 
 from safetensors.torch import save_file
 
 from deltafin.errors import ManifestError, UsageError
+from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
-from deltafin.store.checkpoint import Checkpoint
-from deltafin.store.convert import expert_tensors, trunk_tensor
+from deltafin.store.checkpoint import Checkpoint, read_into
+from deltafin.store.convert import expert_tensors, passthrough_sections, trunk_tensor
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
 from deltafin.store.placement import DriveSpec, place
 from deltafin.store.plan import PackPlan, build_plan
 
 log = logging.getLogger(__name__)
 STATE = "pack-state.json"
+WRITERS = 3  # experts in flight: source reads and encoding overlap the direct writes
+COMMIT_BATCH = 16  # experts made durable by one flush, then renamed to their final names
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "chat_template.json", "tiktoken.model", "vocab.json", "merges.txt", "tokenizer.model",
@@ -145,6 +149,8 @@ class _Job:
         self.model_id, self.locations, self.state, self.opts = model_id, locations, state, opts
         self.written = self.skipped = self.repaired = self.bytes_written = 0
         self._last_save = time.monotonic()
+        self._buffers = BufferPool()
+        self._lock = threading.Lock()
 
     def path(self, d: int, L: int, e: int) -> str:
         return mf.resolve_under(self.drives[d].path, mf.expert_relpath(self.model_id, L, e))
@@ -209,19 +215,33 @@ class _Job:
         self._save_state(force=True)
 
     def _write_layer(self, L: int, bar) -> None:
+        """Experts of one layer; reads+encoding and direct writes overlap across a few threads."""
+        from concurrent.futures import ThreadPoolExecutor
+
         done = self._done(L)
         nbytes = self.plan.layouts[L].file_bytes
+        todo = []
         for e in range(self.plan.num_experts):
-            if str(e) in done and not self.opts.repair:
+            if str(e) in done and (not self.opts.repair or self._intact(L, e, done[str(e)])):
                 self.skipped += 1
-            elif str(e) in done and self._intact(L, e, done[str(e)]):
-                self.skipped += 1
+                bar.update(nbytes)
             else:
                 self.repaired += str(e) in done
-                done[str(e)] = self._write_expert(L, e)
-                self.written += 1
-            bar.update(nbytes)
-            self._save_state()
+                todo.append(e)
+        with ThreadPoolExecutor(WRITERS) as ex:
+            for first in range(0, len(todo), COMMIT_BATCH):
+                batch = todo[first : first + COMMIT_BATCH]
+                staged = list(ex.map(lambda e: self._stage_expert(L, e), batch))
+                os.sync()  # one flush makes the whole batch durable before any final name appears
+                for e, digest, moves in staged:
+                    for tmp, final in moves:
+                        os.replace(tmp, final)
+                    done[str(e)] = digest
+                    self.written += 1
+                    bar.update(nbytes)
+                for d in {d for e in batch for d in self.locations[L][e]}:
+                    ef.fsync_dir(os.path.dirname(self.path(d, L, batch[0])))
+                self._save_state()
         self._save_state(force=True)
 
     def _intact(self, L: int, e: int, digest: str) -> bool:
@@ -235,13 +255,30 @@ class _Job:
                     return False
         return True
 
-    def _write_expert(self, L: int, e: int) -> str:
-        data = ef.encode(expert_tensors(self.ckpt, self.plan, L, e), L, e)
-        assert len(data) == self.plan.layouts[L].file_bytes
-        for d in self.locations[L][e]:
-            ef.write_atomic(self.path(d, L, e), data)
-            self.bytes_written += len(data)
-        return ef.checksum(data)
+    def _stage_expert(self, L: int, e: int) -> tuple[int, str, list[tuple[str, str]]]:
+        """Encode one expert and write it under temporary names: (expert, checksum, [(tmp, final)])."""
+        layout = self.plan.layouts[L]
+        buf = self._buffers.get(layout.file_bytes)
+        try:
+            sources = passthrough_sections(self.plan, L, e)
+            if sources is None:
+                data = ef.encode_into(expert_tensors(self.ckpt, self.plan, L, e), L, e, buf)
+            else:  # released bytes: read straight into place, one copy
+                data = buf[: layout.file_bytes]
+                ef.header_into(layout, L, e, data)
+                secs = [sec for t in layout.tensors for sec in t.sections]
+                for sec, (name, row) in zip(secs, sources, strict=True):
+                    read_into(self.ckpt, name, data[sec.offset : sec.offset + sec.nbytes], row)
+            assert len(data) == layout.file_bytes
+            moves = []
+            for d in self.locations[L][e]:
+                final = self.path(d, L, e)
+                moves.append((ef.write_tmp(final, data, direct=True, sync=False), final))
+            with self._lock:
+                self.bytes_written += len(data) * len(moves)
+            return e, ef.checksum(data), moves
+        finally:
+            self._buffers.put(buf)
 
     def _save_state(self, force: bool = False) -> None:
         if force or time.monotonic() - self._last_save > 2.0:
