@@ -5,11 +5,11 @@ makes every read take the time its ``DriveModel`` says. The same model (``DriveT
 the discrete-event simulator in ``deltafin.sim``, so the two agree by construction.
 
 Timing model of one drive (all reads of a drive share it):
-  * a read waits for one of ``qd`` device slots (0 = unlimited), then pays its latency ``lat``;
+  * a read waits for one of ``qd`` device slots (0 = unlimited), then pays its latency: ``lat``
+    times a lognormal factor with sigma ``jitter`` and mean 1;
   * its transfer then occupies the drive's bus, in arrival order, for ``bytes / rate`` seconds
-    (at least ``1 / iops`` when an IOPS cap is set): concurrent reads share the rate;
-  * both are scaled by one factor per read, lognormal with sigma ``jitter`` and mean 1, so jitter
-    spreads the latency distribution without changing the mean rate;
+    (at least ``1 / iops`` when an IOPS cap is set): concurrent reads share the rate, which is a
+    hard ceiling (jitter never makes a drive faster than its rate);
   * with probability ``p`` a read is slow: its own completion is delayed by ``(x - 1)`` times its
     latency plus transfer (the bus is not held longer: one slow read does not stall the others).
   So a drive reaches its rate only with enough reads in flight: with reads of ``s`` bytes the
@@ -22,7 +22,7 @@ Spec grammar (``--emulate-drives SPEC``, ``parse_spec``)::
     DRIVE   := LABEL ":" RATE ( "," OPTION )*
     RATE    := NUMBER ( "GBps" | "GB/s" | "MBps" | "MB/s" )       6.0GBps, 800MBps
     OPTION  := "lat=" NUMBER ( "ns" | "us" | "ms" | "s" )          mean per-read latency (default 80us)
-             | "jitter=" NUMBER                                   lognormal sigma of read time (default 0)
+             | "jitter=" NUMBER                                   lognormal sigma of latency (default 0)
              | "slow=" PROB "x" NUMBER                            slow-read chance and multiplier: slow=0.01x8
              | "qd=" INT                                          device slots, 0 = unlimited (default 0)
              | "iops=" NUMBER [ "k" | "M" ]                       cap on reads per second (default none)
@@ -61,12 +61,12 @@ log = logging.getLogger(__name__)
 
 PRESETS: dict[str, str] = {
     "report4": (
-        "internal:7GBps,lat=70us,jitter=0.3;"
-        "tb1:6GBps,lat=120us,jitter=0.4,slow=0.001x4;"
-        "tb2:6GBps,lat=120us,jitter=0.4,slow=0.001x4;"
-        "tb3:6GBps,lat=120us,jitter=0.4,slow=0.001x4"
+        "internal:7GBps,lat=70us,jitter=0.1;"
+        "tb1:6GBps,lat=120us,jitter=0.2,slow=0.001x4;"
+        "tb2:6GBps,lat=120us,jitter=0.2,slow=0.001x4;"
+        "tb3:6GBps,lat=120us,jitter=0.2,slow=0.001x4"
     ),
-    "internal": "internal:7GBps,lat=70us,jitter=0.3",
+    "internal": "internal:7GBps,lat=70us,jitter=0.1",
 }
 
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -79,7 +79,7 @@ class DriveModel:
     label: str
     gbps: float  # read rate, GB/s (1e9 bytes/s)
     lat_us: float = 80.0  # mean per-read latency
-    jitter: float = 0.0  # lognormal sigma of each read's time factor (mean 1)
+    jitter: float = 0.0  # lognormal sigma of the latency (mean-preserving)
     slow_p: float = 0.0  # probability that a read is slow
     slow_x: float = 1.0  # time multiplier of a slow read
     qd: int = 0  # device slots (reads served at once); 0 = unlimited
@@ -164,6 +164,7 @@ class DriveTimeline:
         self.bus_free = 0.0
         self._slots: list[float] = []  # end times of reads holding a device slot
         self._rng = random.Random(seed)
+        self._np = None  # numpy generator for reserve_batch, made on first use
 
     def sample_jitter(self) -> float:
         s = self.model.jitter
@@ -179,9 +180,8 @@ class DriveTimeline:
                 heapq.heappop(self._slots)
             if len(self._slots) >= m.qd:
                 start = max(now, heapq.heappop(self._slots))
-        f = self.sample_jitter()
-        lat = m.lat_us * 1e-6 * f
-        svc = m.service_s(nbytes) * f
+        lat = m.lat_us * 1e-6 * self.sample_jitter()
+        svc = m.service_s(nbytes)
         end = max(start + lat, self.bus_free) + svc
         self.bus_free = end
         if m.slow_p and self._rng.random() < m.slow_p:
@@ -189,6 +189,35 @@ class DriveTimeline:
         if m.qd:
             heapq.heappush(self._slots, end)
         return end
+
+    def reserve_batch(self, now: float, sizes: Sequence[int]) -> float:
+        """Book reads of ``sizes`` all arriving at ``now``, in order; return when the last completes.
+
+        The same model as ``reserve`` (own random stream), vectorised for the simulator: with
+        unlimited slots the bus recurrence end_i = max(now + lat_i, end_(i-1)) + svc_i has the
+        closed form end_i = S_i + max(bus_free, max_(j<=i)(now + lat_j - S_(j-1))), S = cumsum(svc).
+        """
+        m = self.model
+        if m.qd or len(sizes) < 8:
+            return max((self.reserve(now, n) for n in sizes), default=now)
+        import numpy as np
+
+        if self._np is None:
+            self._np = np.random.default_rng(self._rng.getrandbits(63))
+        n = np.asarray(sizes, dtype=np.float64)
+        svc = n / m.bytes_per_s
+        if m.iops:
+            svc = np.maximum(svc, 1.0 / m.iops)
+        f = np.exp(m.jitter * self._np.standard_normal(len(n)) - m.jitter**2 / 2) if m.jitter else np.ones(len(n))
+        lat = m.lat_us * 1e-6 * f
+        S = np.cumsum(svc)
+        start = np.maximum.accumulate(now + lat - (S - svc))
+        end = S + np.maximum(self.bus_free, start)
+        self.bus_free = float(end[-1])
+        if m.slow_p:
+            slow = self._np.random(len(n)) < m.slow_p
+            end = end + slow * (m.slow_x - 1.0) * (lat + svc)
+        return float(end.max())
 
     def backlog_bytes(self, now: float) -> float:
         """Bytes still queued on the bus at ``now`` (what a scheduler sees as the drive's queue)."""
@@ -603,23 +632,25 @@ def fit_model(points: Sequence[Measurement], small: int, big: int, label: str = 
         if measured_iops < 0.9 * unc.rate_at(p.qd, small) * 1e9 / small:
             iops = measured_iops  # the drive (or the host) caps reads per second below what latency allows
     svc_us = DriveModel(label, rate, lat_us=0.0, iops=iops).service_s(small) * 1e6
-    jitter, slow_p, slow_x = _fit_tail(qd1)
-    body_mean = qd1.lat_p50_us * math.exp(jitter**2 / 2)
-    lat = max(1.0, body_mean - svc_us)
+    lat, jitter, slow_p, slow_x = _fit_latency(qd1, svc_us)
     return DriveModel(label, rate, lat_us=round(lat, 2), jitter=round(jitter, 4), slow_p=round(slow_p, 5),
                       slow_x=round(slow_x, 2), iops=round(iops, 1))
 
 
-def _fit_tail(p: Measurement) -> tuple[float, float, float]:
-    """(jitter, slow_p, slow_x): a lognormal body from p50 and p90, and rare slow reads carrying
-    what the body leaves of the mean, as slow as the p99 (z(0.9) = 1.2816)."""
-    jitter = max(0.0, math.log(p.lat_p90_us / p.lat_p50_us) / 1.2816) if p.lat_p50_us > 0 else 0.0
-    body_mean = p.lat_p50_us * math.exp(jitter**2 / 2)
-    excess = p.lat_mean_us / body_mean - 1.0 if body_mean > 0 else 0.0
-    slow_x = p.lat_p99_us / body_mean
+def _fit_latency(p: Measurement, svc_us: float) -> tuple[float, float, float, float]:
+    """(lat_us, jitter, slow_p, slow_x) for qd-1 reads taking ``svc_us`` on the bus: a lognormal
+    latency from the p50 and p90, plus rare slow reads carrying what it leaves of the mean, as
+    slow as the p99 (z(0.9) = 1.2816)."""
+    x50 = max(1.0, p.lat_p50_us - svc_us)
+    x90 = max(x50, p.lat_p90_us - svc_us)
+    jitter = math.log(x90 / x50) / 1.2816
+    lat = x50 * math.exp(jitter**2 / 2)  # the lognormal's mean, from its median
+    body = lat + svc_us
+    excess = p.lat_mean_us / body - 1.0
+    slow_x = p.lat_p99_us / body
     if excess < 0.02 or slow_x < 1.25:
-        return jitter, 0.0, 1.0
-    return jitter, min(0.2, excess / (slow_x - 1.0)), slow_x
+        return lat, jitter, 0.0, 1.0
+    return lat, jitter, min(0.2, excess / (slow_x - 1.0)), slow_x
 
 
 def calibrate(path: str, *, seconds: float = 0.3, small: int = 4096, big: int = 1 << 20, big_qd: int = 4,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 ALIGN = 4096
 LAYOUTS = ("placed", "stripe", "raid0")
@@ -60,8 +61,9 @@ class ReadRequest:
                              f"not {self.nbytes}")
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRead:
+class ScheduledRead(NamedTuple):
+    """One read in a drive's queue (a tuple: layers of a prefill hold thousands)."""
+
     expert: int
     drive: int
     offset: int
@@ -146,14 +148,15 @@ def layer_requests(experts: Sequence[int], sizes: Sequence[int], locations: Sequ
     if layout != "placed" and not rates_gbps:
         raise ValueError(f"layout {layout!r} needs the drive rates")
     out = []
+    plans: dict[int, tuple[Piece, ...]] = {}  # experts of one size share a striping plan
     for e in experts:
         n = sizes[e]
         if layout == "placed":
             out.append(ReadRequest(e, n, replicas=tuple(locations[e]), priority=priority))
-        elif layout == "stripe":
-            out.append(ReadRequest(e, n, pieces=stripe_bandwidth(n, rates_gbps), priority=priority))
-        else:
-            out.append(ReadRequest(e, n, pieces=stripe_equal(n, len(rates_gbps)), priority=priority))
+            continue
+        if n not in plans:
+            plans[n] = stripe_bandwidth(n, rates_gbps) if layout == "stripe" else stripe_equal(n, len(rates_gbps))
+        out.append(ReadRequest(e, n, pieces=plans[n], priority=priority))
     return out
 
 
