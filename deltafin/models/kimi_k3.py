@@ -1,0 +1,392 @@
+"""Kimi K3 (model_type kimi_k3, text model kimi_linear): KDA + gated NoPE MLA, AttnRes, Stable LatentMoE.
+
+Follows ../shared/specs/KIMI_K3.md (section numbers below refer to it). Letters: T tokens, D model width,
+k experts per token, E experts, Lat latent width (routed_expert_hidden_size).
+
+The residual stream is AttnRes (§3.3): a running partial sum ``p`` plus block snapshots, mixed per token
+by a softmax before each sublayer. ``Carry`` holds both for T tokens; the runtime may concatenate the
+carries of several sequences along T for the token-wise parts (``mlp_part``, ``head``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.models import kda
+from deltafin.models.base import (
+    ExpertSource,
+    ExpertTensors,
+    SequenceState,
+    Weights,
+    dense,
+    linear,
+    moe_dispatch,
+    rms_norm,
+)
+from deltafin.models.k3_mla import MLA_LATENT_NORM_EPS, MLACache, MLADims, attend_absorbed, attend_expanded
+from deltafin.quant import int8
+from deltafin.quant.record import PLAIN, QTensor
+
+# §6.2 disagreement 2: the official module declares A_log [num_heads], the checkpoint stores it zero-padded
+# to 128 entries, fla indexes it per head and sglang slices the first num_heads. We read entries
+# [A_LOG_FIRST_HEAD, A_LOG_FIRST_HEAD + num_heads), one per head, broadcast over the head's channels.
+A_LOG_FIRST_HEAD = 0
+ROUTER_RENORM_EPS = 1e-20  # §3.4 step 1: w_k = s_k / (sum s + 1e-20)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    intermediate_size: int  # the dense layer-0 MLP
+    num_attention_heads: int  # MLA
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_layers: tuple[int, ...]  # 1-based, as in config.json (§1.1 layer schedule)
+    full_attn_layers: tuple[int, ...]  # 1-based MLA layers
+    num_experts: int
+    num_experts_per_token: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int
+    attn_res_block_size: int
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float = -5.0
+    num_shared_experts: int = 0
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    rms_norm_eps: float = 1e-5
+    mla_use_output_gate: bool = True
+    latent_moe_use_norm: bool = True
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    _kda: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        kda_l, mla_l = set(self.kda_layers), set(self.full_attn_layers)
+        if kda_l & mla_l or kda_l | mla_l != set(range(1, n + 1)):
+            raise UnsupportedArchitectureError(
+                f"kimi_k3: kda_layers and full_attn_layers must split layers 1..{n} between them; got "
+                f"kda {sorted(kda_l)}, full {sorted(mla_l)}"
+            )
+        if self.attn_res_block_size <= 0:
+            raise UnsupportedArchitectureError(f"kimi_k3: attn_res_block_size must be positive, got {self.attn_res_block_size}")
+        object.__setattr__(self, "_kda", frozenset(i - 1 for i in kda_l))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        """From the text_config dict (or the top-level config holding it); unknown keys are ignored."""
+        d = d.get("text_config", d)
+        _check_supported(d)
+        la = d["linear_attn_config"]
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d and not f.name.startswith("_")}
+        kw.update(
+            kda_num_heads=la["num_heads"], kda_head_dim=la["head_dim"],
+            kda_layers=tuple(la["kda_layers"]), full_attn_layers=tuple(la["full_attn_layers"]),
+            short_conv_kernel_size=la.get("short_conv_kernel_size", 4),
+            gate_lower_bound=la.get("gate_lower_bound", -5.0),
+        )
+        return cls(**kw)
+
+    def is_kda(self, i: int) -> bool:
+        return i in self._kda
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+
+def _check_supported(d: dict) -> None:
+    la = d.get("linear_attn_config") or {}
+    wants = {
+        "hidden_act": (d.get("hidden_act"), "situ"),
+        "moe_router_activation_func": (d.get("moe_router_activation_func", "sigmoid"), "sigmoid"),
+        "num_expert_group": (d.get("num_expert_group", 1), 1),
+        "mla_use_nope": (d.get("mla_use_nope", True), True),
+        "linear_attn_config.use_full_rank_gate": (la.get("use_full_rank_gate", True), True),
+        "attn_res_block_size set": (d.get("attn_res_block_size") is not None, True),
+        "latent MoE (routed_expert_hidden_size set)": (d.get("routed_expert_hidden_size") is not None, True),
+    }
+    bad = [f"{k}={got!r} (need {need!r})" for k, (got, need) in wants.items() if got != need]
+    if bad:
+        raise UnsupportedArchitectureError(f"kimi_k3: this config differs from Kimi K3 in {', '.join(bad)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """AttnRes stream of T tokens: the running partial sum and the block snapshots (token-major)."""
+
+    p: torch.Tensor  # [T, D]
+    blocks: tuple[torch.Tensor, ...] = ()  # each [T, D]; blocks[0] is the embedding
+
+    @property
+    def tokens(self) -> int:
+        return self.p.shape[0]
+
+    @staticmethod
+    def cat(carries: Sequence[Carry]) -> Carry:
+        """Concatenate the carries of several sequences (at the same layer) along T."""
+        n = {len(c.blocks) for c in carries}
+        assert len(n) == 1, f"carries at different layers ({sorted(n)} snapshots)"
+        blocks = tuple(torch.cat(b) for b in zip(*(c.blocks for c in carries), strict=True))
+        return Carry(torch.cat([c.p for c in carries]), blocks)
+
+    def split(self, sizes: Sequence[int]) -> list[Carry]:
+        """Inverse of :meth:`cat`: one carry per sequence length in ``sizes``."""
+        ps = self.p.split(list(sizes))
+        bs = [b.split(list(sizes)) for b in self.blocks]
+        return [Carry(p, tuple(b[j] for b in bs)) for j, p in enumerate(ps)]
+
+
+def attn_res_mix(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Mix(p, B) of §3.3: softmax over [b_0..b_{n-1}, p] of RMS-normalised keys . w, applied to the raw entries.
+
+    p [T, D], blocks each [T, D], w [D] = res_norm.weight * res_proj.weight (fp32). Computed in fp32.
+    """
+    V = torch.stack([*blocks, p]).float()  # [n+1, T, D]
+    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    pi = (keys @ w).softmax(0)  # [n+1, T]
+    return (pi.unsqueeze(-1) * V).sum(0).to(p.dtype)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU (§3.4): beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta), in fp32."""
+    gf, uf = g.float(), u.float()
+    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
+    return act.to(g.dtype)
+
+
+def embedding_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of an embedding record without dequantizing the whole table where the format allows."""
+    if isinstance(w, torch.Tensor):
+        return w[ids].to(dtype)
+    if w.format == "int8":
+        return int8.dequantize(w.data[ids], w.scale[ids], dtype)
+    if w.format in PLAIN:
+        return w.data[ids].to(dtype)
+    return dense(w, dtype)[ids]
+
+
+_KDA_NAMES = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
+              "b_proj", "g_proj", "o_norm", "o_proj")
+_MLA_NAMES = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+_MOE_NAMES = ("gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight",
+              "routed_expert_up_proj.weight")
+
+
+class Model:
+    """Kimi K3 over packed trunk records; routed experts come from an ExpertSource."""
+
+    def __init__(self, cfg: Config, weights: Weights, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        self.kda_chunk = kda.CHUNK
+        self.mla = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                           cfg.kv_lora_rank)
+        self._check(weights)
+        self.w = {n: t.to(self.device) for n, t in weights.items()}
+        self.vec = self._vectors()
+
+    # ------------------------------------------------------------------ setup
+
+    def _check(self, weights: Weights) -> None:
+        need = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"]
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
+            need += [pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                       "self_attention_res_norm.weight", "self_attention_res_proj.weight",
+                                       "mlp_res_norm.weight", "mlp_res_proj.weight")]
+            if self.cfg.is_kda(i):
+                attn = [f"{n}.weight" for n in _KDA_NAMES] + ["A_log", "dt_bias"]
+            else:
+                attn = [f"{n}.weight" for n in _MLA_NAMES] + ["g_proj.weight"] * self.cfg.mla_use_output_gate
+            need += [pre + "self_attn." + n for n in attn]
+            mlp = [f"block_sparse_moe.{n}" for n in _MOE_NAMES] if self.cfg.is_moe(i) else ["mlp.gate_proj.weight"]
+            need += [pre + n for n in mlp]
+        missing = [n for n in need if n not in weights]
+        if missing:
+            raise CheckpointError(f"kimi_k3: {len(missing)} trunk tensor(s) missing, e.g. {missing[:3]}; "
+                                  f"repack the model from a complete checkpoint")
+        H = self.cfg.kda_num_heads
+        for i in (i for i in range(self.num_layers) if self.cfg.is_kda(i)):
+            a = weights[f"model.layers.{i}.self_attn.A_log"]
+            if math.prod(a.shape) < A_LOG_FIRST_HEAD + H:
+                raise CheckpointError(f"layer {i}: A_log has shape {tuple(a.shape)}, fewer than {H} head entries")
+
+    def _vectors(self) -> dict[str, torch.Tensor]:
+        """Small float32 tensors (norms, AttnRes vectors, conv taps, decay parameters) prepared once."""
+        f32 = torch.float32
+        vec = {n: dense(t, f32) for n, t in self.w.items() if len(t.shape) != 2 or t.shape[0] == 1}
+        H = self.cfg.kda_num_heads
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
+            for part in ("self_attention_res", "mlp_res"):
+                vec[pre + part] = vec[pre + part + "_norm.weight"] * vec[pre + part + "_proj.weight"].reshape(-1)
+            if self.cfg.is_kda(i):
+                a = vec[pre + "self_attn.A_log"].reshape(-1)
+                vec[pre + "self_attn.A_log"] = a[A_LOG_FIRST_HEAD : A_LOG_FIRST_HEAD + H]  # [H]
+                for n in "qkv":
+                    vec[pre + f"self_attn.{n}_conv1d.weight"] = vec[pre + f"self_attn.{n}_conv1d.weight"].flatten(1)
+        out = "model.output_attn_res"
+        vec[out] = vec[out + "_norm.weight"] * vec[out + "_proj.weight"].reshape(-1)
+        return vec
+
+    def new_state(self, max_len: int) -> SequenceState:
+        """Per layer: KDA conv + recurrent state (fp32, fixed size) or an MLA latent cache of max_len tokens."""
+        c, layers = self.cfg, []
+        for i in range(self.num_layers):
+            if c.is_kda(i):
+                K = c.kda_head_dim
+                layers.append(kda.KDAState.zeros(c.kda_num_heads, K, K, c.short_conv_kernel_size, self.device))
+            else:
+                width = c.kv_lora_rank + c.qk_rope_head_dim
+                layers.append(MLACache(torch.zeros(max_len, width, dtype=self.dtype, device=self.device)))
+        return SequenceState(layers)
+
+    # ------------------------------------------------------------------ the stream
+
+    def embed(self, ids: torch.Tensor) -> Carry:
+        """The embedding is the first partial sum; layer 0 snapshots it as block 0 (§3.3)."""
+        return Carry(embedding_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype))
+
+    def attn_part(self, i: int, carry: Carry, state: SequenceState) -> Carry:
+        """AttnRes mix, snapshot, then KDA or MLA on T tokens at positions state.pos.. (§3.3 steps 1-3)."""
+        pre, eps = f"model.layers.{i}.", self.cfg.rms_norm_eps
+        p, blocks = carry.p, carry.blocks
+        h = attn_res_mix(p, blocks, self.vec[pre + "self_attention_res"], eps) if blocks else p
+        if i % self.cfg.attn_res_block_size == 0:  # snapshot the raw incoming sum, after the mix above
+            blocks, p = (*blocks, p), None
+        x = rms_norm(h, self.vec[pre + "input_layernorm.weight"], eps)
+        st = state.layers[i]
+        a = self._kda(pre + "self_attn.", x, st) if self.cfg.is_kda(i) else self._mla(pre + "self_attn.", x, st, state.pos)
+        return Carry(a if p is None else p + a, blocks)
+
+    def mlp_part(self, i: int, carry: Carry, experts: ExpertSource) -> Carry:
+        """AttnRes mix, then the dense MLP (layer 0) or the latent MoE; token-wise (§3.3 steps 4-5)."""
+        pre, eps = f"model.layers.{i}.", self.cfg.rms_norm_eps
+        h = attn_res_mix(carry.p, carry.blocks, self.vec[pre + "mlp_res"], eps)
+        x = rms_norm(h, self.vec[pre + "post_attention_layernorm.weight"], eps)
+        m = self._moe(i, x, experts) if self.cfg.is_moe(i) else self._mlp(pre + "mlp.", x)
+        return Carry(carry.p + m, carry.blocks)
+
+    def head(self, carry: Carry) -> torch.Tensor:
+        """Final mix over all snapshots and p, model.norm, lm_head: float32 logits [T, V] (§3.6)."""
+        eps = self.cfg.rms_norm_eps
+        h = attn_res_mix(carry.p, carry.blocks, self.vec["model.output_attn_res"], eps)
+        h = rms_norm(h, self.vec["model.norm.weight"], eps)
+        return linear(h, self.w["lm_head.weight"]).float()
+
+    def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
+        """T new tokens of one sequence at positions state.pos..: float32 logits [T, V]; advances the state."""
+        carry = self.embed(ids)
+        for i in range(self.num_layers):
+            carry = self.attn_part(i, carry, state)
+            carry = self.mlp_part(i, carry, experts)
+        state.pos += ids.shape[0]
+        return self.head(carry)
+
+    # ------------------------------------------------------------------ attention
+
+    def _kda(self, pre: str, x: torch.Tensor, st: kda.KDAState) -> torch.Tensor:
+        """KDA layer (§3.1): conv'd q/k/v, lower-bound decay, delta rule in fp32, gated per-head RMSNorm."""
+        T = x.shape[0]
+        H, K = self.cfg.kda_num_heads, self.cfg.kda_head_dim
+        w, vec = self.w, self.vec
+        qkv, hist = [], []
+        for j, n in enumerate("qkv"):
+            y = linear(x, w[pre + f"{n}_proj.weight"]).float()  # [T, H*K]
+            y, h = kda.short_conv(y, vec[pre + f"{n}_conv1d.weight"], st.conv[j])
+            qkv.append(y.view(T, H, K))
+            hist.append(h)
+        st.conv = torch.stack(hist)
+        q = kda.l2norm(qkv[0]) * K**-0.5  # fla's default scale K^-1/2 (§3.1 step 4)
+        k, v = kda.l2norm(qkv[1]), qkv[2]
+        z = linear(linear(x, w[pre + "f_a_proj.weight"]), w[pre + "f_b_proj.weight"]).float() + vec[pre + "dt_bias"]
+        g = kda.lower_bound_gate(z.view(T, H, K), vec[pre + "A_log"], self.cfg.gate_lower_bound)  # [T, H, K]
+        beta = torch.sigmoid(linear(x, w[pre + "b_proj.weight"]).float())  # [T, H]
+        if T == 1:
+            o, st.S = kda.recurrent(q, k, v, g, beta, st.S)
+        else:
+            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk)
+        gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
+        o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
+        return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
+
+    def _mla(self, pre: str, x: torch.Tensor, cache: MLACache, pos: int) -> torch.Tensor:
+        """Gated MLA without rope (§3.2): latent cache; absorbed form for one token, expanded for more."""
+        T, d, w = x.shape[0], self.mla, self.w
+        if pos + T > cache.kv.shape[0]:
+            raise ValueError(f"MLA cache holds {cache.kv.shape[0]} tokens; cannot add {T} at position {pos}; "
+                             f"create the state with a larger max_len")
+        cq = rms_norm(linear(x, w[pre + "q_a_proj.weight"]), self.vec[pre + "q_a_layernorm.weight"], MLA_LATENT_NORM_EPS)
+        q = linear(cq, w[pre + "q_b_proj.weight"]).view(T, d.heads, d.nope + d.rope)
+        q_nope, q_pe = q.split([d.nope, d.rope], -1)
+        ckv = linear(x, w[pre + "kv_a_proj_with_mqa.weight"])  # [T, R+P]
+        c = rms_norm(ckv[:, : d.latent], self.vec[pre + "kv_a_layernorm.weight"], MLA_LATENT_NORM_EPS)
+        cache.kv[pos : pos + T] = torch.cat([c, ckv[:, d.latent :]], -1).to(cache.kv.dtype)
+        kv = cache.kv[: pos + T].to(x.dtype)  # [S, R+P]
+        wkv = dense(w[pre + "kv_b_proj.weight"], x.dtype).view(d.heads, d.nope + d.v, d.latent)
+        attend = attend_absorbed if T == 1 else attend_expanded
+        ctx = attend(q_nope, q_pe, kv, wkv, d).reshape(T, d.heads * d.v)
+        if self.cfg.mla_use_output_gate:
+            ctx = ctx * torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).to(ctx.dtype)
+        return linear(ctx, w[pre + "o_proj.weight"])
+
+    # ------------------------------------------------------------------ MLPs
+
+    def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+        """SiTU-GLU MLP: the dense layer-0 MLP and the fused shared experts."""
+        c, w = self.cfg, self.w
+        a = situ_glu(linear(x, w[pre + "gate_proj.weight"]), linear(x, w[pre + "up_proj.weight"]),
+                     c.activation_situ_beta, c.activation_situ_linear_beta)
+        return linear(a, w[pre + "down_proj.weight"])
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer i's router on its MLP input x [T, D] (full width): ids [T, k], weights [T, k]; None if dense.
+
+        §3.4 step 1: sigmoid scores in fp32; the correction bias only picks the experts; the weights are the
+        unbiased scores of the chosen ones, renormalised, times routed_scaling_factor.
+        """
+        if not self.cfg.is_moe(i):
+            return None
+        pre = f"model.layers.{i}.block_sparse_moe.gate."
+        s = torch.sigmoid(linear(x.float(), self.w[pre + "weight"]))  # [T, E]
+        ids = (s + self.vec[pre + "e_score_correction_bias"]).topk(self.cfg.num_experts_per_token, -1).indices
+        wts = s.gather(1, ids)  # [T, k]
+        if self.cfg.moe_renormalize:
+            wts = wts / (wts.sum(-1, keepdim=True) + ROUTER_RENORM_EPS)
+        return ids, wts * self.cfg.routed_scaling_factor
+
+    def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
+        """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
+        pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
+        ids, wts = self.route(i, x)
+        z = linear(x, w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
+        y = moe_dispatch(z, ids, wts, i, experts, self._expert)  # [T, Lat] weighted sum over slots
+        if self.cfg.latent_moe_use_norm:
+            y = rms_norm(y, self.vec[pre + "routed_expert_norm.weight"], self.cfg.rms_norm_eps)
+        y = linear(y, w[pre + "routed_expert_up_proj.weight"])  # [T, D]
+        if self.cfg.num_shared_experts:
+            y = y + self._mlp(pre + "shared_experts.", x)
+        return y
+
+    def _expert(self, z: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+        """One routed expert on its tokens' latents z [n, Lat], in float32 (MXFP4 records dequantized)."""
+        c, zf = self.cfg, z.float()
+        a = situ_glu(linear(zf, t["gate"]), linear(zf, t["up"]), c.activation_situ_beta, c.activation_situ_linear_beta)
+        return linear(a, t["down"]).to(z.dtype)
