@@ -14,6 +14,7 @@ from deltafin.io.emulator import (
     DriveTimeline,
     EmulatedDriveSet,
     calibrate,
+    emulated_readers,
     format_spec,
     measure_reader,
     parse_spec,
@@ -88,6 +89,22 @@ def test_bad_specs_name_the_part_and_the_form(spec, bad):
         parse_spec(spec)
     assert bad in str(e.value)
     assert "expected" in str(e.value) or "twice" in str(e.value) or "must be" in str(e.value)
+
+
+def test_emulated_readers_follow_the_model_drives():
+    class Drive:
+        def __init__(self, label):
+            self.label = label
+
+    class Packed:
+        drives = [Drive("tb1"), Drive("internal")]
+
+    readers = emulated_readers("internal:7GBps;tb1:6GBps", Packed())
+    assert [r.label for r in readers] == ["tb1", "internal"] and readers[0].model.gbps == 6.0
+    by_position = emulated_readers("a:1GBps;b:2GBps", Packed())
+    assert [r.model.gbps for r in by_position] == [1.0, 2.0]
+    with pytest.raises(UsageError, match="describes 4 drive"):
+        emulated_readers("report4", Packed())
 
 
 # ---------------------------------------------------------------- timing model

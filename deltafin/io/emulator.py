@@ -535,6 +535,31 @@ class EmulatedDriveSet:
         return [r.stats() for r in self._readers]
 
 
+def emulated_readers(spec: str, packed=None, *, scale: float | None = None, seed: int = 0
+                     ) -> list[EmulatedDriveReader]:
+    """Readers for ``--emulate-drives SPEC``, one per drive of ``packed`` (anything with
+    ``.drives``, each with ``.label``), in the packed model's drive order.
+
+    Emulated drives are matched to the model's drives by label when every label matches, else by
+    position; the counts must agree. Each reader serves the real files at modelled speed.
+    """
+    models = parse_spec(spec, scale)
+    if packed is None:
+        return EmulatedDriveSet(models, seed=seed).readers()
+    labels = [d.label for d in packed.drives]
+    if len(models) != len(labels):
+        raise UsageError(f"--emulate-drives describes {len(models)} drive(s) but the model is on {len(labels)} "
+                         f"({', '.join(labels)}); give one emulated drive per model drive, e.g. "
+                         f"'{labels[0]}:6GBps;...'")
+    by_label = {m.label: m for m in models}
+    if set(by_label) == set(labels):
+        models = tuple(by_label[x] for x in labels)
+    else:
+        log.info("--emulate-drives: labels %s differ from the model's %s; matching by position",
+                 [m.label for m in models], labels)
+    return EmulatedDriveSet(models, seed=seed).readers()
+
+
 # ---------------------------------------------------------------- measurement and calibration
 
 
