@@ -49,6 +49,18 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
     b.add_argument("--gb", type=float, default=4.0, help="GB of expert bytes to pack (default 4)")
     b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("decode", help="expert streaming at Kimi K3's expert size beside the raw read rate")
+    b.add_argument("--synthetic", default="k3", choices=["k3"], help="synthetic model shape (K3 expert sizes)")
+    b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic model")
+    b.add_argument("--experts", type=int, default=64, help="experts per layer (files written: layers x experts)")
+    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--tokens", type=int, default=6)
+    b.add_argument("--threads", type=int, default=8, help="reads in flight")
+    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
+    b.add_argument("--json", metavar="PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:

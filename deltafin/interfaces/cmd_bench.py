@@ -9,4 +9,9 @@ def run(args) -> int:
 
         bench_pack(args.dir, args.gb, args.json)
         return 0
+    if args.bench == "decode":
+        from deltafin.bench.decode import run as bench_decode
+
+        bench_decode(args)
+        return 0
     raise AssertionError(args.bench)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deltafin.errors import CodecError
+
 BLOCK = 32
 # OCP MX v1.0 E2M1 code -> value: sign<<3 | exp<<1 | mantissa, bias 1, subnormal at exp 0.
 E2M1_VALUES = np.array(
@@ -22,7 +24,7 @@ _MIDPOINTS = (_POS[1:] + _POS[:-1]) / 2  # decision boundaries between magnitude
 
 def _check_shapes(packed_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> None:
     if packed_shape[:-1] != scales_shape[:-1] or packed_shape[-1] * 2 != scales_shape[-1] * BLOCK:
-        raise ValueError(
+        raise CodecError(
             f"mxfp4: packed {tuple(packed_shape)} and scales {tuple(scales_shape)} disagree; "
             f"expected packed[..., n/2] with scales[..., n/32]"
         )
@@ -36,7 +38,7 @@ def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w = np.asarray(w, dtype=np.float32)
     *lead, n = w.shape
     if n % BLOCK:
-        raise ValueError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
+        raise CodecError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
     blocks = w.reshape(*lead, n // BLOCK, BLOCK)
     amax = np.abs(blocks).max(axis=-1)
     with np.errstate(divide="ignore"):
@@ -61,9 +63,10 @@ def dequantize_ref(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     *lead, half = packed.shape
     codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*lead, half * 2)
     vals = E2M1_VALUES[codes]
-    mult = np.exp2(scales.astype(np.float64) - 127.0).astype(np.float32)
-    mult = np.where(scales == 255, np.nan, mult)  # OCP MX: E8M0 0xFF is NaN
-    return (vals.reshape(*lead, half * 2 // BLOCK, BLOCK) * mult[..., None]).reshape(*lead, half * 2)
+    mult = np.exp2(np.minimum(scales, 254).astype(np.float64) - 127.0).astype(np.float32)
+    mult = np.where(scales == 255, np.float32(np.nan), mult)  # OCP MX: E8M0 0xFF is NaN
+    with np.errstate(over="ignore"):  # 6 * 2^127 is past float32's range: inf, as in the torch path
+        return (vals.reshape(*lead, half * 2 // BLOCK, BLOCK) * mult[..., None]).reshape(*lead, half * 2)
 
 
 def gguf_to_standard(packed: np.ndarray) -> np.ndarray:
@@ -85,27 +88,32 @@ def standard_to_gguf(packed: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- fast path (torch)
 
-_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
+_LUT_CACHE: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _lut(device: torch.device) -> torch.Tensor:
-    lut = _LUT_CACHE.get(device)
-    if lut is None:
-        lut = _LUT_CACHE[device] = torch.tensor(E2M1_VALUES, device=device)
-    return lut
+def _luts(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(byte -> its two element values [256, 2], E8M0 byte -> 2**(byte - 127) [256, 1])."""
+    key = (device, dtype)
+    if key not in _LUT_CACHE:
+        vals = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        b = torch.arange(256)
+        pair = torch.stack([vals[b & 0x0F], vals[b >> 4]], dim=-1)  # low nibble = even element
+        scale = torch.exp2(torch.arange(256, dtype=torch.float64) - 127).to(torch.float32)
+        scale[255] = float("nan")  # OCP MX: E8M0 0xFF is NaN
+        _LUT_CACHE[key] = (pair.to(device, dtype), scale.unsqueeze(-1).to(device, dtype))
+    return _LUT_CACHE[key]
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Torch dequantizer, bit-identical to :func:`dequantize_ref` (powers of two are exact)."""
+    """Torch dequantizer, bit-identical to :func:`dequantize_ref` (E2M1 values times powers of two are exact
+    in float32). Two table lookups: one per packed byte (both elements), one per block scale."""
     _check_shapes(tuple(packed.shape), tuple(scales.shape))
     *lead, half = packed.shape
-    p = packed.to(torch.uint8)
-    codes = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*lead, half // 16, BLOCK)
-    vals = _lut(p.device)[codes.long()]  # [..., n/32, 32]
-    exps = scales.to(torch.int32) - 127
-    out = torch.ldexp(vals, exps.unsqueeze(-1).to(torch.float32))
-    if bool((scales == 255).any()):
-        out = torch.where((scales == 255).unsqueeze(-1), torch.nan, out)
+    work = torch.float32 if dtype in (torch.float32, torch.float64) else dtype
+    pair, scale = _luts(packed.device, work)
+    vals = torch.nn.functional.embedding(packed.reshape(-1, half).to(torch.int32), pair)  # [R, n/2, 2]
+    s = torch.nn.functional.embedding(scales.reshape(-1, half // 16).to(torch.int32), scale)  # [R, n/32, 1]
+    out = vals.reshape(-1, half // 16, BLOCK) * s
     return out.reshape(*lead, half * 2).to(dtype)
 
 
