@@ -67,9 +67,11 @@ def k3_shapes(tc: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
         "block_sparse_moe.shared_experts.up_proj.weight": (bf, (S, d)),
         "block_sparse_moe.shared_experts.down_proj.weight": (bf, (d, S)),
     }
-    # g_proj is the full-rank output gate in both KDA and MLA layers.
-    per_layer["self_attn.g_proj.weight"] = (bf, (nh * tc["v_head_dim"], d))
-    per_layer["self_attn.o_proj.weight"] = (bf, (d, nh * tc["v_head_dim"]))
+    # g_proj (full-rank output gate) and o_proj exist in both layer kinds, with each kind's width.
+    mla_w, kda_w = nh * tc["v_head_dim"], kh * kd
+    per_layer["self_attn.g_proj.weight"] = (bf, (mla_w, d))
+    per_layer["self_attn.o_proj.weight"] = (bf, (d, mla_w))
+    kda_only = {"self_attn.g_proj.weight": (bf, (kda_w, d)), "self_attn.o_proj.weight": (bf, (d, kda_w))}
     top = {
         "model.embed_tokens.weight": (bf, (v, d)),
         "lm_head.weight": (bf, (v, d)),
@@ -77,13 +79,16 @@ def k3_shapes(tc: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
         "model.output_attn_res_norm.weight": (bf, (d,)),
         "model.output_attn_res_proj.weight": (bf, (1, d)),
     }
-    return {"layer": per_layer, "top": top}
+    kda_layers = {i - 1 for i in la.get("kda_layers", [])}  # the config's lists are 1-based
+    return {"layer": per_layer, "kda": kda_only, "kda_layers": kda_layers, "top": top}
 
 
 def k3_trunk_shape(name: str, tables: dict) -> tuple[str, tuple[int, ...]] | None:
     """Look ``name`` up in the tables from :func:`k3_shapes`."""
     m = _K3_LAYER.fullmatch(name)
     if m:
+        if int(m.group(1)) in tables["kda_layers"] and m.group(2) in tables["kda"]:
+            return tables["kda"][m.group(2)]
         return tables["layer"].get(m.group(2))
     return tables["top"].get(name)
 
