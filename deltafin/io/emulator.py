@@ -400,6 +400,19 @@ class _Clock:
             self._over = 0.95 * self._over + 0.05 * max(0.0, over)
 
 
+def _copy_nogil(dst: memoryview, src, offset: int, n: int) -> None:
+    """dst[:n] = src[offset:offset + n]; large copies go through ctypes.memmove, which releases the
+    GIL, so concurrent emulated reads do not queue behind each other's copies."""
+    if n < (64 << 10) or dst.readonly or not isinstance(src, bytes):
+        dst[:n] = memoryview(src)[offset : offset + n]
+        return
+    import ctypes
+
+    base = ctypes.cast(ctypes.c_char_p(src), ctypes.c_void_p).value
+    target = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    ctypes.memmove(target, base + offset, n)
+
+
 class EmulatedDriveReader:
     """One emulated drive: serves real bytes, timed by its ``DriveModel``. Thread-safe."""
 
@@ -446,7 +459,7 @@ class EmulatedDriveReader:
         if self._memory is not None and path in self._memory:
             src = self._memory[path]
             n = max(0, min(len(buf), len(src) - offset))
-            buf[:n] = memoryview(src)[offset : offset + n]
+            _copy_nogil(buf, src, offset, n)
             return n
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -30,14 +30,21 @@ def _emulated_decode(cfg: SimConfig, placement, workers: int) -> float:
     cache = ByteLRU(cfg.cache_bytes)
     sizes = [shape.expert_bytes] * shape.experts
     bufs = [aligned_buffer(shape.expert_bytes) for _ in range(workers)]
+    zeros = bytes(len(bufs[0]))
+    for b in bufs:  # fault the pages in now: a first touch inside a timed read costs milliseconds
+        b[:] = zeros
     with ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(time.sleep, 0.01) for _ in range(workers)]:  # start every worker thread first
+            f.result()
         t0 = time.monotonic()
         for tok in range(cfg.tokens):
             for layer in range(shape.layers):
                 misses = [e for e in router.route(tok, layer) if not cache.hit((layer, e))]
                 reqs = layer_requests(misses, sizes, placement[layer], cfg.layout, rates)
                 sched = schedule_layer(reqs, rates, None, latency)
-                reads = [r for q in sched.queues for r in q]
+                # first read of every drive first, then every drive's second read, ...
+                reads = [r for rank in range(max(map(len, sched.queues))) for q in sched.queues
+                         if rank < len(q) for r in (q[rank],)]
                 assert len(reads) <= workers, "raise workers: every read of a layer must be in flight at once"
                 futs = [pool.submit(readers[r.drive].read_into, f"L{layer}/E{r.expert}", r.offset,
                                     bufs[i][: r.nbytes]) for i, r in enumerate(reads)]

@@ -36,8 +36,13 @@ def scenario_configs(shape: MoEShape = KIMI_K3, *, tokens: int = 8, prompt: int 
         replace(base, name="report drives, bandwidth striping", layout="stripe"),
         replace(base, name="internal drive alone", drives=base_drives[:1]),
     ]
+    fast = (replace(base_drives[0], gbps=2 * base_drives[0].gbps),) + tuple(base_drives[1:])
+    named.append(replace(base, name="fast internal (2x), RAID-0 striping", drives=fast, layout="raid0"))
+    named.append(replace(base, name="fast internal (2x), bandwidth striping", drives=fast, layout="stripe"))
     for n in (8, 16, 40):
-        named.append(replace(base, name=f"{n} drives (internal + {n - 1} external)", drives=report_drives(n)))
+        drives_n = _scaled_like(report_drives(n), base_drives)
+        named.append(replace(base, name=f"{n} drives (internal + {n - 1} external)", drives=drives_n))
+        named.append(replace(base, name=f"{n} drives, bandwidth striping", drives=drives_n, layout="stripe"))
     for gb in cache_gb:
         named.append(replace(base, name=f"report drives, {gb:g} GB cache", cache_bytes=int(gb * GB), prompt=0))
     mid = int(cache_gb[len(cache_gb) // 2] * GB) if cache_gb else 0
@@ -46,6 +51,12 @@ def scenario_configs(shape: MoEShape = KIMI_K3, *, tokens: int = 8, prompt: int 
     named.append(replace(base, name=f"report drives, skewed router, {mid / GB:g} GB cache, replicas", skew=1.0,
                          cache_bytes=mid, prompt=0, policy="replicas", spare_fraction=0.2))
     return named
+
+
+def _scaled_like(drives: tuple[DriveModel, ...], base: tuple[DriveModel, ...]) -> tuple[DriveModel, ...]:
+    """``drives`` scaled by the factor that turned the report's four drives into ``base``."""
+    factor = sum(d.gbps for d in base) / sum(d.gbps for d in report_drives(len(base))) if len(base) else 1.0
+    return tuple(d.scaled(factor) for d in drives) if abs(factor - 1) > 1e-9 else drives
 
 
 def run_scenarios(shape: MoEShape = KIMI_K3, *, tokens: int = 8, prompt: int = 512, seed: int = 0,
@@ -68,10 +79,11 @@ def run_scenarios(shape: MoEShape = KIMI_K3, *, tokens: int = 8, prompt: int = 5
 
 
 def scaling_curves(shape: MoEShape = KIMI_K3, *, tokens: int = 4, seed: int = 0) -> dict[str, list[dict]]:
-    """tok/s against drive count (bandwidth placement, RAID-0, round-robin) and against cache size."""
+    """tok/s against drive count (bandwidth placement, bandwidth striping, RAID-0, round-robin) and
+    against cache size."""
     curves: dict[str, list[dict]] = {}
-    for label, policy, layout in (("bandwidth", "bandwidth", "placed"), ("raid0", "bandwidth", "raid0"),
-                                  ("roundrobin", "roundrobin", "placed")):
+    for label, policy, layout in (("bandwidth", "bandwidth", "placed"), ("stripe", "bandwidth", "stripe"),
+                                  ("raid0", "bandwidth", "raid0"), ("roundrobin", "roundrobin", "placed")):
         curves[label] = [simulate(SimConfig(shape, report_drives(n), name=f"{n} drives {label}", policy=policy,
                                             layout=layout, tokens=tokens, prompt=0, seed=seed))
                          for n in DRIVE_COUNTS]
@@ -113,7 +125,7 @@ def write_plots(curves: dict[str, list[dict]], out_dir: str) -> list[str]:
 
 def _plot_drives(plt, curves: dict[str, list[dict]], out_dir: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label in ("bandwidth", "raid0", "roundrobin"):
+    for label in ("bandwidth", "stripe", "raid0", "roundrobin"):
         if label in curves:
             pts = curves[label]
             ax.plot([p["drives"] for p in pts], [p["tok_s"] for p in pts], marker="o", label=label)
