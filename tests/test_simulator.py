@@ -122,6 +122,13 @@ def test_replicas_let_the_scheduler_balance():
     assert copies["tok_s"] > plain["tok_s"]
 
 
+def test_coactivation_placement_pays_when_routes_cluster():
+    cfg = SimConfig(K3_8, report_drives(4), tokens=16, prompt=0, group=4, affinity=0.9)
+    plain = simulate_decode(cfg)
+    coact = simulate_decode(replace(cfg, policy="coactivation"))
+    assert coact["aggregate_fraction"] > plain["aggregate_fraction"] + 0.1
+
+
 def test_byte_lru():
     c = ByteLRU(250)
     for k in "abc":
@@ -146,7 +153,8 @@ def test_run_scenarios_small(caplog):
     with caplog.at_level(logging.INFO):
         records = run_scenarios(SMALL, tokens=2, prompt=16, drives="report4@0.1", cache_gb=(0.016, 0.064))
     names = [r["name"] for r in records]
-    for want in ("bandwidth placement", "RAID-0", "internal drive alone", "40 drives", "0.064 GB cache", "replicas"):
+    for want in ("bandwidth placement", "RAID-0", "internal drive alone", "40 drives", "0.064 GB cache", "replicas",
+                 "co-activation placement", "bandwidth striping"):
         assert any(want in n for n in names), want
     table = format_table(records)
     assert "RAID-0" in table and len(table.splitlines()) == len(records) + 1

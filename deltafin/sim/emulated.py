@@ -26,7 +26,7 @@ def _emulated_decode(cfg: SimConfig, placement, workers: int) -> float:
     readers = drives.readers()
     rates = [d.gbps for d in cfg.drives]
     latency = [d.lat_us * 1e-6 for d in cfg.drives]
-    router = make_router(shape, cfg.skew, cfg.seed, cfg.trace or None)
+    router = make_router(shape, cfg.skew, cfg.seed, cfg.trace or None, cfg.group, cfg.affinity, cfg.seed)
     cache = ByteLRU(cfg.cache_bytes)
     sizes = [shape.expert_bytes] * shape.experts
     bufs = [aligned_buffer(shape.expert_bytes) for _ in range(workers)]

@@ -35,6 +35,8 @@ class SimConfig:
     layout: str = "placed"
     cache_bytes: int = 0
     skew: float = 0.0  # Zipf exponent of expert popularity; 0 = uniform routing
+    group: int = 0  # > 0: experts come in groups of this size that tokens route to together
+    affinity: float = 0.0  # with ``group``: chance that a pick is a whole group
     tokens: int = 16  # decoded tokens measured (after the cache warms up)
     prompt: int = 512  # prompt tokens for time to first token; 0 skips prefill
     math_s: float = 0.0  # math per layer per decoded token
@@ -90,7 +92,8 @@ def _placement(cfg: SimConfig):
         return {layer: row for layer in sizes}
     if cfg.policy == "roundrobin":
         return place(sizes, specs, cfg.policy)
-    trace = list(cfg.trace) or record_trace(make_router(shape, cfg.skew, cfg.seed + 101), shape, cfg.trace_tokens)
+    recorder = make_router(shape, cfg.skew, cfg.seed + 101, None, cfg.group, cfg.affinity, cfg.seed)
+    trace = list(cfg.trace) or record_trace(recorder, shape, cfg.trace_tokens)
     capacity = None
     if cfg.policy == "replicas":
         share = shape.total_bytes / cfg.summed_gbps
@@ -109,7 +112,7 @@ def simulate_decode(cfg: SimConfig, placement=None) -> dict:
     """Decode ``cfg.tokens`` tokens after warming the cache; return tok/s and per-layer figures."""
     shape = cfg.shape
     placement = placement if placement is not None else _placement(cfg)
-    router = make_router(shape, cfg.skew, cfg.seed, cfg.trace or None)
+    router = make_router(shape, cfg.skew, cfg.seed, cfg.trace or None, cfg.group, cfg.affinity, cfg.seed)
     drives = _Drives(cfg.drives, cfg.seed)
     cache = ByteLRU(cfg.cache_bytes)
     sizes = [shape.expert_bytes] * shape.experts
@@ -163,7 +166,7 @@ def simulate_prefill(cfg: SimConfig, placement=None) -> dict:
     ``cfg.cache_bytes`` is not modelled: every touched expert is read once)."""
     shape = cfg.shape
     placement = placement if placement is not None else _placement(cfg)
-    router = make_router(shape, cfg.skew, cfg.seed + 7, cfg.trace or None)
+    router = make_router(shape, cfg.skew, cfg.seed + 7, cfg.trace or None, cfg.group, cfg.affinity, cfg.seed)
     drives = _Drives(cfg.drives, cfg.seed + 1)
     sizes = [shape.expert_bytes] * shape.experts
     t = 0.0

@@ -43,6 +43,10 @@ def scenario_configs(shape: MoEShape = KIMI_K3, *, tokens: int = 8, prompt: int 
         drives_n = _scaled_like(report_drives(n), base_drives)
         named.append(replace(base, name=f"{n} drives (internal + {n - 1} external)", drives=drives_n))
         named.append(replace(base, name=f"{n} drives, bandwidth striping", drives=drives_n, layout="stripe"))
+    clustered = replace(base, group=4, affinity=0.9, prompt=0)
+    named.append(replace(clustered, name="clustered router (groups of 4), bandwidth placement"))
+    named.append(replace(clustered, name="clustered router (groups of 4), co-activation placement",
+                         policy="coactivation"))
     for gb in cache_gb:
         named.append(replace(base, name=f"report drives, {gb:g} GB cache", cache_bytes=int(gb * GB), prompt=0))
     mid = int(cache_gb[len(cache_gb) // 2] * GB) if cache_gb else 0
