@@ -1,0 +1,166 @@
+"""The streaming engine: exact against the all-resident path, independent of cache size and reader threads,
+clear errors on bad reads, replicas, sampling and stop rules, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from deltafin.errors import ReadError, UsageError
+from deltafin.k3_tiny import write_tiny_k3
+from deltafin.models import registry
+from deltafin.models.base import ResidentExperts
+from deltafin.runtime.engine import Engine, EngineOptions
+from deltafin.runtime.sampling import SamplingParams
+from deltafin.store import manifest as mf
+from deltafin.store.drives import parse_drives
+from deltafin.store.model_dir import PackedModel
+from deltafin.store.pack import PackOptions, pack
+
+PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
+
+
+@pytest.fixture(scope="module")
+def k3_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k3")
+    write_tiny_k3(root / "src")
+    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
+         PackOptions(progress=False))
+    return root
+
+
+def _engine(root, **kw) -> Engine:
+    return Engine(str(root / "model"), EngineOptions(**kw))
+
+
+def _resident_logits(root, ids: list[int]) -> torch.Tensor:
+    pm = PackedModel.open(str(root / "model"))
+    model = registry.build(pm.family, pm.text_config, pm.trunk_records())
+    experts = ResidentExperts({(L, e): pm.read_expert(L, e) for L in pm.moe_layers for e in range(pm.num_experts)})
+    state = model.new_state(64)
+    return model.forward(torch.tensor(ids), state, experts)
+
+
+def test_streaming_equals_resident_bit_for_bit(k3_model):
+    ref = _resident_logits(k3_model, PROMPT)
+    for cache_gb, threads in ((0.0, 1), (0.0, 8), (1.0, 2)):
+        eng = _engine(k3_model, cache_gb=cache_gb, threads=threads)
+        try:
+            state = eng.new_state()
+            got = eng.model.forward(torch.tensor(PROMPT), state, eng.source)
+        finally:
+            eng.close()
+        assert torch.equal(got, ref), f"cache {cache_gb} GB, {threads} threads"
+
+
+def test_generation_independent_of_cache_and_threads(k3_model):
+    outs = []
+    for cache_gb, threads in ((0.0, 1), (1.0, 6)):
+        eng = _engine(k3_model, cache_gb=cache_gb, threads=threads)
+        try:
+            toks = [t for t, _ in eng.generate(PROMPT, 12, SamplingParams())]
+            outs.append((toks, eng.last_stats))
+        finally:
+            eng.close()
+    assert outs[0][0] == outs[1][0]
+    cold, warm = outs[0][1], outs[1][1]
+    assert cold.cache_hit_rate == 0.0 and warm.cache_hit_rate > 0.0
+    assert warm.bytes_read < cold.bytes_read
+
+
+def test_stats_account_for_reads(k3_model):
+    eng = _engine(k3_model, cache_gb=0.0)
+    try:
+        toks = [t for t, _ in eng.generate(PROMPT, 4, SamplingParams())]
+        st = eng.last_stats.to_json()
+    finally:
+        eng.close()
+    for key in ("tokens", "text", "decode_tok_s", "ttft_s", "bytes_read", "cache_hit_rate", "io_wait_s",
+                "expert_math_s", "trunk_math_s", "per_drive"):
+        assert key in st
+    assert st["tokens"] == toks and st["ttft_s"] > 0 and st["decode_tok_s"] > 0
+    pm = PackedModel.open(str(k3_model / "model"))
+    assert st["bytes_read"] == st["reads"] * pm.file_bytes(pm.moe_layers[0])
+    assert sum(d["bytes"] for d in st["per_drive"].values()) >= st["bytes_read"]
+
+
+def test_sampling_seeded_and_top_k_one_is_greedy(k3_model):
+    eng = _engine(k3_model, cache_gb=1.0)
+    try:
+        greedy = [t for t, _ in eng.generate(PROMPT, 8)]
+        a = [t for t, _ in eng.generate(PROMPT, 8, SamplingParams(1.0, 0.9, 0, seed=3))]
+        b = [t for t, _ in eng.generate(PROMPT, 8, SamplingParams(1.0, 0.9, 0, seed=3))]
+        k1 = [t for t, _ in eng.generate(PROMPT, 8, SamplingParams(1.5, 1.0, 1, seed=9))]
+        stop = [t for t, _ in eng.generate(PROMPT, 8, stop_ids=(greedy[2],))]
+    finally:
+        eng.close()
+    assert a == b
+    assert k1 == greedy
+    assert stop == greedy[:2] and eng.last_stats.stop_reason == "stop token"
+
+
+def test_missing_expert_file_names_drive_and_file(k3_model, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(k3_model, root, symlinks=True)
+    doc = json.load(open(root / "model" / mf.MANIFEST))
+    for d in doc["drives"]:  # the copy's drives
+        d["path"] = str(root / os.path.basename(d["path"]))
+    mf.write_json_atomic(str(root / "model" / mf.MANIFEST), doc)
+    pm = PackedModel.open(str(root / "model"))
+    L = pm.moe_layers[0]
+    victims = [pm.expert_path(L, e) for e in range(pm.num_experts)]
+    for p in victims:
+        os.unlink(p)
+    eng = _engine(root, cache_gb=0.0)
+    try:
+        with pytest.raises(ReadError) as err:
+            list(eng.generate(PROMPT, 2))
+    finally:
+        eng.close()
+    msg = str(err.value)
+    assert any(f"drive {d.label}" in msg for d in pm.drives), msg
+    assert any(p in msg for p in victims), msg
+
+
+def test_replica_serves_a_failed_read(k3_model, tmp_path):
+    root = tmp_path / "copy"
+    shutil.copytree(k3_model, root, symlinks=True)
+    doc = json.load(open(root / "model" / mf.MANIFEST))
+    for d in doc["drives"]:
+        d["path"] = str(root / os.path.basename(d["path"]))
+    # Give every expert a replica on the other drive, then delete the primaries of one layer.
+    L0 = str(doc["experts"]["layers"][0])
+    for L, locs in doc["experts"]["locations"].items():
+        for e, loc in enumerate(locs):
+            other = 1 - loc[0]
+            src = mf.resolve_under(doc["drives"][loc[0]]["path"], mf.expert_relpath(doc["model_id"], int(L), e))
+            dst = mf.resolve_under(doc["drives"][other]["path"], mf.expert_relpath(doc["model_id"], int(L), e))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(src, dst)
+            loc.append(other)
+            if L == L0:
+                os.unlink(src)
+    mf.write_json_atomic(str(root / "model" / mf.MANIFEST), doc)
+    ref = _resident_logits(k3_model, PROMPT)
+    eng = _engine(root, cache_gb=0.0)
+    try:
+        got = eng.model.forward(torch.tensor(PROMPT), eng.new_state(), eng.source)
+    finally:
+        eng.close()
+    assert torch.equal(got, ref)
+    assert eng.source.per_drive()  # both drives answered
+
+
+def test_context_limit_is_a_clear_error(k3_model):
+    eng = _engine(k3_model, cache_gb=0.0, max_len=8)
+    try:
+        with pytest.raises(UsageError, match="context limit"):
+            list(eng.generate(PROMPT + [1, 2], 2))
+        with pytest.raises(UsageError, match="empty"):
+            list(eng.generate([], 2))
+    finally:
+        eng.close()
