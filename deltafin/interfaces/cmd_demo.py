@@ -19,13 +19,29 @@ def _step(msg: str) -> None:
     print(f"\n== {msg}", flush=True)
 
 
+def _generate(model_dir: str) -> None:
+    from deltafin.runtime.engine import Engine, EngineOptions
+    from deltafin.runtime.sampling import SamplingParams
+
+    eng = Engine(model_dir, EngineOptions(cache_gb=0.0, threads=4))
+    try:
+        prompt = eng.codec.chat([{"role": "user", "content": "Why stream experts from SSDs?"}])
+        print("assistant (random weights, so the text is noise; the pipeline is real): ", end="", flush=True)
+        for _, delta in eng.generate(prompt, 24, SamplingParams()):
+            print(repr(delta)[1:-1], end="", flush=True)
+        print()
+        print(eng.last_stats.summary())
+    finally:
+        eng.close()
+
+
 def run(args) -> int:
     from deltafin.store.drives import parse_drives
     from deltafin.store.inspect import format_summary, model_summary
     from deltafin.store.model_dir import PackedModel
     from deltafin.store.pack import PackOptions, pack
     from deltafin.store.verify import verify
-    from deltafin.tiny import build_tiny
+    from deltafin.tiny import build_tiny, save_byte_tokenizer
 
     work = os.path.abspath(args.dir) if args.dir else tempfile.mkdtemp(prefix="deltafin-demo-")
     os.makedirs(work, exist_ok=True)
@@ -34,6 +50,7 @@ def run(args) -> int:
     try:
         _step(f"building a random {DEMO_MODEL} checkpoint with transformers in {src}")
         build_tiny(DEMO_MODEL, src, seed=0, **DEMO_SHAPE)
+        save_byte_tokenizer(src, DEMO_SHAPE["vocab_size"])
         _step("packing it: int8 trunk, MXFP4 experts, one file per expert over two folders acting as drives")
         # Rates are given (2:1) so the demo stays quick; omit '=GBPS' to measure each drive with a probe.
         s = pack(src, out, parse_drives([f"a:{drives[0]}=2.0", f"b:{drives[1]}=1.0"]), PackOptions(progress=False))
@@ -47,6 +64,8 @@ def run(args) -> int:
               f"({time.perf_counter() - t0:.2f} s)")
         _step("inspecting the packed model")
         print(format_summary(model_summary(model)))
+        _step("generating with the routed experts streamed from the two drives (cold cache, greedy)")
+        _generate(out)
         print(f"\ndemo folder: {work}" + ("" if args.keep or args.dir else " (removed; pass --keep to keep it)"))
         return 0 if rep.ok else 1
     finally:
