@@ -1,0 +1,246 @@
+"""gpt-oss (20b / 120b): GQA attention with learned per-head sinks and q/k/v/o biases, a sliding window
+on the layers ``layer_types`` marks ``sliding_attention``, YaRN RoPE, a biased linear router (top-k, then
+softmax over the chosen), and experts with an interleaved gate/up and a clamped SwiGLU.
+
+Expert roles: ``gate_up`` [2I, H] whose rows alternate gate/up, ``gate_up_bias`` [2I], ``down`` [H, I],
+``down_bias`` [H]. Trunk weights keep their checkpoint names (``model.layers.{i}.self_attn.sinks``...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.models.base import (
+    ExpertSource,
+    ExpertTensors,
+    SequenceState,
+    Weights,
+    dense,
+    linear,
+    moe_dispatch,
+    rms_norm,
+)
+from deltafin.models.ops import GrowingCache, attention_mask, blockwise_attention, embed_rows
+from deltafin.models.rope import Rope, apply_rope
+
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# gpt-oss' RoPE when the config names none (transformers' GptOssConfig defaults)
+ROPE_DEFAULTS = dict(
+    rope_type="yarn",
+    factor=32.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=4096,
+)
+ALIASES = {"num_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok"}
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # one expert
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    rope: Rope
+    layer_types: tuple[str, ...]  # "sliding_attention" | "full_attention" per layer
+    sliding_window: int | None = 128
+    rms_norm_eps: float = 1e-5
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tie_word_embeddings: bool = False
+    model_type: str = "gpt_oss"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedArchitectureError(
+                f"{self.num_attention_heads} attention heads do not share {self.num_key_value_heads} KV heads evenly"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise CheckpointError(
+                f"layer_types names {len(self.layer_types)} layers, the model has "
+                f"{self.num_hidden_layers}; fix config.json"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise CheckpointError(
+                "layer_types has sliding layers but sliding_window is unset; fix config.json"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        """From a config.json dict; unknown keys are ignored."""
+        d = {**{ALIASES[k]: v for k, v in d.items() if k in ALIASES and ALIASES[k] not in d}, **d}
+        missing = [k for k in REQUIRED if d.get(k) is None]
+        if missing:
+            raise CheckpointError(f"config.json lacks {', '.join(missing)}; is this a gpt-oss config?")
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "layer_types"}
+        kw = {k: d[k] for k in names if d.get(k) is not None}
+        n, heads = int(d["num_hidden_layers"]), int(d["num_attention_heads"])
+        kw.setdefault("num_key_value_heads", heads)
+        kw.setdefault("head_dim", int(d["hidden_size"]) // heads)
+        kw.setdefault("num_local_experts", 128)
+        kw.setdefault("num_experts_per_tok", 4)
+        types = d.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+        ]
+        kw["layer_types"] = tuple(types)
+        kw["rope"] = Rope.from_config(d, dim=kw["head_dim"], default_theta=150000.0, defaults=ROPE_DEFAULTS)
+        return cls(**kw)
+
+    def window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+
+class KVCache:
+    """Rotated keys and values of one layer, [S, Hkv, d] each."""
+
+    def __init__(self, kv_heads: int, head_dim: int, max_len: int, device, dtype):
+        self.k = GrowingCache((kv_heads, head_dim), max_len, device, dtype)
+        self.v = GrowingCache((kv_heads, head_dim), max_len, device, dtype)
+
+    @property
+    def length(self) -> int:
+        return self.k.length
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.write(pos, k), self.v.write(pos, v)
+
+
+def sink_attention(q, k, v, sinks, scale: float, keep) -> torch.Tensor:
+    """q [T, H, d], k/v [S, Hkv, d], sinks [H], keep [T, S] or None -> [T, H*d].
+
+    Each head's sink logit joins its softmax and is then dropped, so a head may attend to nothing.
+    Query head h reads KV head h // (H / Hkv).
+    """
+    T, H, d = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    qg = q.view(T, Hkv, G, d).permute(1, 2, 0, 3)  # [Hkv, G, T, d]
+    kt, vt = k.permute(1, 2, 0), v.transpose(0, 1)  # [Hkv, d, S], [Hkv, S, d]
+
+    def scores_of(t0: int, t1: int) -> torch.Tensor:
+        qb = qg[:, :, t0:t1].reshape(Hkv, G * (t1 - t0), d)
+        return (qb @ kt).view(H, t1 - t0, S) * scale  # [H, Tb, S]
+
+    def values_of(p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        return (p.reshape(Hkv, G * (t1 - t0), S) @ vt).view(H, t1 - t0, d)  # [H, Tb, d]
+
+    out = blockwise_attention(scores_of, values_of, T, H, S, keep, q.dtype, sinks)  # [H, T, d]
+    return out.transpose(0, 1).reshape(T, H * d)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gate_up [n, 2I] with gate/up interleaved -> [n, I]."""
+    gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Model:
+    """gpt-oss decoder driven layer by layer (see ``deltafin.models.base``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        weights: Weights,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
+        _check_weights(cfg, weights)
+        self.w = {n: t.to(self.device) for n, t in weights.items()}
+        self.inv_freq = cfg.rope.inv_freq().to(self.device)  # [d/2]
+        self.sinks = [
+            dense(self.w[f"model.layers.{i}.self_attn.sinks"], torch.float32) for i in range(self.num_layers)
+        ]
+
+    def _p(self, i: int, name: str):
+        return self.w.get(f"model.layers.{i}.{name}")
+
+    def new_state(self, max_len: int) -> SequenceState:
+        c = self.cfg
+        return SequenceState(
+            [
+                KVCache(c.num_key_value_heads, c.head_dim, max_len, self.device, self.dtype)
+                for _ in range(self.num_layers)
+            ]
+        )
+
+    def embed(self, ids: torch.LongTensor) -> torch.Tensor:
+        return embed_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype)  # [T, D]
+
+    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        h = rms_norm(carry, self._p(i, "input_layernorm.weight"), self.cfg.rms_norm_eps)
+        return carry + self._attention(i, h, state)
+
+    def _proj(self, i: int, name: str, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self._p(i, f"self_attn.{name}.weight"), self._p(i, f"self_attn.{name}.bias"))
+
+    def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        c, (T, _), pos = self.cfg, h.shape, state.pos
+        q = self._proj(i, "q_proj", h).view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
+        k = self._proj(i, "k_proj", h).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
+        v = self._proj(i, "v_proj", h).view(T, c.num_key_value_heads, c.head_dim)
+        cos, sin = c.rope.cos_sin(self.inv_freq, pos, T)  # [T, d/2]
+        keys, values = state.layers[i].write(pos, apply_rope(k, cos, sin), v)  # [S, Hkv, d]
+        window = c.window(i)
+        start = 0 if window is None else max(0, pos - window + 1)  # older keys are outside every window
+        keep = attention_mask(pos, T, start, pos + T, window, h.device)
+        o = sink_attention(
+            apply_rope(q, cos, sin), keys[start:], values[start:], self.sinks[i], c.head_dim**-0.5, keep
+        )  # [T, H*d]
+        return self._proj(i, "o_proj", o)
+
+    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
+        h = rms_norm(carry, self._p(i, "post_attention_layernorm.weight"), self.cfg.rms_norm_eps)
+        ids, weights = self.route(i, h)
+        return carry + moe_dispatch(h, ids, weights, i, experts, self._expert)
+
+    def _expert(self, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
+        g = clamped_swiglu(
+            linear(x, t["gate_up"], t.get("gate_up_bias")), self.cfg.swiglu_alpha, self.cfg.swiglu_limit
+        )  # [n, I]
+        return linear(g, t["down"], t.get("down_bias"))  # [n, D]
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts [T, k] and weights [T, k] (float32) for x [T, D], the MoE input (after
+        post_attention_layernorm): top-k router logits, softmax over the k chosen."""
+        logits = linear(x.float(), self._p(i, "mlp.router.weight"), self._p(i, "mlp.router.bias"))  # [T, E]
+        top = logits.topk(self.cfg.num_experts_per_tok, dim=-1)
+        return top.indices, torch.softmax(top.values, dim=-1)
+
+    def head(self, carry: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(carry, self.w["model.norm.weight"], self.cfg.rms_norm_eps)
+        return linear(h, self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])).float()  # [T, V]
+
+    def forward(self, ids: torch.LongTensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
+        x = self.embed(ids)
+        for i in range(self.num_layers):
+            x = self.mlp_part(i, self.attn_part(i, x, state), experts)
+        state.pos += ids.shape[0]
+        return self.head(x)
+
+
+def _check_weights(cfg: Config, weights: Weights) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        need += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        need += [p + "self_attn.sinks", p + "mlp.router.weight"]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise CheckpointError(
+            f"trunk lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}; "
+            f"was this model packed from a different checkpoint?"
+        )
