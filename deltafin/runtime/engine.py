@@ -12,6 +12,8 @@ import torch
 from deltafin.errors import UsageError
 from deltafin.models import registry
 from deltafin.models.base import SequenceState
+from deltafin.runtime.batch import forward_batch
+from deltafin.runtime.prefill_plan import plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
 from deltafin.runtime.stats import RunStats
@@ -30,6 +32,7 @@ class EngineOptions:
     drive_map: dict | None = None
     emulate_drives: str | None = None
     max_len: int = 4096
+    prefill_gb: float | None = None  # None: a quarter of available memory, at least 1 GB
 
 
 def default_cache_bytes(trunk_bytes: int) -> int:
@@ -38,6 +41,26 @@ def default_cache_bytes(trunk_bytes: int) -> int:
 
     spare = psutil.virtual_memory().available - trunk_bytes - 2 * 1024**3
     return max(int(spare * 0.5), 0)
+
+
+def default_prefill_bytes() -> int:
+    import psutil
+
+    return max(int(psutil.virtual_memory().available * 0.25), 1 << 30)
+
+
+@dataclass
+class PrefillReport:
+    tokens: int
+    chunk: int
+    seconds: float
+    bytes_read: int
+    unique_bytes: int
+    union_per_layer: dict[int, int]
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.unique_bytes if self.unique_bytes else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,6 +92,7 @@ class Engine:
         from deltafin.runtime.tokenizer import load_codec
 
         self.codec = load_codec(self.packed.path, self.packed.config)
+        self.prefill_bytes = int(opts.prefill_gb * GB) if opts.prefill_gb is not None else default_prefill_bytes()
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -79,12 +103,49 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, ids: list[int], state: SequenceState) -> torch.Tensor:
-        """Run tokens through the model (layer by layer over all of them) -> logits of the last one."""
-        if state.pos + len(ids) > self.opts.max_len:
-            raise UsageError(f"{state.pos + len(ids)} tokens exceed the context limit of {self.opts.max_len}; "
-                             f"raise --max-len or shorten the prompt")
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model.forward(x, state, self.source)[-1]
+        """Run tokens of one sequence through the model (layer by layer over all of them) -> last logits [V]."""
+        return self.forward_batch([(ids, state)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: list[tuple[list[int], SequenceState]]) -> list[torch.Tensor]:
+        """Several sequences in one pass: each routed expert is read once for all of their tokens."""
+        for ids, state in seqs:
+            if state.pos + len(ids) > self.opts.max_len:
+                raise UsageError(f"{state.pos + len(ids)} tokens exceed the context limit of {self.opts.max_len}; "
+                                 f"raise --max-len or shorten the prompt")
+        batch = [(torch.tensor(ids, dtype=torch.long, device=self.device), st) for ids, st in seqs]
+        return [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
+
+    def prefill(self, prompts: list[list[int]], states: list[SequenceState]) -> tuple[list[torch.Tensor], PrefillReport]:
+        """Prefill prompts together, expert-major, in chunks planned from the memory budget."""
+        if any(not p for p in prompts):
+            raise UsageError("a prompt is empty; give at least one token")
+        longest = max(len(p) for p in prompts)
+        past = max(st.pos for st in states)
+        for p, st in zip(prompts, states, strict=True):
+            if st.pos + len(p) > self.opts.max_len:
+                raise UsageError(f"{st.pos + len(p)} tokens exceed the context limit of {self.opts.max_len}; "
+                                 f"raise --max-len or shorten the prompt")
+        plan = plan_prefill(self.packed.text_config, longest, past, self.prefill_bytes, len(prompts))
+        src = self.source
+        before, src.record = src.stats.bytes_read, []
+        t0 = time.perf_counter()
+        last: list[torch.Tensor | None] = [None] * len(prompts)
+        try:
+            for start in range(0, longest, plan.chunk):
+                live = [j for j, p in enumerate(prompts) if start < len(p)]
+                out = self.forward_batch([(prompts[j][start : start + plan.chunk], states[j]) for j in live])
+                for j, lg in zip(live, out, strict=True):
+                    last[j] = lg
+            unions: dict[int, set[int]] = {}
+            for layer, ids in src.record:
+                unions.setdefault(layer, set()).update(ids)
+        finally:
+            src.record = None
+        unique = sum(len(u) * self.packed.file_bytes(L) for L, u in unions.items())
+        report = PrefillReport(sum(map(len, prompts)), plan.chunk, time.perf_counter() - t0,
+                               src.stats.bytes_read - before, unique, {L: len(u) for L, u in sorted(unions.items())})
+        return last, report
 
     def generate(
         self,
@@ -97,8 +158,6 @@ class Engine:
         on_logits: Callable[[torch.Tensor], None] | None = None,
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text delta); fills ``self.last_stats``. ``state`` continues a conversation."""
-        if not prompt:
-            raise UsageError("the prompt is empty; give at least one token")
         stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=str(self.device),
                                            cache_bytes=self.cache_bytes, direct_io=self.source.direct)
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
@@ -107,7 +166,11 @@ class Engine:
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses)
         t0 = time.perf_counter()
-        logits = self.forward(prompt, state)
+        (logits,), pre = self.prefill([prompt], [state])
+        stats.prefill_read_amplification = pre.read_amplification
+        stats.prefill_chunk = pre.chunk
+        stats.union_per_layer = pre.union_per_layer
+        stats.prefill_bytes_read = pre.bytes_read
         emitted, text = [], ""
         t_first = None
         while len(emitted) < max_new:

@@ -22,6 +22,10 @@ class RunStats:
     cache_hit_rate: float = 0.0
     cache_bytes: int = 0
     per_drive: dict = field(default_factory=dict)
+    prefill_read_amplification: float = 0.0  # expert bytes read in prefill / bytes of the unique experts needed
+    prefill_chunk: int = 0
+    prefill_bytes_read: int = 0
+    union_per_layer: dict = field(default_factory=dict)  # layer -> distinct experts the prompt touched
     direct_io: bool = True
     device: str = "cpu"
     stop_reason: str = ""
@@ -36,7 +40,8 @@ class RunStats:
         total = max(self.io_wait_s + self.expert_math_s + self.trunk_math_s, 1e-9)
         lines = [
             f"{len(self.tokens)} tokens; prompt {self.prompt_tokens} tokens, time to first token {self.ttft_s:.2f} s "
-            f"({self.prefill_tok_s:.1f} tok/s prefill); decode {self.decode_tok_s:.2f} tok/s",
+            f"({self.prefill_tok_s:.1f} tok/s prefill, chunk {self.prefill_chunk}, read amplification "
+            f"{self.prefill_read_amplification:.2f}); decode {self.decode_tok_s:.2f} tok/s",
             f"time: waiting on I/O {self.io_wait_s:.2f} s ({self.io_wait_s / total:.0%}), expert math "
             f"{self.expert_math_s:.2f} s ({self.expert_math_s / total:.0%}), trunk math {self.trunk_math_s:.2f} s "
             f"({self.trunk_math_s / total:.0%})",

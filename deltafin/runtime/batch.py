@@ -1,0 +1,45 @@
+"""Several sequences through the model together: sequence mixing per sequence, MoE on all their tokens.
+
+The MoE part is token-wise, so the carries of all sequences are concatenated for it: each routed expert
+is fetched once for every token of every sequence in the step (shared reads for batched prefill and for
+decoding several requests together). Head only on each sequence's last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from deltafin.models.base import ExpertSource, SequenceState
+
+
+def cat(carries: list):
+    if isinstance(carries[0], torch.Tensor):
+        return torch.cat(carries)
+    return type(carries[0]).cat(carries)
+
+
+def split(carry, sizes: Sequence[int]) -> list:
+    if isinstance(carry, torch.Tensor):
+        return list(carry.split(list(sizes)))
+    return carry.split(sizes)
+
+
+def last(carry, n: int):
+    """The carry of the last token of a sequence of n tokens."""
+    return split(carry, [n - 1, 1])[1] if n > 1 else carry
+
+
+def forward_batch(model, seqs: Sequence[tuple[torch.Tensor, SequenceState]], experts: ExpertSource,
+                  all_logits: bool = False) -> list[torch.Tensor]:
+    """Advance each (ids [T_j], state) by its tokens; returns logits per sequence ([1, V], or [T_j, V])."""
+    sizes = [int(ids.shape[0]) for ids, _ in seqs]
+    carries = [model.embed(ids) for ids, _ in seqs]
+    for i in range(model.num_layers):
+        carries = [model.attn_part(i, c, st) for c, (_, st) in zip(carries, seqs, strict=True)]
+        merged = model.mlp_part(i, cat(carries) if len(carries) > 1 else carries[0], experts)
+        carries = split(merged, sizes) if len(carries) > 1 else [merged]
+    for (_, st), n in zip(seqs, sizes, strict=True):
+        st.pos += n
+    return [model.head(c if all_logits else last(c, n)) for c, n in zip(carries, sizes, strict=True)]

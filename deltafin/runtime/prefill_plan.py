@@ -1,0 +1,76 @@
+"""How much of a prompt to prefill at once, planned from a memory budget before any work starts.
+
+Rule: the whole prompt in one pass (each touched expert read once per layer) when its activations fit the
+budget; otherwise the largest chunk that fits, halving from the prompt length. The sequence state
+(KV / latent cache) for the whole context must fit too, or the prompt is refused with the sizes named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltafin.errors import UsageError
+
+F32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    tokens: int
+    chunk: int
+    state_bytes: int
+    activation_bytes: int  # peak estimate for one chunk
+    budget: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.tokens // self.chunk)
+
+
+def _dims(tc: dict) -> dict:
+    la = tc.get("linear_attn_config") or {}
+    heads = tc.get("num_attention_heads", 1)
+    head_dim = tc.get("head_dim") or tc.get("v_head_dim") or tc["hidden_size"] // heads
+    layers = tc.get("num_hidden_layers", 1)
+    full_layers = len(la["full_attn_layers"]) if la.get("full_attn_layers") else layers
+    if tc.get("kv_lora_rank"):  # MLA: latent + rope key per token
+        per_tok = (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * full_layers * F32
+    else:
+        per_tok = 2 * tc.get("num_key_value_heads", heads) * head_dim * full_layers * F32
+    fixed = 0
+    if la.get("kda_layers"):  # recurrent state: heads x K x V fp32 per KDA layer, any context length
+        fixed = len(la["kda_layers"]) * la["num_heads"] * la["head_dim"] ** 2 * F32
+    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 1
+    width = tc.get("routed_expert_hidden_size") or tc["hidden_size"]
+    inter = tc.get("moe_intermediate_size") or tc.get("intermediate_size") or width
+    return dict(heads=heads, per_tok=per_tok, fixed=fixed, k=k, width=width, inter=inter,
+                hidden=tc["hidden_size"], dense_inter=tc.get("intermediate_size") or inter)
+
+
+def activation_bytes(tc: dict, chunk: int, context: int) -> int:
+    d = _dims(tc)
+    attn = 3 * d["heads"] * chunk * context * F32  # scores, probabilities, a temporary
+    moe = chunk * d["k"] * d["width"] * F32 * 2 + 3 * chunk * max(d["inter"], d["dense_inter"]) * F32
+    trunk = 24 * chunk * d["hidden"] * F32  # residual stream, norms, projections, AttnRes snapshots
+    return attn + moe + trunk
+
+
+def plan_prefill(tc: dict, tokens: int, past: int, budget: int, sequences: int = 1) -> PrefillPlan:
+    d = _dims(tc)
+    state = sequences * (d["fixed"] + d["per_tok"] * (past + tokens))
+    if state > budget:
+        raise UsageError(
+            f"{sequences} x {past + tokens} tokens need {state / 1e9:.2f} GB of sequence state "
+            f"(KV/latent cache and recurrent state), over the {budget / 1e9:.2f} GB prefill budget; "
+            f"shorten the prompt or raise --prefill-gb"
+        )
+    chunk = tokens
+    while chunk > 1 and state + sequences * activation_bytes(tc, chunk, past + chunk) > budget:
+        chunk = (chunk + 1) // 2
+    act = sequences * activation_bytes(tc, chunk, past + chunk)
+    if state + act > budget:
+        raise UsageError(
+            f"even one token at a time needs {(state + act) / 1e9:.2f} GB (state {state / 1e9:.2f} GB + "
+            f"activations {act / 1e9:.2f} GB), over the {budget / 1e9:.2f} GB prefill budget; raise --prefill-gb"
+        )
+    return PrefillPlan(tokens, chunk, state, act, budget)
