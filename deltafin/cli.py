@@ -61,6 +61,21 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
     b.add_argument("--json", metavar="PATH")
+    _add_bench_prefill(sub)
+
+
+def _add_bench_prefill(sub) -> None:
+    b = sub.add_parser("prefill", help="time to first token beside the read floor (cold cache, K3 expert size)")
+    b.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic model")
+    b.add_argument("--experts", type=int, default=96, help="experts per layer")
+    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--threads", type=int, default=8, help="reads in flight")
+    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
+    b.add_argument("--json", metavar="PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,4 +14,9 @@ def run(args) -> int:
 
         bench_decode(args)
         return 0
+    if args.bench == "prefill":
+        from deltafin.bench.prefill import run as bench_prefill
+
+        bench_prefill(args)
+        return 0
     raise AssertionError(args.bench)
