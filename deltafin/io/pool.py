@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import queue
 import threading
 import time
@@ -42,13 +43,18 @@ class BufferPool:
 
 
 def _pin(buf: memoryview) -> None:
+    """Page-lock a buffer for asynchronous host-to-device copies (best effort: pageable memory also works,
+    the copies are then synchronous)."""
     import ctypes
+    import logging
 
     import torch
 
     if torch.cuda.is_available():
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf.obj if isinstance(buf.obj, mmap.mmap) else buf))
+        err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)
+        if int(err) != 0:
+            logging.getLogger(__name__).info("could not pin a %d-byte read buffer (cuda error %s)", len(buf), err)
 
 
 @dataclass

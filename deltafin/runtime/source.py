@@ -61,6 +61,7 @@ class StreamingExperts:
         self.verify = verify
         self.stats = SourceStats()
         self.record: list[tuple[int, list[int]]] | None = None  # routing trace when recording
+        self._in_copy: list = []  # (CUDA event, host buffer) pairs whose device copies may be in flight
 
     @property
     def direct(self) -> bool:
@@ -116,13 +117,25 @@ class StreamingExperts:
         tensors = ef.decode(data, where=c.path)
         if self.device.type != "cpu":
             tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-            self.pool.buffers.put(c.buf)  # host copy done with; device tensors live on
+            self._release_after_copy(c.buf)  # the host buffer is reused once its async copy is done
             self.cache.put((layer, e), tensors, c.nbytes)
         elif not self.cache.put((layer, e), tensors, c.nbytes, lambda b=c.buf: self.pool.buffers.put(b)):
             yield from self._timed(e, tensors)
             self.pool.buffers.put(c.buf)  # the consumer finished with the views: reuse the buffer
             return
         yield from self._timed(e, tensors)
+
+    def _release_after_copy(self, buf) -> None:
+        if self.device.type != "cuda":
+            self.pool.buffers.put(buf)
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self._in_copy.append((ev, buf))
+        still = []
+        for ev, b in self._in_copy:
+            (self.pool.buffers.put(b) if ev.query() else still.append((ev, b)))
+        self._in_copy = still
 
     def _timed(self, e: int, tensors: ExpertTensors) -> Iterator[tuple[int, ExpertTensors]]:
         t0 = time.perf_counter()
@@ -134,5 +147,7 @@ class StreamingExperts:
                 for r, c in zip(self.readers, self.pool.counters, strict=True)}
 
     def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         self.pool.close()
         self.cache.clear()
