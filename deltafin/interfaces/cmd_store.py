@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -45,7 +44,7 @@ def _pack(args) -> int:
 
 def _plan(args, drives) -> int:
     from deltafin.store.checkpoint import Checkpoint
-    from deltafin.store.plan_report import plan_report, format_plan
+    from deltafin.store.plan_report import format_plan, plan_report
 
     rep = plan_report(Checkpoint(args.src), drives, args.experts, args.trunk, args.placement)
     print(format_plan(rep))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from deltafin.errors import CodecError
+
 BLOCK = 128
 
 
@@ -12,7 +14,7 @@ def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
     M, N = w8.shape
     bm, bn = block
     if scale_inv.shape != ((M + bm - 1) // bm, (N + bn - 1) // bn):
-        raise ValueError(
+        raise CodecError(
             f"fp8: scale_inv shape {tuple(scale_inv.shape)} does not match weight {M}x{N} with blocks {block}"
         )
     s = scale_inv.to(torch.float32).repeat_interleave(bm, 0)[:M].repeat_interleave(bn, 1)[:, :N]

@@ -109,7 +109,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     in float32). Two table lookups: one per packed byte (both elements), one per block scale."""
     _check_shapes(tuple(packed.shape), tuple(scales.shape))
     *lead, half = packed.shape
-    work = torch.float32 if dtype in (torch.float32, torch.float64) else dtype
+    # bf16 has float32's exponent range, so E2M1 x 2^k is exact in it; float16 would overflow or flush
+    # large and small scales that the float32 result, rounded once, keeps
+    work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     pair, scale = _luts(packed.device, work)
     vals = torch.nn.functional.embedding(packed.reshape(-1, half).to(torch.int32), pair)  # [R, n/2, 2]
     s = torch.nn.functional.embedding(scales.reshape(-1, half // 16).to(torch.int32), scale)  # [R, n/32, 1]

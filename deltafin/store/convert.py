@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deltafin.errors import CheckpointError
 from deltafin.quant import fp8, int4, mxfp4
 from deltafin.quant.record import QTensor, from_plain
 from deltafin.store.checkpoint import Checkpoint, read_row
@@ -15,6 +16,20 @@ def expert_tensors(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int) ->
     key = (layer, None) if plan.family.name == "gpt_oss" else (layer, expert)
     names = plan.expert_names[key]
     return {r.role: _role(ckpt, r, names[r.role], expert) for r in plan.roles[layer]}
+
+
+def check_expert_sources(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int) -> None:
+    """Checks that need a tensor's values, not only its header: compressed-tensors ``weight_shape``
+    must be the logical shape the packed words hold."""
+    key = (layer, None) if plan.family.name == "gpt_oss" else (layer, expert)
+    names = plan.expert_names[key]
+    for r in plan.roles[layer]:
+        name = names[r.role].get("weight_shape") if r.src == "ct_int4" else None
+        if name is not None:
+            got = tuple(int(x) for x in ckpt.read(name).reshape(-1).tolist())
+            if got != tuple(r.shape):
+                raise CheckpointError(f"{name}: logical shape {list(got)}, but the packed weights hold {list(r.shape)}; "
+                                      f"the checkpoint is inconsistent (padded INT4 rows are not supported)")
 
 
 _PASS = {("ct_mxfp4", "mxfp4"): ("weight_packed", "weight_scale"), ("ct_int4", "int4g32"): ("weight_packed", "weight_scale"),

@@ -71,13 +71,17 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(p).free
 
 
+def _size(n: int) -> str:
+    return f"{n:,} bytes ({n / 1e9:,.2f} GB)" if n >= 1e7 else f"{n:,} bytes"
+
+
 def check_space(needs: dict[str, tuple[str, int]]) -> None:
     """needs: label -> (path, bytes still to write). Raises naming every drive that is short."""
     short = []
     for label, (path, need) in needs.items():
         have = free_bytes(path)
         if need > have:
-            short.append(f"drive {label} ({path}) needs {need / 1e9:.2f} GB, has {have / 1e9:.2f} GB free")
+            short.append(f"drive {label} ({path}) needs {_size(need)}, has {_size(have)} free")
     if short:
         raise NotEnoughSpaceError("not enough space: " + "; ".join(short) + ". Free space, add drives, or give "
                                   "faster drives a smaller share")

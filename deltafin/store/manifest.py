@@ -53,7 +53,8 @@ def resolve_under(root: str, rel: str) -> str:
 
 def validate(doc: dict, where: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ManifestError(f"{where}: not a Deltafin model manifest (format {doc.get('format')!r} "
+        got = doc.get("format") if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
+        raise ManifestError(f"{where}: not a Deltafin model manifest (format {got!r} "
                             f"is not {FORMAT!r}); pass the directory written by 'deltafin pack'")
     if doc.get("version") != VERSION:
         raise ManifestError(f"{where}: manifest version {doc.get('version')!r} is not supported (this Deltafin "
@@ -63,9 +64,18 @@ def validate(doc: dict, where: str) -> dict:
         raise ManifestError(f"{where}: manifest is missing field(s) {', '.join(missing)}; repack the model")
     check_model_id(doc["model_id"])
     ex = doc["experts"]
+    if not isinstance(ex, dict):
+        raise ManifestError(f"{where}: manifest experts section is not an object; repack the model")
     for k in ("layers", "num_experts", "layouts", "locations", "checksums"):
         if k not in ex:
             raise ManifestError(f"{where}: manifest experts section is missing {k!r}; repack the model")
+    if not isinstance(doc["drives"], list) or not doc["drives"]:
+        raise ManifestError(f"{where}: manifest drives must be a non-empty list; repack the model")
+    for d in doc["drives"]:
+        if not (isinstance(d, dict) and isinstance(d.get("label"), str) and isinstance(d.get("path"), str)
+                and isinstance(d.get("gbps"), int | float) and d["gbps"] > 0):
+            raise ManifestError(f"{where}: drive entry {d!r} needs a label, a path and a read rate gbps > 0; "
+                                f"repack the model")
     labels = [d["label"] for d in doc["drives"]]
     if len(set(labels)) != len(labels):
         raise ManifestError(f"{where}: duplicate drive labels {labels}")
@@ -74,7 +84,8 @@ def validate(doc: dict, where: str) -> dict:
         locs, sums = ex["locations"].get(str(L)), ex["checksums"].get(str(L))
         if locs is None or sums is None or len(locs) != ex["num_experts"] or len(sums) != ex["num_experts"]:
             raise ManifestError(f"{where}: layer {L} has incomplete expert locations or checksums; repack the model")
-        if any(not loc or any(not (0 <= d < n) for d in loc) for loc in locs):
+        if any(not isinstance(loc, list) or not loc or any(not isinstance(d, int) or not 0 <= d < n for d in loc)
+               for loc in locs):
             raise ManifestError(f"{where}: layer {L} names a drive that is not in the drive list; repack the model")
     return doc
 

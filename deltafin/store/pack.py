@@ -1,7 +1,10 @@
 """``deltafin pack``: checkpoint -> model directory + one file per expert over the drives.
 
 Resumable and crash-safe: every file is written under a temporary name, fsynced and renamed; progress
-is kept in ``pack-state.json``; the manifest is written last, so a model without one is never used.
+(with the placement, so a resumed pack puts every expert where the first run did) is kept in
+``pack-state.json``; the manifest is written last, so a model without one is never used. Re-running a
+finished pack with the same settings starts from its manifest: nothing is rewritten, and ``repair``
+re-checks every file and rewrites only the bad ones.
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ from dataclasses import dataclass
 
 from safetensors.torch import save_file
 
-from deltafin.errors import ManifestError, UsageError
+from deltafin.errors import CheckpointError, ManifestError, UsageError
 from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
-from deltafin.store.convert import expert_tensors, passthrough_sections, trunk_tensor
+from deltafin.store.convert import check_expert_sources, expert_tensors, passthrough_sections, trunk_tensor
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
 from deltafin.store.placement import DriveSpec, place
-from deltafin.store.plan import PackPlan, build_plan
+from deltafin.store.plan import PackPlan, build_plan, check_placement
 
 log = logging.getLogger(__name__)
 STATE = "pack-state.json"
@@ -39,6 +42,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 TOKENIZER_PATTERNS = (re.compile(r"tokenization_.*\.py"), re.compile(r"encoding_.*\.py"))
+_STALE_TMP = re.compile(r".+\.tmp-\d+(-\d+)?")  # temporary names written by this module and expert_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,37 +75,58 @@ class PackSummary:
         return self.bytes_written / max(self.seconds, 1e-9) / 1e9
 
 
-def resolve_drives(out: str, args: list[DriveArg]) -> list[mf.DriveEntry]:
-    """Drive entries with rates; no --drive means one drive at OUT/experts."""
+def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None = None) -> list[mf.DriveEntry]:
+    """Drive entries with rates; no --drive means one drive at OUT/experts. ``known`` holds the rates
+    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured."""
     if not args:
         args = [DriveArg("d0", os.path.join(os.path.abspath(out), "experts"), None)]
     entries = []
     for a in args:
         ensure_writable(a.path, a.label)
-        gbps = a.gbps if a.gbps is not None else probe_read_gbps(a.path, a.label)
-        entries.append(mf.DriveEntry(a.label, a.path, gbps, a.gbps is None))
+        if known and a.label in known:
+            gbps, measured = float(known[a.label][0]), bool(known[a.label][1])
+        else:
+            gbps, measured = (a.gbps, False) if a.gbps is not None else (probe_read_gbps(a.path, a.label), True)
+        entries.append(mf.DriveEntry(a.label, a.path, gbps, measured))
     return entries
 
 
 def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
     t0 = time.perf_counter()
+    check_placement(opts.placement)
     ckpt = Checkpoint(src)
+    missing = [sh for sh in ckpt.shards() if not ckpt.has_shard(sh)]
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: shard(s) {', '.join(missing)} named in the index are missing; "
+                              f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     prior = _prior_manifest(out)
     if not drive_args and prior is not None:  # a re-run (e.g. --repair) keeps the packed drives
-        drive_args = [DriveArg(d.label, d.path, d.gbps) for d in mf.drives(prior)]
-    drives = resolve_drives(out, drive_args)
+        drive_args = [DriveArg(d.label, d.path, None if d.measured else d.gbps) for d in mf.drives(prior)]
+    if not drive_args:
+        drive_args = [DriveArg("d0", os.path.join(out, "experts"), None)]
     model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
-    sizes = {L: [plan.layouts[L].file_bytes] * plan.num_experts for L in plan.moe_layers}
-    locations = place(sizes, [DriveSpec(d.label, d.gbps) for d in drives], opts.placement)
-    state = _load_state(out, _fingerprint(plan, drives, model_id, opts))
+    fingerprint = _fingerprint(plan, drive_args, model_id, opts)
+    state = _load_state(out, fingerprint) or _state_from_manifest(prior, fingerprint) or _new_state(fingerprint)
+    drives = resolve_drives(out, drive_args, state.get("drives"))
+    if state.get("locations") is None:
+        sizes = {L: [plan.layouts[L].file_bytes] * plan.num_experts for L in plan.moe_layers}
+        placed = place(sizes, [DriveSpec(d.label, d.gbps) for d in drives], opts.placement)
+        state["locations"] = {str(L): placed[L] for L in plan.moe_layers}
+    state["drives"] = {d.label: [d.gbps, d.measured] for d in drives}
+    locations = {int(L): locs for L, locs in state["locations"].items()}
     job = _Job(ckpt, plan, out, drives, model_id, locations, state, opts)
+    job.remove_stale_tmp()
     job.check_space()
+    if prior is not None and prior.get("fingerprint") != fingerprint:
+        # other settings: files are about to be rewritten, so the old manifest must not outlive them
+        log.warning("%s: repacking with new settings; removing the old manifest first", out)
+        os.unlink(os.path.join(out, mf.MANIFEST))
     job.write_all()
     _copy_side_files(ckpt, out)
-    doc = job.manifest(src)
+    doc = job.manifest(src) | {"fingerprint": fingerprint}
     mf.write_json_atomic(os.path.join(out, mf.MANIFEST), doc)
     os.unlink(os.path.join(out, STATE))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -121,26 +146,48 @@ def _prior_manifest(out: str) -> dict | None:
         return None
 
 
-def _fingerprint(plan: PackPlan, drives: list[mf.DriveEntry], model_id: str, opts: PackOptions) -> str:
+def _fingerprint(plan: PackPlan, drives: list[DriveArg], model_id: str, opts: PackOptions) -> str:
     doc = {
         "config": plan.config, "experts": opts.experts, "trunk": opts.trunk, "placement": opts.placement,
-        "model_id": model_id, "drives": [(d.label, os.path.realpath(d.path)) for d in drives],
+        "model_id": model_id, "drives": [(d.label, os.path.realpath(d.path), d.gbps) for d in drives],
+        "expert_file": [ef.VERSION, {str(L): _layout_doc(plan.layouts[L]) for L in plan.moe_layers}],
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _load_state(out: str, fingerprint: str) -> dict:
+def _new_state(fingerprint: str) -> dict:
+    return {"fingerprint": fingerprint, "experts": {}, "trunk": [], "locations": None, "drives": None}
+
+
+def _load_state(out: str, fingerprint: str) -> dict | None:
     p = os.path.join(out, STATE)
-    if os.path.exists(p):
+    if not os.path.exists(p):
+        return None
+    try:
         with open(p) as f:
             st = json.load(f)
-        if st.get("fingerprint") != fingerprint:
-            raise UsageError(
-                f"{out} holds an interrupted pack with different settings (source config, formats, drives or "
-                f"placement); re-run with the same arguments to resume, or remove {p} and the expert folders to start over"
-            )
-        return st
-    return {"fingerprint": fingerprint, "experts": {}, "trunk": []}
+    except ValueError as e:
+        raise UsageError(f"{p}: unreadable pack state ({e}); remove it and re-run to start the pack over") from e
+    if st.get("fingerprint") != fingerprint:
+        raise UsageError(
+            f"{out} holds an interrupted pack with different settings (source config, formats, drives or "
+            f"placement); re-run with the same arguments to resume, or remove {p} and the expert folders to start over"
+        )
+    return _new_state(fingerprint) | st
+
+
+def _state_from_manifest(prior: dict | None, fingerprint: str) -> dict | None:
+    """A finished pack with the same settings: its files are done, where its manifest says they are."""
+    if prior is None or prior.get("fingerprint") != fingerprint:
+        return None
+    ex = prior["experts"]
+    return {
+        "fingerprint": fingerprint,
+        "experts": {str(L): {str(e): c for e, c in enumerate(ex["checksums"][str(L)])} for L in ex["layers"]},
+        "trunk": sorted({t["file"] for t in prior["trunk"]["tensors"].values()}),
+        "locations": {str(L): ex["locations"][str(L)] for L in ex["layers"]},
+        "drives": {d["label"]: [d["gbps"], d.get("measured", False)] for d in prior["drives"]},
+    }
 
 
 class _Job:
@@ -157,6 +204,20 @@ class _Job:
 
     def _done(self, L: int) -> dict[str, str]:
         return self.state["experts"].setdefault(str(L), {})
+
+    def remove_stale_tmp(self) -> None:
+        """Temporary files an interrupted run left behind (never under a final name) are removed."""
+        dirs = [os.path.join(self.out, "trunk"), self.out]
+        dirs += [os.path.join(d.path, self.model_id, f"L{L:03d}") for d in self.drives for L in self.plan.moe_layers]
+        n = 0
+        for folder in dirs:
+            if os.path.isdir(folder):
+                for name in os.listdir(folder):
+                    if _STALE_TMP.fullmatch(name):
+                        os.unlink(os.path.join(folder, name))
+                        n += 1
+        if n:
+            log.info("removed %d temporary files left by an interrupted pack", n)
 
     def check_space(self) -> None:
         need = {d.label: (d.path, 0) for d in self.drives}
@@ -180,16 +241,18 @@ class _Job:
         self.trunk_groups = groups
         layers = sorted({g for g in groups if g != "global"} | set(self.plan.moe_layers))
         total = self.plan.expert_bytes + self.plan.trunk_bytes
-        with tqdm(total=total, unit="B", unit_scale=True, desc="pack", disable=not self.opts.progress,
-                  dynamic_ncols=True) as bar:
-            for L in layers:
-                if L in groups:
-                    self._write_trunk(L, bar)
-                if L in self.plan.layouts:
-                    self._write_layer(L, bar)
-            if "global" in groups:
-                self._write_trunk("global", bar)
-        self._save_state(force=True)
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, desc="pack", disable=not self.opts.progress,
+                      dynamic_ncols=True) as bar:
+                for L in layers:
+                    if L in groups:
+                        self._write_trunk(L, bar)
+                    if L in self.plan.layouts:
+                        self._write_layer(L, bar)
+                if "global" in groups:
+                    self._write_trunk("global", bar)
+        finally:  # an error or Ctrl-C keeps what is already under final names
+            self._save_state(force=True)
 
     def _write_trunk(self, group, bar) -> None:
         entries = self.trunk_groups[group]
@@ -258,6 +321,7 @@ class _Job:
     def _stage_expert(self, L: int, e: int) -> tuple[int, str, list[tuple[str, str]]]:
         """Encode one expert and write it under temporary names: (expert, checksum, [(tmp, final)])."""
         layout = self.plan.layouts[L]
+        check_expert_sources(self.ckpt, self.plan, L, e)
         buf = self._buffers.get(layout.file_bytes)
         try:
             sources = passthrough_sections(self.plan, L, e)

@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from deltafin.errors import CheckpointError, UsageError
+from deltafin.quant import fp8
 from deltafin.store import shapes
 from deltafin.store.checkpoint import Checkpoint
 from deltafin.store.expert_file import ExpertLayout, layout_for
@@ -17,6 +18,7 @@ from deltafin.store.families import ExpertPart, Family, Skip, resolve
 
 EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
+PACK_POLICIES = ("bandwidth", "roundrobin")  # placements that need no routing trace
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
@@ -88,15 +90,20 @@ class PackPlan:
 
 
 class _Shapes:
-    """(dtype, shape) of a checkpoint tensor: shard header when present, else config.json."""
+    """(dtype, shape) of a checkpoint tensor: its shard's header when the shard is on disk, else config.json."""
 
     def __init__(self, ckpt: Checkpoint, family: Family, tc: dict):
         self.ckpt, self.family, self.tc = ckpt, family, tc
-        self.from_headers = all(ckpt.has_shard(s) for s in ckpt.shards())
+        self.present = {s for s in ckpt.shards() if ckpt.has_shard(s)}
+        self.from_headers = len(self.present) == len(ckpt.shards())
+        self.source = "headers" if self.from_headers else "headers+config.json" if self.present else "config.json"
         self._k3 = shapes.k3_shapes(tc) if family.name == "kimi_k3" and not self.from_headers else None
 
+    def on_disk(self, name: str) -> bool:
+        return self.ckpt.weight_map[name] in self.present
+
     def __call__(self, name: str, part: ExpertPart | str) -> tuple[str, tuple[int, ...]]:
-        if self.from_headers:
+        if self.on_disk(name):
             ti = self.ckpt.info(name)
             return ti.dtype, ti.shape
         local = name[len(self.family.prefix) :]
@@ -118,6 +125,12 @@ class _Shapes:
 def _config_dtype(tc: dict) -> str:
     dt = str(tc.get("dtype") or tc.get("torch_dtype") or "bfloat16")
     return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dt, "BF16")
+
+
+def check_placement(policy: str) -> str:
+    if policy not in PACK_POLICIES:
+        raise UsageError(f"--placement {policy!r}: a pack places experts with one of {', '.join(PACK_POLICIES)}")
+    return policy
 
 
 def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> PackPlan:
@@ -144,10 +157,51 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
     moe_layers = sorted({L for L, _ in grouped})
     num_experts = _num_experts(grouped, moe_layers, shape_of, family)
     roles = {L: _plan_roles(L, grouped, shape_of, experts, family) for L in moe_layers}
+    _check_experts(grouped, moe_layers, num_experts, shape_of, family)
     layouts = {L: _layout(roles[L]) for L in moe_layers}
     plan = PackPlan(family, ckpt.config, tc, trunk_entries, moe_layers, num_experts, roles, layouts,
-                    dict(grouped), skipped, "headers" if shape_of.from_headers else "config.json")
+                    dict(grouped), skipped, shape_of.source)
     return plan
+
+
+def _check_experts(grouped, moe_layers: list[int], n: int, shape_of: _Shapes, family: Family) -> None:
+    """Every expert has expert 0's tensors, with its dtypes and shapes (checked where shards are on disk),
+    so a pack never fails half way through on an incomplete or inconsistent checkpoint."""
+    if family.name == "gpt_oss":  # one fused tensor per layer: all experts along dim 0
+        for L in moe_layers:
+            for role, kinds in grouped[(L, None)].items():
+                for kind, name in kinds.items():
+                    dt, s = shape_of(name, ExpertPart(L, None, role, kind))
+                    if not s or s[0] != n:
+                        raise CheckpointError(f"{name}: {dt} {list(s)} holds {s[0] if s else 0} experts, expected {n} "
+                                              f"like the other MoE layers; the checkpoint is inconsistent")
+        return
+    for L in moe_layers:
+        ref = grouped[(L, 0)]
+        ref_shapes = {name: shape_of(name, ExpertPart(L, 0, role, kind))
+                      for role, kinds in ref.items() for kind, name in kinds.items() if shape_of.on_disk(name)}
+        for e in range(1, n):
+            got = grouped.get((L, e))
+            if got is None:
+                raise CheckpointError(f"layer {L} expert {e}: no tensors in the checkpoint index (layer {L} has experts "
+                                      f"up to {n - 1}); the checkpoint is incomplete, re-download its index and shards")
+            for role, kinds in ref.items():
+                for kind, name0 in kinds.items():
+                    name = got.get(role, {}).get(kind)
+                    if name is None:
+                        raise CheckpointError(f"layer {L} expert {e}: no {role} tensor ({kind}) in the checkpoint index, "
+                                              f"though expert 0 has {name0}; the checkpoint is incomplete")
+                    if name0 in ref_shapes and shape_of.on_disk(name):
+                        dt, s = shape_of(name, ExpertPart(L, e, role, kind))
+                        dt0, s0 = ref_shapes[name0]
+                        if (dt, tuple(s)) != (dt0, tuple(s0)):
+                            raise CheckpointError(f"{name}: {dt} {list(s)}, expected {dt0} {list(s0)} as {name0}; "
+                                                  f"the checkpoint is inconsistent (corrupt or mixed shards)")
+            for role, kinds in got.items():
+                for kind, name in kinds.items():
+                    if kind not in ref.get(role, {}):
+                        raise CheckpointError(f"layer {L} expert 0: no {role} tensor ({kind}) in the checkpoint index, "
+                                              f"though expert {e} has {name}; the checkpoint is incomplete")
 
 
 def _is_mtp(part: ExpertPart | str, n_layers: int | None) -> bool:
@@ -171,11 +225,22 @@ def _plan_trunk(names: list[tuple[str, str]], family: Family, shape_of: _Shapes,
             raise CheckpointError(f"{name}: unexpected dtype {dtype} for a trunk tensor; expected BF16, F16, F32 or FP8")
         if dtype.startswith("F8") and scale_inv is None:
             raise CheckpointError(f"{name}: FP8 weight without {local}_scale_inv; the checkpoint is incomplete")
+        if dtype.startswith("F8"):
+            _check_fp8_scale(scale_inv, tuple(shape), shape_of(scale_inv, local + "_scale_inv"))
         fmt = _PLAIN_OUT[dtype]
         if mode == "int8" and len(shape) == 2 and min(shape) > 1 and not family.is_router(local):
             fmt = "int8"
         out.append(TrunkEntry(local, name, scale_inv, dtype, tuple(shape), fmt))
     return out
+
+
+def _check_fp8_scale(name: str, weight: tuple[int, ...], got: tuple[str, tuple[int, ...]]) -> None:
+    """DeepSeek-V3 FP8: one float32 scale per 128x128 block of the weight."""
+    want = tuple((d + fp8.BLOCK - 1) // fp8.BLOCK for d in weight)
+    if tuple(got[1]) != want:
+        raise CheckpointError(f"{name}: shape {list(got[1])} does not match {want[0]}x{want[1]} blocks of "
+                              f"{fp8.BLOCK}x{fp8.BLOCK} over the {list(weight)} weight; only DeepSeek's 128x128 "
+                              f"FP8 blocks are supported")
 
 
 def _num_experts(grouped, moe_layers: list[int], shape_of: _Shapes, family: Family) -> int:
@@ -231,6 +296,8 @@ def _role_source(L: int, role: str, kinds: dict[str, str], shape_of: _Shapes, ex
         raise CheckpointError(f"{kinds['weight']}: unexpected dtype {dt} for an expert weight")
     if dt.startswith("F8") and "weight_scale_inv" not in kinds:
         raise CheckpointError(f"{kinds['weight']}: FP8 expert weight without weight_scale_inv")
+    if dt.startswith("F8"):
+        _check_fp8_scale(kinds["weight_scale_inv"], tuple(s), sh("weight_scale_inv"))
     return RoleSource(role, "fp8" if dt.startswith("F8") else "plain", _pick(experts, None, dt), tuple(s), dt)
 
 

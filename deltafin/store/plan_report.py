@@ -8,7 +8,7 @@ from deltafin.errors import UsageError
 from deltafin.store.checkpoint import Checkpoint
 from deltafin.store.drives import DriveArg, free_bytes, probe_read_gbps
 from deltafin.store.placement import DriveSpec, place
-from deltafin.store.plan import build_plan
+from deltafin.store.plan import build_plan, check_placement
 
 
 def _rate(d: DriveArg) -> tuple[float, bool]:
@@ -21,6 +21,7 @@ def _rate(d: DriveArg) -> tuple[float, bool]:
 
 
 def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: str, policy: str) -> dict:
+    check_placement(policy)
     plan = build_plan(ckpt, experts, trunk)
     if not drives:
         drives = [DriveArg("d0", os.path.abspath("experts"), 1.0)]
