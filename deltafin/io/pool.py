@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import queue
 import threading
 import time
@@ -11,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from deltafin.errors import ReadError
-from deltafin.io.direct import DriveReader, align_up, aligned_buffer
+from deltafin.io.direct import ALIGN, DriveReader, align_up, aligned_buffer
 
 
 class BufferPool:
     """Aligned host buffers reused across reads (no allocation per read in steady state).
 
-    With ``pin=True`` buffers are page-locked for CUDA so host-to-device copies run asynchronously.
+    With ``pin=True`` buffers are page-locked host memory from torch (CUDA), so host-to-device copies run
+    asynchronously; torch owns their lifetime.
     """
 
     def __init__(self, pin: bool = False):
@@ -32,29 +32,22 @@ class BufferPool:
             if self._free[size]:
                 return self._free[size].pop()
             self.allocated += size
-        buf = aligned_buffer(size)
-        if self.pin:
-            _pin(buf)
-        return buf
+        return _pinned_buffer(size) if self.pin else aligned_buffer(size)
 
     def put(self, buf: memoryview) -> None:
         with self._lock:
             self._free[len(buf)].append(buf)
 
 
-def _pin(buf: memoryview) -> None:
-    """Page-lock a buffer for asynchronous host-to-device copies (best effort: pageable memory also works,
-    the copies are then synchronous)."""
-    import ctypes
-    import logging
-
+def _pinned_buffer(size: int) -> memoryview:
+    """A 4 KiB-aligned view into page-locked memory (falls back to plain aligned memory without CUDA)."""
     import torch
 
-    if torch.cuda.is_available():
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf.obj if isinstance(buf.obj, mmap.mmap) else buf))
-        err = torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)
-        if int(err) != 0:
-            logging.getLogger(__name__).info("could not pin a %d-byte read buffer (cuda error %s)", len(buf), err)
+    if not torch.cuda.is_available():
+        return aligned_buffer(size)
+    t = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+    off = (-t.data_ptr()) % ALIGN
+    return memoryview(t.numpy())[off : off + size]  # the array keeps the pinned tensor alive
 
 
 @dataclass
