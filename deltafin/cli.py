@@ -16,6 +16,9 @@ COMMANDS = {
     "run": ("cmd_run", "generate text from a prompt, streaming routed experts from the drives"),
     "chat": ("cmd_run", "multi-turn chat with the checkpoint's chat template; state kept between turns"),
     "bench": ("cmd_bench", "benchmarks, each figure beside the limit it is measured against"),
+    "serve": ("cmd_serve", "OpenAI-compatible HTTP server (needs the 'serve' extra: FastAPI, uvicorn)"),
+    "batch": ("cmd_jobs", "resumable batch generation over a JSONL file of prompts, decoded together"),
+    "classify": ("cmd_jobs", "probability of each label as the next tokens, for many inputs; resumable"),
 }
 
 
@@ -37,7 +40,7 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="packed model folder")
+    p.add_argument("model", help="packed model folder (inspect also takes a checkpoint folder: a projection)")
     p.add_argument("--drive-map", action="append", metavar="LABEL=PATH",
                    help="drive LABEL is now mounted at PATH (drives move between machines)")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
@@ -62,6 +65,23 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
     b.add_argument("--json", metavar="PATH")
     _add_bench_prefill(sub)
+    _add_bench_classify(sub)
+
+
+def _add_bench_classify(sub) -> None:
+    b = sub.add_parser("classify", help="inputs per hour beside the read floor (K3 expert size, cold cache)")
+    b.add_argument("--inputs", type=int, default=16, help="inputs to classify")
+    b.add_argument("--tokens", type=int, default=128, help="tokens per input")
+    b.add_argument("--batch", type=int, default=8, help="inputs prefilled together (one pass each)")
+    b.add_argument("--layers", type=int, default=2, help="MoE layers of the synthetic model")
+    b.add_argument("--experts", type=int, default=64, help="experts per layer")
+    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--threads", type=int, default=8, help="reads in flight")
+    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
+    b.add_argument("--json", metavar="PATH")
 
 
 def _add_bench_prefill(sub) -> None:
@@ -107,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                 p.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user turn")
             else:
                 p.add_argument("--system", help="system message")
+        elif name in ("serve", "batch", "classify"):
+            from deltafin.interfaces import cmd_jobs, cmd_serve
+
+            {"serve": cmd_serve.add_serve_args, "batch": cmd_jobs.add_batch_args,
+             "classify": cmd_jobs.add_classify_args}[name](p)
     return ap
 
 
@@ -124,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"deltafin {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`, which closed early
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -204,3 +204,35 @@ def write_tiny_k3(path: str | os.PathLike, seed: int = 0, **overrides) -> dict:
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return config
+
+
+# Named special tokens of the tiny tokenizer, placed right after the 256 byte ranks (§5.1 names).
+TINY_SPECIALS = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "[UNK]", "[PAD]"]
+TINY_TOKENIZER_VOCAB = 256 + len(TINY_SPECIALS)
+
+
+def write_tiny_k3_tokenizer(path: str | os.PathLike) -> None:
+    """A byte-level tiktoken rank file and a tokenizer_config.json naming K3's specials at small ids.
+
+    Pair it with ``write_tiny_k3(path, vocab_size=TINY_TOKENIZER_VOCAB)``; config eos ids are updated to
+    ``<|end_of_msg|>`` as in the real checkpoint.
+    """
+    import base64
+
+    path = os.fspath(path)
+    with open(os.path.join(path, "tiktoken.model"), "w") as f:
+        for b in range(256):
+            f.write(f"{base64.b64encode(bytes([b])).decode()} {b}\n")
+    decoder = {str(256 + i): {"content": name, "special": name not in ("<|open|>", "<|close|>", "<|sep|>")}
+               for i, name in enumerate(TINY_SPECIALS)}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": decoder}, f, indent=1)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    eom = 256 + TINY_SPECIALS.index("<|end_of_msg|>")
+    ids = {"bos_token_id": 256, "eos_token_id": eom, "pad_token_id": 256 + TINY_SPECIALS.index("[PAD]")}
+    cfg.update(ids)
+    cfg["text_config"].update(ids)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)

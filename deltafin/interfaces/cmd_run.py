@@ -99,14 +99,12 @@ def _report(eng, args) -> None:
 
 
 def _chat(args) -> int:
-    """Multi-turn: the model state is kept between turns; each turn feeds only the new tokens."""
+    """Multi-turn: the model state is kept between turns; each turn feeds only its new tokens."""
     eng = open_engine(args)
     if eng.codec is None:
         raise UsageError(f"{eng.packed.path} has no tokenizer files, so chat is not possible")
-    messages: list[dict] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    state, fed = eng.new_state(), []
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    state, pending = eng.new_state(), None
     try:
         while True:
             try:
@@ -115,25 +113,42 @@ def _chat(args) -> int:
                 break
             if not line or line.strip() in ("/exit", "/quit"):
                 break
-            messages.append({"role": "user", "content": line.rstrip("\n")})
-            ids = eng.codec.chat(messages)
-            if ids[: len(fed)] != fed:  # the template re-rendered history: start over
-                state, fed = eng.new_state(), []
-            new = ids[len(fed):]
+            new = _turn_tokens(eng, messages, line.rstrip("\n"), pending)
+            if new is None:  # the template cannot extend the history: replay the conversation
+                state = eng.new_state()
+                new = eng.codec.chat(messages)
             sys.stdout.write("assistant> ")
-            reply = []
-            for tok, delta in eng.generate(new, args.max_tokens, sampling_params(args), state=state,
-                                           stop_strings=tuple(args.stop)):
-                reply.append(tok)
+            for _, delta in eng.generate(new, args.max_tokens, sampling_params(args), state=state,
+                                         stop_strings=tuple(args.stop)):
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            fed = ids + eng.last_stats.tokens
-            messages.append({"role": "assistant", "content": eng.last_stats.text})
+            st = eng.last_stats
+            # A stop token ends the reply but was not fed to the model yet; it starts the next turn.
+            pending = st.tokens[-1] if st.tokens and st.stop_reason == "stop token" else None
+            messages.append({"role": "assistant", "content": st.text})
             _report(eng, args)
     finally:
         eng.close()
     return 0
+
+
+def _turn_tokens(eng, messages: list[dict], user: str, pending: int | None) -> list[int] | None:
+    """Tokens that extend the conversation already in the model state by one user turn.
+
+    The template renders the history (without a generation prompt) and the history plus the new turn
+    (with one); the new tokens are the difference. None when the second does not extend the first.
+    """
+    before = eng.codec.chat(messages, add_generation_prompt=False) if messages else []
+    messages.append({"role": "user", "content": user})
+    after = eng.codec.chat(messages)
+    if after[: len(before)] != before:
+        return None
+    head: list[int] = []
+    if pending is not None and pending in before[-4:]:  # the stop token and what the template puts after it
+        j = len(before) - 1 - before[::-1].index(pending)
+        head = before[j:]
+    return head + after[len(before):]
 
 
 def dump(stats) -> str:

@@ -81,9 +81,14 @@ def _verify(args) -> int:
 
 
 def _inspect(args) -> int:
-    from deltafin.store.inspect import format_summary, model_summary
+    from deltafin.store.inspect import format_summary, model_summary, plan_summary
+    from deltafin.store.manifest import MANIFEST
 
-    s = model_summary(_open(args))
+    if not os.path.exists(os.path.join(args.model, MANIFEST)) and os.path.exists(
+            os.path.join(args.model, "config.json")):
+        s = plan_summary(args.model)  # a checkpoint, not packed yet: project from its config and index
+    else:
+        s = model_summary(_open(args))
     print(format_summary(s))
     _write_json(args.json, s)
     return 0

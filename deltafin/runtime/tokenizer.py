@@ -26,16 +26,18 @@ class TextCodec:
             return self.impl.decode(ids)
         return self.impl.decode(ids, skip_special_tokens=False)
 
-    def chat(self, messages: list[dict], thinking: bool = True) -> list[int]:
-        """Prompt ids for a conversation, with the generation prompt, from the checkpoint's template."""
+    def chat(self, messages: list[dict], thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
+        """Prompt ids for a conversation from the checkpoint's chat template."""
         if self.kind == "kimi":
             from deltafin.tokenizers.xtml import encode_chat
 
-            return encode_chat(self.impl, messages, thinking=thinking)
+            return encode_chat(self.impl, messages, thinking=thinking, add_generation_prompt=add_generation_prompt)
         if not getattr(self.impl, "chat_template", None):
             raise UsageError("this model's checkpoint has no chat template; use 'deltafin run -p' with plain text")
-        return list(self.impl.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        if not messages:
+            return []
+        return list(self.impl.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=True, return_dict=False))
 
 
 def load_codec(model_dir: str, config: dict) -> TextCodec | None:

@@ -26,7 +26,13 @@ def model_summary(model: PackedModel) -> dict:
     formats: dict[str, int] = {}
     for t in doc["trunk"]["tensors"].values():
         formats[t["format"]] = formats.get(t["format"], 0) + 1
+    from deltafin.store.memory import sequence_memory, trunk_bytes_both
+
+    int8, bf16 = trunk_bytes_both(doc["trunk"]["tensors"])
     return {
+        "trunk_bytes_int8": int8,
+        "trunk_bytes_bf16": bf16,
+        **sequence_memory(tc),
         "model_id": model.model_id,
         "family": model.family,
         "model_type": doc["model_type"],
@@ -46,19 +52,50 @@ def model_summary(model: PackedModel) -> dict:
     }
 
 
+def plan_summary(src: str) -> dict:
+    """The same projection for a checkpoint that is not packed yet (config.json + index; no weights)."""
+    from deltafin.store.checkpoint import Checkpoint
+    from deltafin.store.memory import sequence_memory
+    from deltafin.store.plan import build_plan
+
+    ckpt = Checkpoint(src)
+    p8, p16 = build_plan(ckpt, trunk="int8"), build_plan(ckpt, trunk="bf16")
+    tc = p8.text_config
+    L0 = p8.moe_layers[0]
+    k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 0
+    return {
+        "model_id": f"(plan of {src})", "family": p8.family.name, "model_type": p8.config.get("model_type"),
+        "layers": tc.get("num_hidden_layers"), "moe_layers": len(p8.moe_layers), "experts_per_layer": p8.num_experts,
+        "experts_per_token": k, "expert_files": p8.expert_files, "expert_file_bytes": p8.layouts[L0].file_bytes,
+        "expert_payload_bytes": p8.layouts[L0].payload_bytes,
+        "expert_formats": sorted({r.out for r in p8.roles[L0]}), "expert_bytes": p8.expert_bytes,
+        "trunk_bytes": p8.trunk_bytes, "trunk_bytes_int8": p8.trunk_bytes, "trunk_bytes_bf16": p16.trunk_bytes,
+        "trunk_formats": {}, "streamed_bytes_per_token": p8.layouts[L0].file_bytes * k * len(p8.moe_layers),
+        "per_drive": {}, **sequence_memory(tc),
+    }
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"model        {s['model_id']}  ({s['family']}, model_type {s['model_type']})",
         f"layers       {s['layers']} ({s['moe_layers']} MoE), {s['experts_per_layer']} experts/layer, "
         f"{s['experts_per_token']} routed per token",
-        f"trunk        {_gb(s['trunk_bytes'])} resident  (tensors by format: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(s["trunk_formats"].items())) + ")",
+        f"trunk        {_gb(s['trunk_bytes'])} resident as stored; {_gb(s['trunk_bytes_int8'])} at int8, "
+        f"{_gb(s['trunk_bytes_bf16'])} at bf16"
+        + (" (tensors by format: " + ", ".join(f"{k} {v}" for k, v in sorted(s["trunk_formats"].items())) + ")"
+           if s["trunk_formats"] else ""),
+        f"state        {_gb(s['recurrent_state_bytes'])} per sequence of recurrent state "
+        f"({s['recurrent_layers']} KDA layers, fixed); {s['cache_kind']}: "
+        f"{_gb(s['cache_bytes_per_1k_tokens'])} per 1k tokens in float32 "
+        f"({_gb(s['cache_bytes_per_1k_tokens_bf16'])} in bf16)",
         f"experts      {s['expert_files']:,} files x {s['expert_file_bytes']:,} B "
         f"(payload {s['expert_payload_bytes']:,} B, {'/'.join(s['expert_formats'])}) = {_gb(s['expert_bytes'])}",
         f"per token    {_gb(s['streamed_bytes_per_token'])} of routed experts "
         f"({s['experts_per_token']} x {s['moe_layers']} layers) when nothing is cached",
         "drives:",
     ]
+    if not s["per_drive"]:
+        lines[-1] = "drives:      (not packed yet: see 'deltafin pack --plan')"
     for label, d in s["per_drive"].items():
         lines.append(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {_gb(d['bytes'])}")
     return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""What stays resident and what streams: trunk at int8 and bf16, sequence state, cache growth, bytes/token."""
+
+from __future__ import annotations
+
+from math import prod
+
+F32 = 4
+
+
+def trunk_bytes_both(tensors: dict[str, dict]) -> tuple[int, int]:
+    """(int8 trunk bytes, bf16 trunk bytes) from manifest-style {name: {format, shape}} entries.
+
+    int8 applies to 2D weights (one float32 scale per row); float32 tensors (e.g. KDA conv, A_log) and
+    routers stay as they are in both.
+    """
+    int8 = bf16 = 0
+    for t in tensors.values():
+        n, fmt, shape = prod(t["shape"]), t["format"], t["shape"]
+        if fmt == "int8":
+            int8 += n + F32 * shape[0]
+            bf16 += 2 * n
+        else:
+            size = {"bf16": 2, "f16": 2, "f32": 4}[fmt] * n
+            int8 += size
+            bf16 += size
+    return int8, bf16
+
+
+def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
+    """Per-sequence state that does not grow (recurrent) and cache bytes per 1k tokens (KV or latent)."""
+    la = tc.get("linear_attn_config") or {}
+    layers = tc.get("num_hidden_layers", 0)
+    full = len(la["full_attn_layers"]) if la.get("full_attn_layers") else layers
+    kda = len(la.get("kda_layers", []))
+    fixed = 0
+    if kda:
+        H, K = la["num_heads"], la["head_dim"]
+        conv = 3 * (la.get("short_conv_kernel_size", 4) - 1) * H * K  # q, k, v histories
+        fixed = kda * (H * K * K + conv) * F32  # the delta-rule state is kept in float32
+    if tc.get("kv_lora_rank"):
+        per_tok = (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * full
+        kind = f"latent cache ({tc['kv_lora_rank']} + {tc.get('qk_rope_head_dim', 0)} values x {full} layers)"
+    else:
+        heads = tc.get("num_attention_heads", 1)
+        hd = tc.get("head_dim") or tc["hidden_size"] // heads
+        per_tok = 2 * tc.get("num_key_value_heads", heads) * hd * full
+        kind = f"KV cache ({full} layers)"
+    return {"recurrent_state_bytes": fixed, "recurrent_layers": kda, "cache_kind": kind,
+            "cache_bytes_per_1k_tokens": per_tok * 1000 * state_dtype_bytes,
+            "cache_bytes_per_1k_tokens_bf16": per_tok * 1000 * 2}
+
+
+def streamed_per_token(expert_file_bytes: int, k: int, moe_layers: int) -> int:
+    return expert_file_bytes * k * moe_layers
