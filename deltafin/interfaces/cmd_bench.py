@@ -19,4 +19,9 @@ def run(args) -> int:
 
         bench_prefill(args)
         return 0
+    if args.bench == "classify":
+        from deltafin.bench.classify import run as bench_classify
+
+        bench_classify(args)
+        return 0
     raise AssertionError(args.bench)

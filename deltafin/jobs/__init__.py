@@ -1,0 +1,1 @@
+"""Jobs over many inputs: ``deltafin batch`` (generation) and ``deltafin classify`` (label probabilities)."""

@@ -1,0 +1,230 @@
+"""``deltafin classify``: the probability of each label as the model's next tokens after an input.
+
+Inputs are prefilled together in groups (``Engine.prefill``: each routed expert read once per group).
+A label of one token is scored from the next-token distribution; a label of several tokens is scored as
+the product of its tokens' conditional probabilities: its tokens but the last run on copies of the
+input's state, all (input, label) copies of a group in one batched pass. Probabilities are reported raw
+(under the whole vocabulary) and normalised over the label set. An input that cannot be scored (longer
+than the context, unreadable, empty) gets an "error" entry and the job goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deltafin.errors import UsageError
+from deltafin.jobs.batch import size
+from deltafin.jobs.records import read_jsonl
+from deltafin.jobs.results import ResultLog
+from deltafin.runtime.batch import forward_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    key: str
+    id: str | int
+    text: str | None
+    error: str | None = None
+
+
+def _read_text(path: str) -> tuple[str | None, str | None]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), None
+    except UnicodeDecodeError as e:
+        return None, f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start})"
+    except OSError as e:
+        return None, f"{path}: cannot read ({e.strerror or e})"
+
+
+def gather_inputs(path: str) -> list[Item]:
+    """A folder (each file one input, id = its path inside the folder), a .jsonl file of {"id", "text"},
+    or one file (id = its name)."""
+    if os.path.isdir(path):
+        items = []
+        for root, dirs, files in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(f for f in files if not f.startswith(".")):
+                full = os.path.join(root, name)
+                rel = os.path.relpath(full, path)
+                text, err = _read_text(full)
+                items.append(Item(rel, rel, text, err))
+        if not items:
+            raise UsageError(f"{path}: the folder holds no input files")
+        return items
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such input file or folder")
+    if path.endswith(".jsonl"):
+        items = []
+        for rec in read_jsonl(path, ("id", "text")):
+            text = rec.fields.get("text")
+            if not isinstance(text, str):
+                raise UsageError(f"{path} line {rec.line}: field 'text' must be a string, got {text!r}")
+            items.append(Item(rec.key, rec.id, text))
+        return items
+    text, err = _read_text(path)
+    if err:
+        raise UsageError(err)
+    name = os.path.basename(path)
+    return [Item(name, name, text)]
+
+
+def parse_labels(spec: str) -> list[str]:
+    labels = [s.strip() for s in spec.split(",")]
+    if not spec.strip() or not all(labels):
+        raise UsageError(f"--labels {spec!r}: give a comma-separated list of non-empty labels, e.g. yes,no")
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--labels {spec!r}: a label is repeated")
+    return labels
+
+
+class Classifier:
+    def __init__(self, engine, labels: list[str], template: str = "{input}", chat: bool = False,
+                 label_prefix: str = ""):
+        if not labels:
+            raise UsageError("the label set is empty; give --labels yes,no")
+        if "{input}" not in template:
+            raise UsageError(f"--template {template!r} has no {{input}} placeholder")
+        if engine.codec is None:
+            raise UsageError("this model has no tokenizer files, so text inputs and labels cannot be encoded")
+        self.engine, self.labels, self.template, self.chat = engine, labels, template, chat
+        self.label_ids = [engine.codec.encode(label_prefix + lab) for lab in labels]
+        for lab, ids in zip(labels, self.label_ids, strict=True):
+            if not ids:
+                raise UsageError(f"label {lab!r} encodes to no tokens")
+        if len({tuple(ids) for ids in self.label_ids}) != len(labels):
+            raise UsageError(f"labels {labels} do not all encode to different tokens")
+        self.longest_label = max(map(len, self.label_ids))
+
+    def prompt(self, text: str) -> list[int]:
+        body = self.template.replace("{input}", text)
+        codec = self.engine.codec
+        return codec.chat([{"role": "user", "content": body}]) if self.chat else codec.encode(body)
+
+    def check(self, ids: list[int]) -> str | None:
+        """Why these prompt ids cannot be scored, or None."""
+        if not ids:
+            return "the input (with the template) encodes to no tokens"
+        need = len(ids) + self.longest_label - 1
+        if need > self.engine.opts.max_len:
+            return (f"{len(ids)} prompt tokens (+{self.longest_label - 1} label tokens) exceed the context limit "
+                    f"of {self.engine.opts.max_len}; raise --max-len or shorten the input")
+        return None
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Log-probability of each label after each prompt: [input][label]."""
+        eng = self.engine
+        states = [eng.new_state() for _ in prompts]
+        logits, _ = eng.prefill(prompts, states)
+        first = [torch.log_softmax(lg.float(), -1) for lg in logits]  # [V] each
+        out = [[float(lp[ids[0]]) for ids in self.label_ids] for lp in first]
+        multi = [(i, j) for i in range(len(prompts)) for j, ids in enumerate(self.label_ids) if len(ids) > 1]
+        if multi:
+            seqs = [(torch.tensor(self.label_ids[j][:-1], dtype=torch.long, device=eng.device),
+                     copy.deepcopy(states[i])) for i, j in multi]
+            for (i, j), lg in zip(multi, forward_batch(eng.model, seqs, eng.source, all_logits=True), strict=True):
+                lp = torch.log_softmax(lg.float(), -1)  # [m-1, V]: position t predicts label token t+1
+                nxt = torch.tensor(self.label_ids[j][1:], device=lp.device)
+                out[i][j] += float(lp.gather(1, nxt[:, None]).sum())
+        return out
+
+    def result(self, item: Item, logps: list[float]) -> dict:
+        top = max(logps)
+        z = top + math.log(sum(math.exp(v - top) for v in logps))
+        norm = {lab: math.exp(v - z) for lab, v in zip(self.labels, logps, strict=True)}
+        raw = {lab: math.exp(v) for lab, v in zip(self.labels, logps, strict=True)}
+        return {"id": item.id, "label": self.labels[logps.index(top)], "probs": norm, "raw_probs": raw}
+
+
+def csv_columns(labels: list[str]) -> list[str]:
+    return ["id", "label", *[f"p_{lab}" for lab in labels], *[f"raw_{lab}" for lab in labels], "error"]
+
+
+def flatten(rec: dict) -> dict:
+    """A result record as CSV columns (p_LABEL, raw_LABEL)."""
+    flat = {"id": rec["id"], "label": rec.get("label"), "error": rec.get("error")}
+    for lab, p in (rec.get("probs") or {}).items():
+        flat[f"p_{lab}"] = f"{p:.6g}"
+    for lab, p in (rec.get("raw_probs") or {}).items():
+        flat[f"raw_{lab}"] = f"{p:.6g}"
+    return flat
+
+
+@dataclass
+class ClassifySummary:
+    inputs: int = 0
+    skipped: int = 0
+    errors: int = 0
+    scored: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    bytes_read: int = 0
+
+    @property
+    def per_hour(self) -> float:
+        return self.scored / self.seconds * 3600 if self.seconds else 0.0
+
+    def to_json(self) -> dict:
+        return {**self.__dict__, "inputs_per_hour": self.per_hour,
+                "bytes_read_per_input": self.bytes_read / max(self.scored, 1)}
+
+    def line(self) -> str:
+        return (f"{self.inputs} inputs ({self.skipped} already done, {self.errors} errors): {self.scored} scored "
+                f"in {self.seconds:.1f} s = {self.per_hour:,.0f} inputs/hour; {self.prompt_tokens} prompt tokens; "
+                f"read {size(self.bytes_read)} ({size(self.bytes_read / max(self.scored, 1))} per input)")
+
+
+class ClassifyRun:
+    def __init__(self, clf: Classifier, out: ResultLog, batch_size: int, progress=None):
+        if batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+        self.clf, self.out, self.batch_size, self.progress = clf, out, batch_size, progress
+        self.summary = ClassifySummary()
+
+    def _write(self, rec: dict) -> None:
+        self.out.append(rec if self.out.fmt == "jsonl" else flatten(rec))
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def run(self, items: list[Item]) -> ClassifySummary:
+        s = self.summary
+        todo = [it for it in items if it.key not in self.out.done]
+        s.inputs, s.skipped = len(items), len(items) - len(todo)
+        src = self.clf.engine.source.stats
+        b0, t0 = src.bytes_read, time.perf_counter()
+        ready: list[tuple[Item, list[int]]] = []
+        for it in todo:
+            ids, err = (None, it.error) if it.error else self._prompt(it)
+            if err:
+                s.errors += 1
+                self._write({"id": it.id, "error": err})
+                continue
+            ready.append((it, ids))
+            if len(ready) == self.batch_size:
+                self._group(ready)
+                ready = []
+        if ready:
+            self._group(ready)
+        s.seconds, s.bytes_read = time.perf_counter() - t0, src.bytes_read - b0
+        return s
+
+    def _prompt(self, it: Item) -> tuple[list[int] | None, str | None]:
+        try:
+            ids = self.clf.prompt(it.text)
+        except Exception as e:  # a chat template refusing the text
+            return None, f"cannot build the prompt: {e}"
+        return ids, self.clf.check(ids)
+
+    def _group(self, group: list[tuple[Item, list[int]]]) -> None:
+        scores = self.clf.score([ids for _, ids in group])
+        self.summary.scored += len(group)
+        self.summary.prompt_tokens += sum(len(ids) for _, ids in group)
+        for (it, _), lp in zip(group, scores, strict=True):
+            self._write(self.clf.result(it, lp))

@@ -1,0 +1,97 @@
+"""Reading job inputs: JSONL records with ids, checked line by line before any work starts.
+
+Every problem names the file, the line and the field: invalid JSON, a line that is not an object, an
+unknown field, a missing or ill-typed id, a duplicate id (with the line of the first).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from deltafin.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    key: str  # str(id): the id as it is matched against results already written
+    id: str | int
+    line: int
+    fields: dict
+
+
+def read_jsonl(path: str, allowed: tuple[str, ...]) -> list[Record]:
+    """Records of a JSONL file (blank lines skipped). Each needs an "id" (string or integer)."""
+    try:
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read the input file ({e.strerror or e})") from None
+    out: list[Record] = []
+    first: dict[str, int] = {}
+    for n, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise UsageError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        for k in rec:
+            if k not in allowed:
+                raise UsageError(f"{where}: unknown field {k!r} (allowed: {', '.join(allowed)})")
+        rid = rec.get("id")
+        if isinstance(rid, bool) or not isinstance(rid, str | int) or rid == "":
+            raise UsageError(f"{where}: \"id\" must be a non-empty string or an integer, got {rid!r}")
+        key = str(rid)
+        if key in first:
+            raise UsageError(f"{where}: duplicate id {rid!r} (first on line {first[key]}); ids must be unique")
+        first[key] = n
+        out.append(Record(key, rid, n, rec))
+    return out
+
+
+def field_error(rec: Record, path: str, name: str, what: str) -> UsageError:
+    return UsageError(f"{path} line {rec.line}: field {name!r} must be {what}, got {rec.fields.get(name)!r}")
+
+
+def opt_int(rec: Record, path: str, name: str, lo: int) -> int | None:
+    v = rec.fields.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise field_error(rec, path, name, f"an integer >= {lo}")
+    return v
+
+
+def opt_float(rec: Record, path: str, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = rec.fields.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (lo < v if lo_open else lo <= v) or v > hi:
+        raise field_error(rec, path, name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def opt_stops(rec: Record, path: str, name: str = "stop") -> tuple[str, ...] | None:
+    v = rec.fields.get(name)
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise field_error(rec, path, name, "a non-empty string or a list of non-empty strings")
+    return tuple(stops)
+
+
+def messages(rec: Record, path: str) -> list[dict]:
+    v = rec.fields.get("messages")
+    ok = isinstance(v, list) and v and all(
+        isinstance(m, dict) and set(m) <= {"role", "content", "name"} and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in v)
+    if not ok:
+        raise field_error(rec, path, "messages", "a non-empty list of {\"role\": str, \"content\": str} objects")
+    return [{"role": m["role"], "content": m["content"]} for m in v]

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: ``deltafin serve`` (needs the ``serve`` extra: FastAPI and uvicorn)."""

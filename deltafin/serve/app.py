@@ -1,0 +1,326 @@
+"""The OpenAI-compatible HTTP API over one engine worker (FastAPI).
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
+Every error is OpenAI's JSON shape with a 4xx status (500 only when generation itself fails); nothing a
+client sends can stop the server. A client that disconnects cancels its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deltafin.runtime.batched import TokenOut
+from deltafin.serve.protocol import APIError, Limits, ModelInfo, Parsed, parse_chat, parse_completion
+from deltafin.serve.responses import Choice, Formatter, TokenPieces
+from deltafin.serve.worker import Failure, Job, QueueFull, Worker
+
+log = logging.getLogger(__name__)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class Gate:
+    """ASGI middleware: refuses bodies over the limit (413, before they are read in full) and counts
+    responses by path and status for /metrics."""
+
+    def __init__(self, app, max_bytes: int, counts: Counter):
+        self.app, self.max_bytes, self.counts = app, max_bytes, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, seen = [False], [0]
+        path = scope.get("path", "")
+        path = path if path in KNOWN_PATHS else "other"
+
+        async def counted_send(msg):
+            if msg["type"] == "http.response.start":
+                started[0] = True
+                self.counts[(path, msg["status"])] += 1
+            await send(msg)
+
+        too_big = APIError(413, f"request body too large: the limit is {self.max_bytes} bytes "
+                           f"(--max-request-bytes)", code="request_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(too_big)(scope, receive, counted_send)
+
+        async def limited_receive():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen[0] += len(msg.get("body", b""))
+                if seen[0] > self.max_bytes:
+                    raise _TooBig()
+            return msg
+
+        try:
+            await self.app(scope, limited_receive, counted_send)
+        except _TooBig:
+            if not started[0]:
+                await error_response(too_big)(scope, receive, counted_send)
+
+
+class _TooBig(Exception):
+    pass
+
+
+KNOWN_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+
+
+class CancellingStream(StreamingResponse):
+    """A streamed response that runs ``on_close`` however it ends: finished, client gone, or error."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """State shared by the routes: the worker, the served model's facts, limits and counters."""
+
+    def __init__(self, worker: Worker, name: str, api_key: str | None, limits: Limits):
+        eng = worker.engine
+        self.worker, self.api_key, self.limits = worker, api_key, limits
+        vocab = int(eng.packed.text_config.get("vocab_size") or 0)
+        self.info = ModelInfo(name, eng.opts.max_len, vocab)
+        self.pieces = TokenPieces(eng.codec, worker.codec_lock)
+        self.http: Counter = Counter()
+        self.started = int(time.time())
+
+    def check_key(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    # -- tokenization (thread pool: the tokenizer is shared with the engine thread, under its lock)
+    def encode(self, text: str) -> list[int]:
+        codec = self.worker.engine.codec
+        if codec is None:
+            from deltafin.errors import UsageError
+
+            raise UsageError("this model has no tokenizer files; send the prompt as a list of token ids")
+        with self.worker.codec_lock:
+            return codec.encode(text)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        codec = self.worker.engine.codec
+        if codec is None:
+            from deltafin.errors import UsageError
+
+            raise UsageError("this model has no tokenizer files, so chat is not possible; use /v1/completions "
+                             "with token ids")
+        with self.worker.codec_lock:
+            return codec.chat(messages)
+
+
+async def read_json(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"we could not parse the JSON body of your request ({e}); send a JSON object") from None
+
+
+def submit(srv: Server, parsed: Parsed) -> tuple[list[Job], asyncio.Queue]:
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+
+    def deliver_to(i: int):
+        return lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))
+
+    jobs = [Job(spec, deliver_to(i), i) for i, spec in enumerate(parsed.specs)]
+    try:
+        srv.worker.submit(jobs)
+    except QueueFull as e:
+        raise APIError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full") from None
+    return jobs, q
+
+
+def cancel(jobs: list[Job]) -> None:
+    for j in jobs:
+        j.cancelled.set()
+
+
+def failure_error(f: Failure) -> APIError:
+    return APIError(f.status, f.message, f.type)
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def next_event(request: Request, q: asyncio.Queue) -> tuple[int, object]:
+    """The next (choice index, event), checking twice a second that the client is still there."""
+    while True:
+        try:
+            return await asyncio.wait_for(q.get(), 0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone() from None
+
+
+async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter) -> Response:
+    jobs, q = submit(srv, parsed)
+    choices = {j.index: Choice(j.index, len(j.spec.prompt)) for j in jobs}
+    pending = set(choices)
+    try:
+        while pending:
+            try:
+                i, ev = await next_event(request, q)
+            except ClientGone:
+                return Response(status_code=499)  # nobody is listening; the finally cancels
+            if isinstance(ev, Failure):
+                return error_response(failure_error(ev))
+            choices[i].add(ev, fmt.stop_ids)
+            if ev.finish_reason:
+                pending.discard(i)
+    finally:
+        cancel(jobs)
+    return JSONResponse(fmt.final(list(choices.values()), parsed.logprobs))
+
+
+async def stream(request: Request, srv: Server, parsed: Parsed, fmt: Formatter) -> Response:
+    jobs, q = submit(srv, parsed)
+    try:
+        first = await next_event(request, q)  # a failure before the first token still gets a proper status
+    except ClientGone:
+        cancel(jobs)
+        return Response(status_code=499)
+    except BaseException:  # the task was cancelled (server shutting down)
+        cancel(jobs)
+        raise
+    if isinstance(first[1], Failure):
+        cancel(jobs)
+        return error_response(failure_error(first[1]))
+    return CancellingStream(_events(parsed, fmt, jobs, q, first), lambda: cancel(jobs),
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Queue,
+                  first: tuple[int, object]) -> AsyncIterator[str]:
+    pending = {j.index for j in jobs}
+    offsets = dict.fromkeys(pending, 0)
+    completion = 0
+    if fmt.kind == "chat":
+        for j in jobs:
+            yield sse(fmt.role_chunk(j.index))
+    item = first
+    while True:
+        i, ev = item
+        if isinstance(ev, Failure):
+            yield sse(failure_error(ev).body())
+            return
+        assert isinstance(ev, TokenOut)
+        completion += 1
+        chunk = fmt.chunk(i, ev, parsed.logprobs, offsets[i])
+        offsets[i] += len(ev.text)
+        if chunk is not None:
+            yield sse(chunk)
+        if ev.finish_reason:
+            pending.discard(i)
+        if not pending:
+            break
+        item = await q.get()
+    if parsed.include_usage:
+        yield sse(fmt.usage_chunk(sum(len(j.spec.prompt) for j in jobs), completion))
+    yield sse("[DONE]")
+
+
+def create_app(worker: Worker, model_name: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
+    limits = limits or Limits()
+    srv = Server(worker, model_name, api_key, limits)
+    app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(APIError(e.status_code, msg, code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(APIError(400, f"invalid request: {e.errors()[:3]}"))
+
+    def guarded(fn):
+        """Route wrapper: API errors pass through; anything else is a 500 JSON without a stack trace."""
+
+        async def route(request: Request):
+            try:
+                srv.check_key(request)
+                return await fn(request)
+            except APIError as e:
+                return error_response(e)
+            except Exception:
+                log.exception("request failed: %s %s", request.method, request.url.path)
+                return error_response(APIError(500, "internal server error; see the server log", "server_error"))
+
+        route.__name__ = fn.__name__
+        return route
+
+    async def completions(request: Request):
+        parsed = await run_in_threadpool(parse_completion, await read_json(request), srv.info, srv.limits, srv.encode)
+        return await respond(request, parsed)
+
+    async def chat_completions(request: Request):
+        parsed = await run_in_threadpool(parse_chat, await read_json(request), srv.info, srv.limits, srv.chat)
+        return await respond(request, parsed)
+
+    async def respond(request: Request, parsed: Parsed) -> Response:
+        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids)
+        return await (stream(request, srv, parsed, fmt) if parsed.stream else collect(request, srv, parsed, fmt))
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": srv.info.name, "object": "model",
+                                                         "created": srv.started, "owned_by": "deltafin"}]})
+
+    async def metrics(request: Request):
+        from deltafin.serve.metrics import render
+
+        return PlainTextResponse(render(worker, srv.http), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/v1/completions", guarded(completions), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", guarded(chat_completions), methods=["POST"])
+    app.add_api_route("/v1/models", guarded(models), methods=["GET"])
+    app.add_api_route("/metrics", guarded(metrics), methods=["GET"])
+
+    @app.get("/health")
+    async def health():
+        ok = worker.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped", "in_flight": worker.in_flight,
+                             "queued": worker.queued}, status_code=200 if ok else 503)
+
+    return app
