@@ -25,7 +25,7 @@ def _pack(root, build) -> str:
     return str(root / "model")
 
 
-@pytest.fixture(scope="module", params=["kimi_k3", "deepseek_v3", "qwen3_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["kimi_k3", "deepseek_v3", "glm4_moe_lite", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
 def model_dir(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "kimi_k3":
