@@ -16,10 +16,12 @@ def model_summary(model: PackedModel) -> dict:
     expert_bytes = 0
     for L in model.moe_layers:
         n = model.file_bytes(L)
+        pieces = model.stripe(L)  # striped: one piece of every expert per drive
         for e in range(model.num_experts):
-            for d in model.locations(L, e):
+            for d, nbytes in ([(p.drive, p.nbytes) for p in pieces] if pieces else
+                              [(d, n) for d in model.locations(L, e)]):
                 per_drive[model.drives[d].label]["files"] += 1
-                per_drive[model.drives[d].label]["bytes"] += n
+                per_drive[model.drives[d].label]["bytes"] += nbytes
             expert_bytes += n
     layout = doc["experts"]["layouts"][str(model.moe_layers[0])] if model.moe_layers else None
     k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 0
@@ -49,7 +51,27 @@ def model_summary(model: PackedModel) -> dict:
         "trunk_formats": formats,
         "streamed_bytes_per_token": (layout["file_bytes"] if layout else 0) * k * len(model.moe_layers),
         "per_drive": per_drive,
+        **_layout(model),
     }
+
+
+def _layout_line(s: dict) -> str:
+    if s.get("striped_layers"):
+        how = (f"{s['striped_layers']} of {s['moe_layers']} layers striped ({'/'.join(s['stripe_modes'])}): "
+               f"every expert in one piece per drive, read in parallel")
+    else:
+        how = "one file per expert" + (f" plus {s['replica_files']:,} replicas" if s.get("replica_files") else "")
+    return f"layout       placement {s.get('placement', '-')}: {how}"
+
+
+def _layout(model: PackedModel) -> dict:
+    """How expert files are laid out: whole files (and the placement policy) or striped over drives."""
+    ex = model.doc["experts"]
+    striped = sorted(int(L) for L in (ex.get("stripe") or {}))
+    modes = sorted({ex["stripe"][str(L)]["mode"] for L in striped})
+    replicas = sum(len(loc) - 1 for L in model.moe_layers for loc in ex["locations"][str(L)]) if not striped else 0
+    return {"placement": ex.get("placement", "bandwidth"), "striped_layers": len(striped), "stripe_modes": modes,
+            "replica_files": replicas}
 
 
 def plan_summary(src: str) -> dict:
@@ -84,14 +106,17 @@ def format_summary(s: dict) -> str:
         f"{_gb(s['trunk_bytes_bf16'])} at bf16"
         + (" (tensors by format: " + ", ".join(f"{k} {v}" for k, v in sorted(s["trunk_formats"].items())) + ")"
            if s["trunk_formats"] else ""),
-        f"state        {_gb(s['recurrent_state_bytes'])} per sequence of recurrent state "
-        f"({s['recurrent_layers']} KDA layers, fixed); {s['cache_kind']}: "
+        "state        "
+        + (f"{_gb(s['recurrent_state_bytes'])} per sequence of recurrent state ({s['recurrent_layers']} KDA "
+           f"layers, fixed); " if s["recurrent_layers"] else "")
+        + f"{s['cache_kind']}: "
         f"{_gb(s['cache_bytes_per_1k_tokens'])} per 1k tokens in float32 "
         f"({_gb(s['cache_bytes_per_1k_tokens_bf16'])} in bf16)",
         f"experts      {s['expert_files']:,} files x {s['expert_file_bytes']:,} B "
         f"(payload {s['expert_payload_bytes']:,} B, {'/'.join(s['expert_formats'])}) = {_gb(s['expert_bytes'])}",
         f"per token    {_gb(s['streamed_bytes_per_token'])} of routed experts "
         f"({s['experts_per_token']} x {s['moe_layers']} layers) when nothing is cached",
+        _layout_line(s),
         "drives:",
     ]
     if not s["per_drive"]:
