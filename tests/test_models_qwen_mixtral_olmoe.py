@@ -12,7 +12,8 @@ import torch
 from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import common, mixtral, olmoe, qwen3_moe
 from deltafin.models.base import ResidentExperts
-from deltafin.models.common import KVCache, Rope, rope_frequencies, rope_parameters
+from deltafin.models.common import KVCache
+from deltafin.models.rope import Rope, rope_frequencies, rope_parameters
 from deltafin.quant.record import dequantize
 from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel

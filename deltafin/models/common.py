@@ -1,12 +1,8 @@
-"""Pieces shared by the model families: RoPE, a growable KV cache, GQA causal attention, SwiGLU experts,
-softmax top-k routing, embedding rows, and the decoder body (embed, layer loop, head).
+"""Pieces shared by the model families: a growable KV cache, GQA causal attention, SwiGLU experts,
+softmax top-k routing, embedding rows, and the decoder body (embed, layer loop, head). RoPE is in ``rope.py``.
 
 Stable API for every family module:
 
-- ``rope_parameters(d, default_theta)``: the HF rope settings of a config dict (transformers 5
-  ``rope_parameters`` or 4.x ``rope_theta`` + ``rope_scaling``) as one flat dict.
-- ``Rope(params, head_dim, max_position_embeddings, device)``: ``.cos_sin(pos, T, dtype)`` and
-  ``apply_rope(x, cos, sin, interleaved=False)``.
 - ``KVCache(n_kv_heads, k_dim, v_dim, max_len, device, dtype)``: ``.update(k, v, pos)`` -> all keys/values.
 - ``causal_attention(q, k, v, pos, scale, window=None)`` and ``self_attention(...)`` (rope + cache + attention).
 - ``swiglu_expert(x, tensors)``, ``softmax_topk(logits, k, renormalize)``, ``embed_rows(w, ids, dtype)``.
@@ -17,136 +13,16 @@ Stable API for every family module:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 
-from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.errors import CheckpointError
 from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, rms_norm
+from deltafin.models.rope import Rope, apply_rope
 from deltafin.quant.record import QTensor, dequantize
-
-# ---------------------------------------------------------------------------------------------- RoPE
-
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")
-
-
-def rope_parameters(d: Mapping, default_theta: float = 10000.0) -> dict:
-    """Flat rope settings of an HF config dict, as transformers 5 standardises them.
-
-    Reads ``rope_parameters`` (transformers 5) or ``rope_scaling`` + top-level ``rope_theta`` (4.x); the
-    legacy key ``type`` becomes ``rope_type``. Always has ``rope_type`` and ``rope_theta``.
-    """
-    p = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    legacy_type = p.pop("type", "default")
-    p.setdefault("rope_type", legacy_type)
-    p.setdefault("rope_theta", d.get("rope_theta", default_theta))
-    if d.get("partial_rotary_factor") is not None:
-        p.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
-    if p["rope_type"] in ("yarn", "llama3"):  # a top-level value wins, as in transformers (Phi-3)
-        if d.get("original_max_position_embeddings") is not None:
-            p["original_max_position_embeddings"] = d["original_max_position_embeddings"]
-        p.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-    return p
-
-
-def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
-    """YaRN (arXiv 2309.00071), as transformers' ``_compute_yarn_parameters``."""
-    orig = p["original_max_position_embeddings"]
-    factor = p.get("factor") or max_pos / orig
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attn = p.get("attention_factor")
-    if attn is None:
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attn = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
-
-    def corr(rot: float) -> float:  # dimension index that makes `rot` full rotations over `orig` positions
-        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = corr(p.get("beta_fast") or 32), corr(p.get("beta_slow") or 1)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [dim/2]
-    extra = 1 - ramp  # share of extrapolation (unscaled) frequency per dimension
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
-    return inv, attn
-
-
-def _llama3(p: dict, inv: torch.Tensor) -> torch.Tensor:
-    factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-    smooth = (old / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_frequencies(p: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rotary_dim/2] float32, attention scaling of cos/sin) for the rope settings ``p``."""
-    kind = p["rope_type"]
-    if kind not in ROPE_TYPES:
-        raise UnsupportedArchitectureError(
-            f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-        )
-    base = float(p["rope_theta"])
-    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
-    if kind == "yarn":
-        return _yarn(p, dim, base, max_position_embeddings)
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
-    if kind == "linear":
-        inv = inv / p["factor"]
-    elif kind == "llama3":
-        inv = _llama3(p, inv)
-    return inv, 1.0
-
-
-class Rope:
-    """Rotary position embedding tables computed on the fly (as transformers does, in float32)."""
-
-    def __init__(self, params: dict, head_dim: int, max_position_embeddings: int, device: torch.device | str):
-        inv, self.scaling = rope_frequencies(params, head_dim, max_position_embeddings)
-        self.inv_freq = inv.to(device)  # [r/2]
-        self.dim = 2 * inv.numel()  # rotary width r (partial rotary: r < head_dim)
-
-    def cos_sin(self, pos: int, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, r] for positions pos .. pos+T-1."""
-        t = torch.arange(pos, pos + T, device=self.inv_freq.device, dtype=torch.int64).float()
-        freqs = t[:, None] * self.inv_freq[None]  # [T, r/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, r]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
-) -> torch.Tensor:
-    """Rotate the first r channels of x [T, H, d] by cos/sin [T, r]; channels past r pass through.
-
-    ``interleaved``: pairs are (0,1), (2,3)... (DeepSeek ``rope_interleave``); they are first regrouped into
-    halves as transformers does, which changes the channel order of q and k alike (dot products unchanged).
-    """
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    if interleaved:
-        rot = rot.unflatten(-1, (r // 2, 2)).transpose(-1, -2).reshape(rot.shape)
-    c, s = cos[:, None], sin[:, None]  # [T, 1, r]
-    out = rot * c + _rotate_half(rot) * s
-    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
-
 
 # ------------------------------------------------------------------------------------------ attention
 
@@ -267,7 +143,7 @@ def self_attention(
     """RoPE on q [T, H, d] and k [T, Hkv, d], append k and v [T, Hkv, dv] to the cache at ``pos``, attend.
     Returns the heads concatenated: [T, H * dv]."""
     T = q.shape[0]
-    cos, sin = rope.cos_sin(pos, T, q.dtype)  # [T, r]
+    cos, sin = rope.cos_sin(pos, T)  # [T, r/2]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = cache.update(k, v, pos)  # [Hkv, pos+T, d]
     return causal_attention(q, keys, values, pos, scale, window).reshape(T, -1)

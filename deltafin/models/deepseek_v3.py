@@ -27,7 +27,7 @@ from deltafin.models.base import (
 )
 from deltafin.models.mla import absorb_is_better, attend_absorbed, attend_expanded
 from deltafin.models.ops import GrowingCache, attention_mask, embed_rows
-from deltafin.models.rope import Rope, apply_rope, yarn_mscale
+from deltafin.models.rope import Rope, RopeConfig, apply_rope, yarn_mscale
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
 LORA_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm without the config's eps
@@ -65,7 +65,7 @@ class Config:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope: Rope
+    rope: RopeConfig
     q_lora_rank: int | None = 1536
     n_shared_experts: int = 1
     n_group: int = 8
@@ -118,11 +118,7 @@ class Config:
             kw["q_lora_rank"] = d["q_lora_rank"]  # None: a plain q_proj (DeepSeek-V2-Lite style)
         if d.get("mlp_layer_types"):
             kw["mlp_layer_types"] = tuple(d["mlp_layer_types"])
-        r = int(d["qk_rope_head_dim"])
-        prf = (d.get("rope_parameters") or {}).get(
-            "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
-        )
-        kw["rope"] = Rope.from_config(d, dim=int(r * prf))
+        kw["rope"] = RopeConfig.from_config(d, int(d["qk_rope_head_dim"]))
         return cls(**kw)
 
     def is_moe(self, i: int) -> bool:
@@ -162,7 +158,7 @@ class Model:
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
         _check_weights(cfg, weights)
         self.w = {n: t.to(self.device) for n, t in weights.items()}
-        self.inv_freq = cfg.rope.inv_freq().to(self.device)  # [r/2]
+        self.rope = Rope(cfg.rope, device=self.device)
         self.mla_mode = "auto"  # "auto" | "absorb" | "expand": how attention reads the latent cache
 
     def _p(self, i: int, name: str):
@@ -188,7 +184,7 @@ class Model:
         kv_a = "self_attn.kv_a_proj_with_mqa."
         kv = linear(h, self._p(i, kv_a + "weight"), self._p(i, kv_a + "bias"))  # [T, R+r]
         latent = rms_norm(kv[:, :R], self._p(i, "self_attn.kv_a_layernorm.weight"), LORA_NORM_EPS)  # [T, R]
-        cos, sin = c.rope.cos_sin(self.inv_freq, pos, T)  # [T, r/2]
+        cos, sin = self.rope.cos_sin(pos, T)  # [T, r/2]
         q_rot = apply_rope(q[..., dn:], cos, sin, c.rope_interleave)  # [T, H, r]
         k_rot = apply_rope(kv[:, R:], cos, sin, c.rope_interleave)  # [T, r]
         rows = state.layers[i].write(pos, torch.cat((latent, k_rot), dim=-1))  # [S, R+r]

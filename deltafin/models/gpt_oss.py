@@ -25,7 +25,7 @@ from deltafin.models.base import (
     rms_norm,
 )
 from deltafin.models.ops import GrowingCache, attention_mask, blockwise_attention, embed_rows
-from deltafin.models.rope import Rope, apply_rope
+from deltafin.models.rope import Rope, RopeConfig, apply_rope
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # gpt-oss' RoPE when the config names none (transformers' GptOssConfig defaults)
@@ -51,7 +51,7 @@ class Config:
     head_dim: int
     num_local_experts: int
     num_experts_per_tok: int
-    rope: Rope
+    rope: RopeConfig
     layer_types: tuple[str, ...]  # "sliding_attention" | "full_attention" per layer
     sliding_window: int | None = 128
     rms_norm_eps: float = 1e-5
@@ -93,7 +93,7 @@ class Config:
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
         ]
         kw["layer_types"] = tuple(types)
-        kw["rope"] = Rope.from_config(d, dim=kw["head_dim"], default_theta=150000.0, defaults=ROPE_DEFAULTS)
+        kw["rope"] = RopeConfig.from_config(d, kw["head_dim"], default_theta=150000.0, defaults=ROPE_DEFAULTS)
         return cls(**kw)
 
     def window(self, i: int) -> int | None:
@@ -160,7 +160,7 @@ class Model:
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
         _check_weights(cfg, weights)
         self.w = {n: t.to(self.device) for n, t in weights.items()}
-        self.inv_freq = cfg.rope.inv_freq().to(self.device)  # [d/2]
+        self.rope = Rope(cfg.rope, device=self.device)
         self.sinks = [
             dense(self.w[f"model.layers.{i}.self_attn.sinks"], torch.float32) for i in range(self.num_layers)
         ]
@@ -192,7 +192,7 @@ class Model:
         q = self._proj(i, "q_proj", h).view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
         k = self._proj(i, "k_proj", h).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
         v = self._proj(i, "v_proj", h).view(T, c.num_key_value_heads, c.head_dim)
-        cos, sin = c.rope.cos_sin(self.inv_freq, pos, T)  # [T, d/2]
+        cos, sin = self.rope.cos_sin(pos, T)  # [T, d/2]
         keys, values = state.layers[i].write(pos, apply_rope(k, cos, sin), v)  # [S, Hkv, d]
         window = c.window(i)
         start = 0 if window is None else max(0, pos - window + 1)  # older keys are outside every window

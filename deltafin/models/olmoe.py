@@ -12,14 +12,13 @@ from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, m
 from deltafin.models.common import (
     DecoderLM,
     KVCache,
-    Rope,
     config_kwargs,
-    rope_parameters,
     self_attention,
     softmax_topk,
     swiglu_expert,
     take,
 )
+from deltafin.models.rope import Rope, rope_parameters
 
 _LAYER = {
     "ln1": "input_layernorm.weight",
