@@ -233,3 +233,34 @@ def test_classify_bad_inputs(model_dir, engine, tmp_path, capsys):
     assert out.read_text() == '{"id": 9, "label": "y"}\n'
     assert main(["classify", model_dir, bad, "--labels", ",", "-o", str(out), *ENGINE_ARGS]) == 2
     assert "--labels" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ plain parts
+
+def test_stop_text_holds_back_a_possible_stop_string():
+    from deltafin.runtime.batched import StopText
+
+    st, shown = StopText(("END", "\n\n")), []
+    for text in ["a", "ab", "abE", "abEN", "abENx", "abENx\n", "abENx\n\n tail"]:
+        out, hit = st.update(text)
+        shown.append(out)
+        if hit:
+            break
+    assert shown == ["a", "b", "", "", "ENx", "", ""] and st.text == "abENx"
+    assert "".join(shown) + st.flush() == "abENx"
+
+
+def test_result_log_refuses_a_foreign_file_and_other_columns(tmp_path):
+    p = tmp_path / "out.jsonl"
+    p.write_text('{"id": 1}\nnot json\n{"id": 2}\n')
+    with pytest.raises(UsageError, match="line 2: not a result record"):
+        ResultLog(str(p))
+    assert p.read_text() == '{"id": 1}\nnot json\n{"id": 2}\n'  # left as it was
+    c = tmp_path / "out.csv"
+    log = ResultLog(str(c), "csv", ["id", "label", "error"])
+    log.append({"id": "x,\"y\"\nz", "label": "yes"})
+    log.close()
+    again = ResultLog(str(c), "csv", ["id", "label", "error"])
+    assert again.has('x,"y"\nz') and not again.has("x")
+    with pytest.raises(UsageError, match="columns"):
+        ResultLog(str(c), "csv", ["id", "label", "p_maybe", "error"])

@@ -197,6 +197,8 @@ def test_invalid_requests_get_openai_errors_and_server_goes_on(served, client):
         assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
     r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny-qwen", "prompt": ', timeout=T)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", content=b"[" * 50_000, timeout=T)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/completions", content=b'{"a": "' + b"x" * 70_000 + b'"}', timeout=T)
     assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
     r = httpx.get(f"{url}/v1/nothing", timeout=T)
@@ -244,6 +246,16 @@ def test_cancelled_stream_frees_the_slot(served, client):
     assert httpx.get(f"{url}/health", timeout=T).json()["in_flight"] == 0
     r = client.completions.create(model=MODEL, prompt="next", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
+
+
+def test_client_that_gives_up_on_a_plain_request_cancels_it(served):
+    url, worker = served
+    wait_idle(worker)
+    before = worker.counters.requests_cancelled
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "long", "max_tokens": 200}, timeout=0.3)
+    wait_idle(worker)
+    assert worker.counters.requests_cancelled == before + 1
 
 
 def test_two_concurrent_clients_batch_and_match_generate_alone(served, ref):

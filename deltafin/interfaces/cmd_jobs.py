@@ -68,7 +68,7 @@ def _batch(args) -> int:
     items = load_batch(args.input, Defaults(args.max_tokens, sampling_params(args), tuple(args.stop)))
     out = ResultLog(args.output, "jsonl")
     try:
-        todo = sum(it.rec.key not in out.done for it in items)
+        todo = sum(not out.has(it.rec.key) for it in items)
         if not args.quiet:
             print(f"[deltafin] {len(items)} records, {len(items) - todo} already in {args.output}"
                   + (f"; cut a partial last line ({out.repaired_bytes} bytes)" if out.repaired_bytes else ""),
@@ -104,7 +104,7 @@ def _classify(args) -> int:
         clf = Classifier(eng, labels, args.template, args.chat_template, args.label_prefix)
         out = ResultLog(args.out, fmt, csv_columns(labels) if fmt == "csv" else None)
         try:
-            bar = _bar(args, sum(it.key not in out.done for it in items), "input")
+            bar = _bar(args, sum(not out.has(it.key) for it in items), "input")
             summary = ClassifyRun(clf, out, args.batch_size, bar).run(items)
             if bar is not None:
                 bar.close()

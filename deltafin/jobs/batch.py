@@ -105,7 +105,7 @@ class BatchRun:
         self.summary = BatchSummary()
 
     def run(self, items: list[BatchItem]) -> BatchSummary:
-        todo = [it for it in items if it.rec.key not in self.out.done]
+        todo = [it for it in items if not self.out.has(it.rec.key)]
         s = self.summary
         s.records, s.skipped, s.repaired_bytes = len(items), len(items) - len(todo), self.out.repaired_bytes
         src = self.engine.source

@@ -195,7 +195,7 @@ class ClassifyRun:
 
     def run(self, items: list[Item]) -> ClassifySummary:
         s = self.summary
-        todo = [it for it in items if it.key not in self.out.done]
+        todo = [it for it in items if not self.out.has(it.key)]
         s.inputs, s.skipped = len(items), len(items) - len(todo)
         src = self.clf.engine.source.stats
         b0, t0 = src.bytes_read, time.perf_counter()

@@ -19,11 +19,14 @@ from deltafin.errors import UsageError
 log = logging.getLogger(__name__)
 
 
+def _cell(v) -> str:
+    # one record per line, always: newlines inside fields would defeat the partial-line repair
+    return "" if v is None else str(v).replace("\r", " ").replace("\n", " ")
+
+
 def _csv_line(values: list) -> bytes:
     buf = io.StringIO()
-    # one record per line, always: newlines inside fields would defeat the partial-line repair
-    csv.writer(buf, lineterminator="\n").writerow(
-        ["" if v is None else str(v).replace("\r", " ").replace("\n", " ") for v in values])
+    csv.writer(buf, lineterminator="\n").writerow([_cell(v) for v in values])
     return buf.getvalue().encode("utf-8")
 
 
@@ -102,6 +105,10 @@ class ResultLog:
         if not self.stdout:
             os.fsync(self.fd)
 
+    def has(self, key: str) -> bool:
+        """Whether the record with this id (as ``str(id)``) is already written."""
+        return (_cell(key) if self.fmt == "csv" else key) in self.done
+
     def append(self, rec: dict) -> None:
         """Write one result durably; ``rec["id"]`` is then done."""
         if self.fmt == "jsonl":
@@ -109,7 +116,7 @@ class ResultLog:
         else:
             line = _csv_line([rec.get(c) for c in self.columns])
         self._write(line)
-        self.done.add(str(rec["id"]))
+        self.done.add(_cell(rec["id"]) if self.fmt == "csv" else str(rec["id"]))
 
     def close(self) -> None:
         if not self.stdout:

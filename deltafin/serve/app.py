@@ -147,6 +147,8 @@ async def read_json(request: Request) -> object:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"we could not parse the JSON body of your request ({e}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply") from None
 
 
 def submit(srv: Server, parsed: Parsed) -> tuple[list[Job], asyncio.Queue]:
@@ -177,24 +179,34 @@ class ClientGone(Exception):
     pass
 
 
-async def next_event(request: Request, q: asyncio.Queue) -> tuple[int, object]:
-    """The next (choice index, event), checking twice a second that the client is still there."""
-    while True:
-        try:
-            return await asyncio.wait_for(q.get(), 0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone() from None
+class Waiter:
+    """Events of one request, checking about twice a second that the client is still there."""
+
+    def __init__(self, request: Request, q: asyncio.Queue, every_s: float = 0.5):
+        self.request, self.q, self.every_s = request, q, every_s
+        self.checked = time.monotonic()
+
+    async def next(self) -> tuple[int, object]:
+        while True:
+            if time.monotonic() - self.checked >= self.every_s:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(self.q.get(), self.every_s)
+            except TimeoutError:
+                pass
 
 
 async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter) -> Response:
     jobs, q = submit(srv, parsed)
     choices = {j.index: Choice(j.index, len(j.spec.prompt)) for j in jobs}
     pending = set(choices)
+    waiter = Waiter(request, q)
     try:
         while pending:
             try:
-                i, ev = await next_event(request, q)
+                i, ev = await waiter.next()
             except ClientGone:
                 return Response(status_code=499)  # nobody is listening; the finally cancels
             if isinstance(ev, Failure):
@@ -210,7 +222,7 @@ async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter)
 async def stream(request: Request, srv: Server, parsed: Parsed, fmt: Formatter) -> Response:
     jobs, q = submit(srv, parsed)
     try:
-        first = await next_event(request, q)  # a failure before the first token still gets a proper status
+        first = await Waiter(request, q).next()  # a failure before the first token still gets a proper status
     except ClientGone:
         cancel(jobs)
         return Response(status_code=499)
