@@ -49,6 +49,17 @@ def dense(w: QTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype) if isinstance(w, torch.Tensor) else dequantize(w, dtype)
 
 
+def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T] of an embedding record [V, D] -> [T, D], dequantizing only those rows (every format
+    keeps its scales per row), bit-identical to ``dense(w, dtype)[ids]``."""
+    if isinstance(w, torch.Tensor):
+        return w[ids].to(dtype)
+    rows = QTensor(
+        w.format, (ids.numel(), *w.shape[1:]), w.data[ids], None if w.scale is None else w.scale[ids]
+    )
+    return dequantize(rows, dtype)
+
+
 def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

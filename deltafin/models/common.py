@@ -1,11 +1,11 @@
 """Pieces shared by the model families: a growable KV cache, GQA causal attention, SwiGLU experts,
-softmax top-k routing, embedding rows, and the decoder body (embed, layer loop, head). RoPE is in ``rope.py``.
+softmax top-k routing, and the decoder body (embed, layer loop, head). RoPE is in ``rope.py``.
 
 Stable API for every family module:
 
 - ``KVCache(n_kv_heads, k_dim, v_dim, max_len, device, dtype)``: ``.update(k, v, pos)`` -> all keys/values.
 - ``causal_attention(q, k, v, pos, scale, window=None)`` and ``self_attention(...)`` (rope + cache + attention).
-- ``swiglu_expert(x, tensors)``, ``softmax_topk(logits, k, renormalize)``, ``embed_rows(w, ids, dtype)``.
+- ``swiglu_expert(x, tensors)``, ``softmax_topk(logits, k, renormalize)``.
 - ``config_kwargs(cls, d)``: the known, non-null fields of an HF config dict.
 - ``take(weights, prefix, names)``: named records with one clear error for missing ones.
 - ``DecoderLM``: embed / head / forward / new_state for models whose carry is the [T, D] residual stream.
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError
-from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, rms_norm
+from deltafin.models.base import ExpertSource, SequenceState, Weights, embed_rows, linear, rms_norm
 from deltafin.models.rope import Rope, apply_rope
-from deltafin.quant.record import QTensor, dequantize
+from deltafin.quant.record import QTensor
 
 # ------------------------------------------------------------------------------------------ attention
 
@@ -180,16 +180,6 @@ def config_kwargs(cls, d: Mapping) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- weights
-
-
-def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` [T] of an embedding record [V, D] -> [T, D], dequantizing only those rows."""
-    if isinstance(w, torch.Tensor):
-        return w[ids].to(dtype)
-    rows = QTensor(
-        w.format, (ids.numel(), *w.shape[1:]), w.data[ids], None if w.scale is None else w.scale[ids]
-    )
-    return dequantize(rows, dtype)
 
 
 def take(weights: Weights, prefix: str, names: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict:

@@ -21,12 +21,13 @@ from deltafin.models.base import (
     SequenceState,
     Weights,
     dense,
+    embed_rows,
     linear,
     moe_dispatch,
     rms_norm,
 )
 from deltafin.models.mla import absorb_is_better, attend_absorbed, attend_expanded
-from deltafin.models.ops import GrowingCache, attention_mask, embed_rows
+from deltafin.models.ops import GrowingCache, attention_mask
 from deltafin.models.rope import Rope, RopeConfig, apply_rope, yarn_mscale
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")

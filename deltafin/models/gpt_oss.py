@@ -20,11 +20,12 @@ from deltafin.models.base import (
     SequenceState,
     Weights,
     dense,
+    embed_rows,
     linear,
     moe_dispatch,
     rms_norm,
 )
-from deltafin.models.ops import GrowingCache, attention_mask, blockwise_attention, embed_rows
+from deltafin.models.ops import GrowingCache, attention_mask, blockwise_attention
 from deltafin.models.rope import Rope, RopeConfig, apply_rope
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

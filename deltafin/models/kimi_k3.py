@@ -24,13 +24,12 @@ from deltafin.models.base import (
     SequenceState,
     Weights,
     dense,
+    embed_rows,
     linear,
     moe_dispatch,
     rms_norm,
 )
 from deltafin.models.k3_mla import MLA_LATENT_NORM_EPS, MLACache, MLADims, attend_absorbed, attend_expanded
-from deltafin.quant import int8
-from deltafin.quant.record import PLAIN, QTensor
 
 # §6.2 disagreement 2: the official module declares A_log [num_heads], the checkpoint stores it zero-padded
 # to 128 entries, fla indexes it per head and sglang slices the first num_heads. We read entries
@@ -168,17 +167,6 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
     return act.to(g.dtype)
 
 
-def embedding_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` of an embedding record without dequantizing the whole table where the format allows."""
-    if isinstance(w, torch.Tensor):
-        return w[ids].to(dtype)
-    if w.format == "int8":
-        return int8.dequantize(w.data[ids], w.scale[ids], dtype)
-    if w.format in PLAIN:
-        return w.data[ids].to(dtype)
-    return dense(w, dtype)[ids]
-
-
 _KDA_NAMES = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
               "b_proj", "g_proj", "o_norm", "o_proj")
 _MLA_NAMES = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -262,7 +250,7 @@ class Model:
 
     def embed(self, ids: torch.Tensor) -> Carry:
         """The embedding is the first partial sum; layer 0 snapshots it as block 0 (§3.3)."""
-        return Carry(embedding_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype))
+        return Carry(embed_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype))
 
     def attn_part(self, i: int, carry: Carry, state: SequenceState) -> Carry:
         """AttnRes mix, snapshot, then KDA or MLA on T tokens at positions state.pos.. (§3.3 steps 1-3)."""

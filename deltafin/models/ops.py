@@ -1,25 +1,11 @@
-"""Small pieces shared by the DeepSeek-V3 and gpt-oss modules: embedding rows, a growing cache, masks."""
+"""Small pieces shared by the DeepSeek-V3 and gpt-oss modules: a growing cache, masks."""
 
 from __future__ import annotations
 
 import torch
 
-from deltafin.models.base import dense
-from deltafin.quant.record import PLAIN, QTensor
-
 INITIAL_ROWS = 64
 SCORE_BUDGET = 1 << 26  # attention scores held at once (elements): bounds prefill memory
-
-
-def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` [T] of an embedding record [V, D] -> [T, D], without dequantizing the whole table."""
-    if isinstance(w, torch.Tensor):
-        return w[ids].to(dtype)
-    if w.format == "int8":
-        return w.data[ids].to(dtype) * w.scale[ids].to(dtype).unsqueeze(-1)  # per-row scale
-    if w.format in PLAIN:
-        return w.data[ids].to(dtype)
-    return dense(w, dtype)[ids]
 
 
 class GrowingCache:
