@@ -127,6 +127,17 @@ def test_plain_completion_equals_engine_generate(client, ref):
     assert r.choices[0].finish_reason == ("length" if len(ref.last_stats.tokens) == 10 else "stop")
 
 
+def test_several_prompts_and_token_ids_in_one_request(client, ref):
+    prompts = [[72, 105, 33], ref.codec.encode("Two")]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, logprobs=0,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, p in zip(r.choices, prompts, strict=True):
+        assert ids_of(c.logprobs.tokens) == ref_tokens(ref, p, 5)[0]
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        client.completions.create(model=MODEL, prompt=[1, 99_999], max_tokens=1)
+
+
 def test_streamed_completion_equals_plain(client):
     kw = dict(model=MODEL, prompt="Stream me", max_tokens=12, temperature=0)
     whole = client.completions.create(**kw).choices[0].text

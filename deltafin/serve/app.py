@@ -105,7 +105,8 @@ class Server:
     def __init__(self, worker: Worker, name: str, api_key: str | None, limits: Limits):
         eng = worker.engine
         self.worker, self.api_key, self.limits = worker, api_key, limits
-        vocab = int(eng.packed.text_config.get("vocab_size") or 0)
+        embed = getattr(eng.model, "embed_w", None)
+        vocab = int(eng.packed.text_config.get("vocab_size") or getattr(embed, "shape", (0,))[0])
         self.info = ModelInfo(name, eng.opts.max_len, vocab)
         self.pieces = TokenPieces(eng.codec, worker.codec_lock)
         self.http: Counter = Counter()

@@ -148,10 +148,11 @@ class ModelInfo:
 
     name: str
     max_len: int
-    vocab_size: int
+    vocab_size: int  # 0: unknown (token ids are then not range-checked here)
 
 
-def _max_new(body: dict, prompt_len: int, info: ModelInfo, limits: Limits, default: int | None, name: str) -> int:
+def _max_new(body: dict, prompt_len: int, info: ModelInfo, limits: Limits, default: int | None, name: str,
+             prompt_param: str) -> int:
     want = _int(body, name, 1)
     room = info.max_len - prompt_len
     if want is not None and want > limits.max_tokens:
@@ -159,7 +160,7 @@ def _max_new(body: dict, prompt_len: int, info: ModelInfo, limits: Limits, defau
                   param=name)
     if room < 1:
         raise bad(f"this model's maximum context length is {info.max_len} tokens, but the prompt has "
-                  f"{prompt_len} tokens; shorten it", param="messages" if name != "max_tokens" else "prompt",
+                  f"{prompt_len} tokens; shorten it", param=prompt_param,
                   code="context_length_exceeded")
     if want is None:
         return min(default or limits.max_tokens, limits.max_tokens, room)
@@ -221,7 +222,7 @@ def parse_chat(body: object, info: ModelInfo, limits: Limits, chat) -> Parsed:
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad("give max_tokens or max_completion_tokens, not both", param="max_tokens")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    spec = GenSpec(tuple(prompt), _max_new(body, len(prompt), info, limits, None, name), _sampling(body),
+    spec = GenSpec(tuple(prompt), _max_new(body, len(prompt), info, limits, None, name, "messages"), _sampling(body),
                    _stops(body, limits), (top or 0) if lp else None)
     return Parsed("chat", [spec], stream, usage, bool(lp), _flag(body, "return_tokens_as_token_ids"))
 
@@ -240,8 +241,8 @@ def _prompts(v: object, encode, vocab: int) -> list[list[int]]:
 
 
 def _ids(ids: list, vocab: int, where: str) -> list[int]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-        raise bad(f"{where}: token ids must be integers in [0, {vocab})", param="prompt")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t and (not vocab or t < vocab) for t in ids):
+        raise bad(f"{where}: token ids must be integers in [0, {vocab or 'vocabulary size'})", param="prompt")
     return list(ids)
 
 
@@ -270,6 +271,6 @@ def parse_completion(body: object, info: ModelInfo, limits: Limits, encode) -> P
         if not p:
             raise bad(f"prompt{f'[{i}]' if len(prompts) > 1 else ''} is empty", param="prompt")
     sampling, stops = _sampling(body), _stops(body, limits)
-    specs = [GenSpec(tuple(p), _max_new(body, len(p), info, limits, 16, "max_tokens"), sampling, stops, top)
+    specs = [GenSpec(tuple(p), _max_new(body, len(p), info, limits, 16, "max_tokens", "prompt"), sampling, stops, top)
              for p in prompts]
     return Parsed("completion", specs, stream, usage, top is not None, _flag(body, "return_tokens_as_token_ids"))
