@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from deltafin.models import deepseek_v3, gpt_oss, mla, ops
+from deltafin.models import deepseek_v3, gpt_oss, layers, mla
 from deltafin.models.base import ResidentExperts
-from deltafin.models.ops import GrowingCache
+from deltafin.models.layers import GrowingCache
 from deltafin.quant.record import dequantize
 from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel
@@ -352,6 +352,6 @@ def test_query_blocks_do_not_change_logits(tmp_path, monkeypatch, model_type):
     ids = prompt(12)
     with torch.no_grad():
         whole = model.forward(ids, model.new_state(16), experts)
-        monkeypatch.setattr(ops, "SCORE_BUDGET", 1)  # one query per block
+        monkeypatch.setattr(layers, "SCORE_BUDGET", 1)  # one query per block
         blocked = model.forward(ids, model.new_state(16), experts)
     assert rel_err(blocked, whole) < 1e-6

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deltafin.errors import UnsupportedArchitectureError
-from deltafin.models import common, mixtral, olmoe, qwen3_moe
+from deltafin.models import layers, mixtral, olmoe, qwen3_moe
 from deltafin.models.base import ResidentExperts
-from deltafin.models.common import KVCache
+from deltafin.models.layers import KVCache
 from deltafin.models.rope import Rope, rope_frequencies, rope_parameters
 from deltafin.quant.record import dequantize
 from deltafin.store.drives import parse_drives
@@ -265,10 +265,10 @@ def test_grouped_attention_matches_torch_sdpa(monkeypatch, pos, T, window):
         torch.randn(2, pos + T, 16, generator=g),
         torch.randn(2, pos + T, 8, generator=g),
     )
-    ref = common._attention_sdpa(q, k, v, pos, 0.25, window)
-    assert rel_err(common._attention_grouped(q, k, v, pos, 0.25, window), ref) <= 1e-6
-    monkeypatch.setattr(common, "SCORE_BUDGET", 1)
-    assert rel_err(common._attention_grouped(q, k, v, pos, 0.25, window), ref) <= 1e-6
+    ref = layers._attention_sdpa(q, k, v, pos, 0.25, window)
+    assert rel_err(layers._attention_grouped(q, k, v, pos, 0.25, window), ref) <= 1e-6
+    monkeypatch.setattr(layers, "SCORE_BUDGET", 1)
+    assert rel_err(layers._attention_grouped(q, k, v, pos, 0.25, window), ref) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------------- configs

@@ -26,8 +26,8 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
 )
+from deltafin.models.layers import GrowingCache
 from deltafin.models.mla import absorb_is_better, attend_absorbed, attend_expanded
-from deltafin.models.ops import GrowingCache, attention_mask
 from deltafin.models.rope import Rope, RopeConfig, apply_rope, yarn_mscale
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
@@ -189,10 +189,9 @@ class Model:
         q_rot = apply_rope(q[..., dn:], cos, sin, c.rope_interleave)  # [T, H, r]
         k_rot = apply_rope(kv[:, R:], cos, sin, c.rope_interleave)  # [T, r]
         rows = state.layers[i].write(pos, torch.cat((latent, k_rot), dim=-1))  # [S, R+r]
-        keep = attention_mask(pos, T, 0, pos + T, None, h.device)
         attend = attend_absorbed if self._absorb(T, pos + T) else attend_expanded
         w_kv_b = self._p(i, "self_attn.kv_b_proj.weight")  # [H*(dn+dv), R]
-        o = attend(q[..., :dn], q_rot, rows, w_kv_b, dn, c.v_head_dim, c.softmax_scale, keep)  # [T, H*dv]
+        o = attend(q[..., :dn], q_rot, rows, w_kv_b, dn, c.v_head_dim, c.softmax_scale, pos)  # [T, H*dv]
         return linear(o, self._p(i, "self_attn.o_proj.weight"), self._p(i, "self_attn.o_proj.bias"))
 
     def _query(self, i: int, h: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
 )
-from deltafin.models.ops import GrowingCache, attention_mask, blockwise_attention
-from deltafin.models.rope import Rope, RopeConfig, apply_rope
+from deltafin.models.layers import KVCache, self_attention
+from deltafin.models.rope import Rope, RopeConfig
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # gpt-oss' RoPE when the config names none (transformers' GptOssConfig defaults)
@@ -101,44 +101,6 @@ class Config:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
 
-class KVCache:
-    """Rotated keys and values of one layer, [S, Hkv, d] each."""
-
-    def __init__(self, kv_heads: int, head_dim: int, max_len: int, device, dtype):
-        self.k = GrowingCache((kv_heads, head_dim), max_len, device, dtype)
-        self.v = GrowingCache((kv_heads, head_dim), max_len, device, dtype)
-
-    @property
-    def length(self) -> int:
-        return self.k.length
-
-    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k.write(pos, k), self.v.write(pos, v)
-
-
-def sink_attention(q, k, v, sinks, scale: float, keep) -> torch.Tensor:
-    """q [T, H, d], k/v [S, Hkv, d], sinks [H], keep [T, S] or None -> [T, H*d].
-
-    Each head's sink logit joins its softmax and is then dropped, so a head may attend to nothing.
-    Query head h reads KV head h // (H / Hkv).
-    """
-    T, H, d = q.shape
-    S, Hkv, _ = k.shape
-    G = H // Hkv
-    qg = q.view(T, Hkv, G, d).permute(1, 2, 0, 3)  # [Hkv, G, T, d]
-    kt, vt = k.permute(1, 2, 0), v.transpose(0, 1)  # [Hkv, d, S], [Hkv, S, d]
-
-    def scores_of(t0: int, t1: int) -> torch.Tensor:
-        qb = qg[:, :, t0:t1].reshape(Hkv, G * (t1 - t0), d)
-        return (qb @ kt).view(H, t1 - t0, S) * scale  # [H, Tb, S]
-
-    def values_of(p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        return (p.reshape(Hkv, G * (t1 - t0), S) @ vt).view(H, t1 - t0, d)  # [H, Tb, d]
-
-    out = blockwise_attention(scores_of, values_of, T, H, S, keep, q.dtype, sinks)  # [H, T, d]
-    return out.transpose(0, 1).reshape(T, H * d)
-
-
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gate_up [n, 2I] with gate/up interleaved -> [n, I]."""
     gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
@@ -173,7 +135,7 @@ class Model:
         c = self.cfg
         return SequenceState(
             [
-                KVCache(c.num_key_value_heads, c.head_dim, max_len, self.device, self.dtype)
+                KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype, bounded=True)
                 for _ in range(self.num_layers)
             ]
         )
@@ -193,13 +155,8 @@ class Model:
         q = self._proj(i, "q_proj", h).view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
         k = self._proj(i, "k_proj", h).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
         v = self._proj(i, "v_proj", h).view(T, c.num_key_value_heads, c.head_dim)
-        cos, sin = self.rope.cos_sin(pos, T)  # [T, d/2]
-        keys, values = state.layers[i].write(pos, apply_rope(k, cos, sin), v)  # [S, Hkv, d]
-        window = c.window(i)
-        start = 0 if window is None else max(0, pos - window + 1)  # older keys are outside every window
-        keep = attention_mask(pos, T, start, pos + T, window, h.device)
-        o = sink_attention(
-            apply_rope(q, cos, sin), keys[start:], values[start:], self.sinks[i], c.head_dim**-0.5, keep
+        o = self_attention(
+            q, k, v, self.rope, state.layers[i], pos, c.head_dim**-0.5, c.window(i), self.sinks[i]
         )  # [T, H*d]
         return self._proj(i, "o_proj", o)
 

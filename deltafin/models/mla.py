@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from deltafin.models.base import dense, linear
-from deltafin.models.ops import blockwise_attention
+from deltafin.models.layers import attention
 from deltafin.quant.record import QTensor
 
 EXPAND_BUDGET = 1 << 28  # most elements of per-call expanded K/V
@@ -33,43 +33,26 @@ def split_kv_b(w: QTensor | torch.Tensor, H: int, dn: int, dv: int, dtype: torch
     return wh[:, :dn], wh[:, dn:]
 
 
-def attend_absorbed(q_nope, q_rot, cache_rows, w_kv_b, dn: int, dv: int, scale: float, keep) -> torch.Tensor:
-    """q_nope [T, H, dn], q_rot [T, H, r], cache_rows [S, R+r], keep [T, S] or None -> [T, H*dv]."""
+def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float, pos: int) -> torch.Tensor:
+    """q_nope [T, H, dn], q_rot [T, H, r], rows [S, R+r] of positions 0..pos+T-1 -> [T, H*dv].
+
+    kv_b_proj is folded into the query and the output, so the latent rows act as one key/value head that
+    every query head shares: scores against the whole row (latent, then rope key), values from the latent.
+    """
     T, H, _ = q_nope.shape
-    S, r = cache_rows.shape[0], q_rot.shape[-1]
-    R = cache_rows.shape[-1] - r
-    latent, k_rot = cache_rows[:, :R], cache_rows[:, R:]  # [S, R], [S, r]
-    w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, R]
-    q_r = q_rot.transpose(0, 1)  # [H, T, r]
-
-    def scores_of(t0: int, t1: int) -> torch.Tensor:
-        return (q_lat[:, t0:t1] @ latent.T + q_r[:, t0:t1] @ k_rot.T) * scale  # [H, Tb, S]
-
-    def values_of(p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        return torch.bmm(p @ latent, w_uv.transpose(1, 2))  # [H, Tb, R] -> [H, Tb, dv]
-
-    out = blockwise_attention(scores_of, values_of, T, H, S, keep, q_nope.dtype)  # [H, T, dv]
-    return out.transpose(0, 1).reshape(T, H * dv)
+    R = rows.shape[-1] - q_rot.shape[-1]
+    w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
+    o = attention(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)  # [T, H, R]
+    return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, H * dv)
 
 
-def attend_expanded(q_nope, q_rot, cache_rows, w_kv_b, dn: int, dv: int, scale: float, keep) -> torch.Tensor:
-    """Same contract as attend_absorbed."""
+def attend_expanded(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float, pos: int) -> torch.Tensor:
+    """Same contract as attend_absorbed; per-head K/V rebuilt from the latent for this call only."""
     T, H, _ = q_nope.shape
-    S, r = cache_rows.shape[0], q_rot.shape[-1]
-    R = cache_rows.shape[-1] - r
-    kv = linear(cache_rows[:, :R], w_kv_b).view(S, H, dn + dv)  # [S, H, dn+dv]
-    k = torch.cat((kv[..., :dn], cache_rows[:, None, R:].expand(S, H, r)), dim=-1).permute(
-        1, 2, 0
-    )  # [H, dn+r, S]
+    S, r = rows.shape[0], q_rot.shape[-1]
+    R = rows.shape[-1] - r
+    kv = linear(rows[:, :R], w_kv_b).view(S, H, dn + dv)  # [S, H, dn+dv]
+    k = torch.cat((kv[..., :dn], rows[:, None, R:].expand(S, H, r)), dim=-1).transpose(0, 1)  # [H, S, dn+r]
     v = kv[..., dn:].transpose(0, 1)  # [H, S, dv]
-    q = torch.cat((q_nope, q_rot), dim=-1).transpose(0, 1)  # [H, T, dn+r]
-
-    def scores_of(t0: int, t1: int) -> torch.Tensor:
-        return (q[:, t0:t1] @ k) * scale  # [H, Tb, S]
-
-    def values_of(p: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        return p @ v  # [H, Tb, dv]
-
-    out = blockwise_attention(scores_of, values_of, T, H, S, keep, q_nope.dtype)
-    return out.transpose(0, 1).reshape(T, H * dv)
+    return attention(torch.cat((q_nope, q_rot), dim=-1), k, v, pos, scale).reshape(T, H * dv)

@@ -12,13 +12,12 @@ from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, moe_dispatch, rms_norm
 from deltafin.models.common import (
     DecoderLM,
-    KVCache,
     config_kwargs,
-    self_attention,
     softmax_topk,
     swiglu_expert,
     take,
 )
+from deltafin.models.layers import KVCache, self_attention
 from deltafin.models.rope import Rope, rope_parameters
 
 _ATTN = {
