@@ -19,6 +19,8 @@ COMMANDS = {
     "serve": ("cmd_serve", "OpenAI-compatible HTTP server (needs the 'serve' extra: FastAPI, uvicorn)"),
     "batch": ("cmd_jobs", "resumable batch generation over a JSONL file of prompts, decoded together"),
     "classify": ("cmd_jobs", "probability of each label as the next tokens, for many inputs; resumable"),
+    "place": ("cmd_drives", "change where expert files live (placement policy), moving only what must move"),
+    "simulate": ("cmd_drives", "what-ifs for Kimi K3 over drive sets: tok/s, time to first token, scaling plots"),
 }
 
 
@@ -31,7 +33,11 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
                    help="expert format: auto keeps released MXFP4/INT4 bytes and turns float experts into MXFP4")
     p.add_argument("--trunk", default="int8", choices=["int8", "bf16"],
                    help="resident trunk: int8 weights (per-row scales) or kept as released (bf16/f32)")
-    p.add_argument("--placement", default="bandwidth", help="expert placement policy (default: bandwidth)")
+    p.add_argument("--placement", default="bandwidth",
+                   help="bandwidth (default), coactivation, replicas, roundrobin, stripe-bandwidth or stripe-equal; "
+                        "see 'deltafin place --help'")
+    p.add_argument("--trace", metavar="ROUTES.jsonl", help="routing trace for --placement coactivation|replicas")
+    p.add_argument("--spare-gb", type=float, default=None, help="replicas: GB per drive for extra copies")
     p.add_argument("--model-id", help="folder name of this model on the drives (default: OUT's name)")
     p.add_argument("--plan", action="store_true", help="print what the pack would write; read no weights")
     p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
@@ -65,6 +71,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
     b.add_argument("--json", metavar="PATH")
     _add_bench_prefill(sub)
+    from deltafin.interfaces.cmd_drives import add_bench_drives_args
+
+    add_bench_drives_args(sub)
     _add_bench_classify(sub)
 
 
@@ -132,13 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
 
             {"serve": cmd_serve.add_serve_args, "batch": cmd_jobs.add_batch_args,
              "classify": cmd_jobs.add_classify_args}[name](p)
+        elif name in ("place", "simulate"):
+            from deltafin.interfaces import cmd_drives
+
+            (cmd_drives.add_place_args if name == "place" else cmd_drives.add_simulate_args)(p)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    module = importlib.import_module(f"deltafin.interfaces.{COMMANDS[args.command][0]}")
+    module = importlib.import_module(f"deltafin.interfaces.{getattr(args, 'module', None) or COMMANDS[args.command][0]}")
     from deltafin.errors import DeltafinError
 
     try:

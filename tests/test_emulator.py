@@ -7,18 +7,16 @@ import time
 import pytest
 
 from deltafin.errors import ReadError, UsageError
+from deltafin.io.calibrate import calibrate, measure_reader, write_test_file
 from deltafin.io.direct import aligned_buffer
 from deltafin.io.emulator import (
     PRESETS,
     DriveModel,
     DriveTimeline,
     EmulatedDriveSet,
-    calibrate,
     emulated_readers,
     format_spec,
-    measure_reader,
     parse_spec,
-    write_test_file,
 )
 from deltafin.io.replicas import read_with_replicas
 

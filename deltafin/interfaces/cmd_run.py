@@ -19,6 +19,9 @@ def add_engine_args(p) -> None:
     p.add_argument("--emulate-drives", metavar="SPEC", help="serve reads through an emulated drive set")
     p.add_argument("--verify-reads", action="store_true", help="check every expert read against its checksum")
     p.add_argument("--stats-json", metavar="PATH", help="write the run's statistics as JSON")
+    p.add_argument("--record-routes", metavar="PATH",
+                   help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
+                        "'deltafin place --policy coactivation|replicas --trace PATH'")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
 
 
@@ -37,7 +40,8 @@ def open_engine(args):
     from deltafin.store.manifest import parse_drive_map
 
     opts = EngineOptions(args.device, args.cache_gb, args.threads, args.verify_reads,
-                         parse_drive_map(args.drive_map), args.emulate_drives, args.max_len)
+                         parse_drive_map(args.drive_map), args.emulate_drives, args.max_len,
+                         record_routes=getattr(args, "record_routes", None))
     eng = Engine(args.model, opts)
     if not args.quiet:
         print(f"[deltafin] {eng.packed.model_id} ({eng.packed.family}) on {eng.device}; trunk "
@@ -92,6 +96,8 @@ def _report(eng, args) -> None:
     st = eng.last_stats
     if not args.quiet:
         print(st.summary(), file=sys.stderr)
+        if eng.routes is not None:
+            print(f"[deltafin] routes of {eng.routes.tokens} decoded tokens in {eng.routes.path}", file=sys.stderr)
     if args.stats_json:
         from deltafin.store.manifest import write_json_atomic
 

@@ -29,7 +29,8 @@ def _pack(args) -> int:
         raise UsageError("deltafin pack SRC OUT: OUT (the model folder to write) is missing; or use --plan")
     from deltafin.store.pack import PackOptions, pack
 
-    opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress)
+    opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
+                       args.trace, args.spare_gb)
     s = pack(args.src, args.out, drives, opts)
     print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
           + (f", {s.repaired} repaired" if s.repaired else "") + f"), {s.expert_bytes / 1e9:.3f} GB experts, "

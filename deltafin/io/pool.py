@@ -82,14 +82,29 @@ class ReaderPool:
             raise ValueError(f"reader threads per drive must be >= 1, got {self.threads}")
         self._exec = [ThreadPoolExecutor(self.threads, thread_name_prefix=f"read-{r.label}") for r in self.readers]
         self.counters = [DriveCounters() for _ in self.readers]
+        self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
         self._lock = threading.Lock()
 
-    def submit(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue) -> None:
-        self._exec[drive].submit(self._read, drive, path, nbytes, tag, done)
+    def submit(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
+               into: memoryview | None = None) -> None:
+        """Read ``nbytes`` of ``path`` on ``drive``; a Completion with ``tag`` lands on ``done``.
 
-    def _read(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue) -> None:
+        ``into`` (an aligned view of ``align_up(nbytes)`` bytes, e.g. one piece's place in a striped
+        expert's buffer) receives the bytes instead of a pooled buffer.
+        """
+        with self._lock:
+            self._pending[drive] += nbytes
+        self._exec[drive].submit(self._read, drive, path, nbytes, tag, done, into)
+
+    def pending_bytes(self) -> list[int]:
+        """Bytes each drive still has to read for earlier submissions (the scheduler's queue)."""
+        with self._lock:
+            return list(self._pending)
+
+    def _read(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
+              into: memoryview | None = None) -> None:
         reader = self.readers[drive]
-        buf = self.buffers.get(nbytes)
+        buf = into if into is not None else self.buffers.get(nbytes)
         t0 = time.perf_counter()
         try:
             got = reader.read_into(path, 0, buf[: align_up(nbytes)])
@@ -97,9 +112,11 @@ class ReaderPool:
                 raise ReadError(f"drive {reader.label}: short read of {path}: {got} of {nbytes} bytes; "
                                 f"run 'deltafin verify' and repack the bad experts")
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which names it
-            self.buffers.put(buf)
+            if into is None:
+                self.buffers.put(buf)
             with self._lock:
                 self.counters[drive].errors += 1
+                self._pending[drive] -= nbytes
             done.put(Completion(tag, drive, path, None, nbytes, time.perf_counter() - t0, e))
             return
         dt = time.perf_counter() - t0
@@ -108,6 +125,7 @@ class ReaderPool:
             c.reads += 1
             c.bytes += nbytes
             c.busy_seconds += dt
+            self._pending[drive] -= nbytes
         done.put(Completion(tag, drive, path, buf, nbytes, dt))
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ class EngineOptions:
     emulate_drives: str | None = None
     max_len: int = 4096
     prefill_gb: float | None = None  # None: a quarter of available memory, at least 1 GB
+    record_routes: str | None = None  # write the routing trace (JSONL, deltafin.io.routes) of decoded tokens here
 
 
 def default_cache_bytes(trunk_bytes: int) -> int:
@@ -93,6 +94,23 @@ class Engine:
 
         self.codec = load_codec(self.packed.path, self.packed.config)
         self.prefill_bytes = int(opts.prefill_gb * GB) if opts.prefill_gb is not None else default_prefill_bytes()
+        self.routes = None
+        if opts.record_routes:
+            self.record_routes(opts.record_routes)
+
+    def record_routes(self, path: str | None):
+        """Write the routes of every one-token forward pass (decode steps) to ``path`` as JSONL, or stop (None).
+
+        A pass over several tokens fetches each layer's union of their experts, not per-token routes,
+        so it is not recorded (the placement policies need which experts one token uses together).
+        """
+        from deltafin.io.routes import RouteWriter
+
+        if self.routes is not None:
+            self.routes.close()
+        self.routes = None if path is None else RouteWriter(path, self.packed.model_id, self.packed.num_experts,
+                                                            self.packed.moe_layers)
+        return self.routes
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -114,7 +132,15 @@ class Engine:
                 raise UsageError(f"{state.pos + len(ids)} tokens exceed the context limit of {self.opts.max_len}; "
                                  f"raise --max-len or shorten the prompt")
         batch = [(torch.tensor(ids, dtype=torch.long, device=self.device), st) for ids, st in seqs]
-        return [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
+        if self.routes is None or sum(len(ids) for ids, _ in seqs) != 1:
+            return [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
+        self.source.routes = []  # one token: each fetch is exactly its routed experts
+        try:
+            out = [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
+            self.routes.write(self.source.routes)
+        finally:
+            self.source.routes = None
+        return out
 
     def prefill(self, prompts: list[list[int]], states: list[SequenceState]) -> tuple[list[torch.Tensor], PrefillReport]:
         """Prefill prompts together, expert-major, in chunks planned from the memory budget."""
@@ -224,4 +250,5 @@ class Engine:
         stats.per_drive = self.source.per_drive()
 
     def close(self) -> None:
+        self.record_routes(None)
         self.source.close()

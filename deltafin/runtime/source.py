@@ -3,6 +3,11 @@
 ``fetch(layer, ids)`` requests every miss the moment it is called, yields cached experts first (their
 math overlaps the reads), then each miss as its read lands. Time blocked waiting for a read is I/O wait;
 time between yields is expert math.
+
+The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
+replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
+drive's queue. A striped expert's pieces are read in parallel, each by its drive's reader threads, into
+one aligned buffer at their offsets; the expert is delivered when its last piece lands.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 
 from deltafin.errors import ReadError
 from deltafin.io.direct import DriveReader, FileDriveReader
-from deltafin.io.pool import BufferPool, ReaderPool
+from deltafin.io.pool import BufferPool, Completion, ReaderPool
+from deltafin.io.schedule import Piece, ReadRequest, ScheduledRead, schedule_layer
 from deltafin.models.base import ExpertTensors
 from deltafin.runtime.cache import ExpertCache
 from deltafin.store import expert_file as ef
@@ -39,6 +45,28 @@ class SourceStats:
         return self.hits / n if n else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Whole:
+    """Tag of a whole-file read: the expert and the drives tried so far (the last one is this read)."""
+
+    expert: int
+    tried: tuple[int, ...]
+
+
+class _Striped:
+    """A striped expert being read: its pieces fill one buffer; delivered when the last one lands."""
+
+    __slots__ = ("expert", "buf", "left")
+
+    def __init__(self, expert: int, buf: memoryview, pieces: int):
+        self.expert, self.buf, self.left = expert, buf, pieces
+
+
+def _rank_order(queues) -> list[ScheduledRead]:
+    """Every drive's first read, then every drive's second, ...: all drives start at once."""
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 class StreamingExperts:
     """An ExpertSource over a packed model's drives, with a RAM cache and per-drive reader threads."""
 
@@ -55,12 +83,18 @@ class StreamingExperts:
         self.model = model
         self.device = torch.device(device)
         self.readers = readers or [FileDriveReader(d.label, d.path) for d in model.drives]
+        assert len(self.readers) == len(model.drives), "one reader per model drive"
+        # what the scheduler knows of each drive: the emulated model when there is one, else the manifest
+        models = [getattr(r, "model", None) for r in self.readers]
+        self._rates = [m.gbps if m is not None else d.gbps for m, d in zip(models, model.drives, strict=True)]
+        self._latency = [m.lat_us * 1e-6 if m is not None else 0.0 for m in models]
         pin = self.device.type == "cuda"
         self.pool = ReaderPool(self.readers, threads, BufferPool(pin=pin))
         self.cache = ExpertCache(cache_bytes, cache_policy)
         self.verify = verify
         self.stats = SourceStats()
-        self.record: list[tuple[int, list[int]]] | None = None  # routing trace when recording
+        self.record: list[tuple[int, list[int]]] | None = None  # (layer, ids) per fetch when a list
+        self.routes: list[tuple[int, list[int]]] | None = None  # the same, for the routing-trace recorder
         self._in_copy: list = []  # (CUDA event, host buffer) pairs whose device copies may be in flight
 
     @property
@@ -68,8 +102,9 @@ class StreamingExperts:
         return all(r.direct for r in self.readers)
 
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, ExpertTensors]]:
-        if self.record is not None:
-            self.record.append((layer, list(expert_ids)))
+        for log in (self.record, self.routes):
+            if log is not None:
+                log.append((layer, list(expert_ids)))
         hits, misses = [], []
         for e in expert_ids:
             got = self.cache.get((layer, e))
@@ -77,8 +112,8 @@ class StreamingExperts:
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
         done: queue.SimpleQueue = queue.SimpleQueue()
-        for e in misses:
-            self._submit(layer, e, 0, done)
+        if misses:
+            self._submit_layer(layer, misses, done)
         for e, tensors in hits:  # cached experts are computed while the misses are read
             yield from self._timed(e, tensors)
         pending = len(misses)
@@ -89,39 +124,76 @@ class StreamingExperts:
             if c.error is not None:
                 self._retry_or_raise(c, layer, done)
                 continue
-            pending -= 1
-            yield from self._deliver(layer, c)
+            landed = self._landed(layer, c)
+            if landed is not None:
+                pending -= 1
+                yield from self._deliver(layer, *landed)
 
-    def _submit(self, layer: int, e: int, attempt: int, done: queue.SimpleQueue) -> None:
-        drive = self.model.locations(layer, e)[attempt]
+    def _submit_layer(self, layer: int, misses: list[int], done: queue.SimpleQueue) -> None:
+        """Schedule the layer's reads over the drives and submit them, every drive's queue in order."""
+        nbytes = self.model.file_bytes(layer)
+        pieces = self.model.stripe(layer)
+        if pieces is None:
+            reqs = [ReadRequest(e, nbytes, replicas=tuple(self.model.locations(layer, e))) for e in misses]
+        else:
+            reqs = [ReadRequest(e, nbytes, pieces=pieces) for e in misses]
+            striped = {e: _Striped(e, self.pool.buffers.get(nbytes), len(pieces)) for e in misses}
+        sched = schedule_layer(reqs, self._rates, self.pool.pending_bytes(), self._latency)
+        for r in _rank_order(sched.queues):
+            if pieces is None:
+                self._submit_whole(layer, r.expert, (r.drive,), done)
+                continue
+            st, piece = striped[r.expert], Piece(r.drive, r.offset, r.nbytes)
+            path = self.model.piece_path(layer, r.expert, piece)
+            self.pool.submit(r.drive, path, r.nbytes, (st, piece), done, st.buf[r.offset : r.offset + r.nbytes])
+
+    def _submit_whole(self, layer: int, e: int, tried: tuple[int, ...], done: queue.SimpleQueue) -> None:
+        drive = tried[-1]
         path = self.model.expert_path(layer, e, drive)
-        self.pool.submit(drive, path, self.model.file_bytes(layer), (layer, e, attempt), done)
+        self.pool.submit(drive, path, self.model.file_bytes(layer), _Whole(e, tried), done)
 
-    def _retry_or_raise(self, c, layer: int, done: queue.SimpleQueue) -> None:
-        _, e, attempt = c.tag
-        if attempt + 1 < len(self.model.locations(layer, e)):
-            self._submit(layer, e, attempt + 1, done)  # a replica on another drive serves the read
-            return
+    def _landed(self, layer: int, c: Completion) -> tuple[int, memoryview, int, str] | None:
+        """(expert, buffer, bytes, name) once a whole expert is in memory; None while pieces are missing."""
+        if isinstance(c.tag, _Whole):
+            return c.tag.expert, c.buf, c.nbytes, c.path
+        st, _piece = c.tag
+        st.left -= 1
+        if st.left:
+            return None
+        labels = ", ".join(self.readers[p.drive].label for p in self.model.stripe(layer))
+        return st.expert, st.buf, self.model.file_bytes(layer), f"layer {layer} expert {st.expert} (pieces on {labels})"
+
+    def _retry_or_raise(self, c: Completion, layer: int, done: queue.SimpleQueue) -> None:
         label = self.readers[c.drive].label
+        what = c.error if isinstance(c.error, ReadError) else f"drive {label}: read of {c.path} failed: {c.error}"
+        if not isinstance(c.tag, _Whole):
+            st, piece = c.tag
+            raise ReadError(f"{what} (the piece at byte {piece.offset} of layer {layer} expert {st.expert}, striped "
+                            f"with no other copy; run 'deltafin verify')") from c.error
+        e, tried = c.tag.expert, c.tag.tried
+        left = [d for d in self.model.locations(layer, e) if d not in tried]
+        if left:
+            self._submit_whole(layer, e, tried + (left[0],), done)  # a replica on another drive serves the read
+            return
         if isinstance(c.error, ReadError):
             raise c.error
-        raise ReadError(f"drive {label}: read of {c.path} failed: {c.error}") from c.error
+        raise ReadError(what) from c.error
 
-    def _deliver(self, layer: int, c) -> Iterator[tuple[int, ExpertTensors]]:
-        _, e, _ = c.tag
-        data = c.buf[: c.nbytes]
-        self.stats.bytes_read += c.nbytes
+    def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
+                 ) -> Iterator[tuple[int, ExpertTensors]]:
+        data = buf[:nbytes]
+        self.stats.bytes_read += nbytes
         self.stats.reads += 1
         if self.verify:
-            ef.check(data, self.model.checksum(layer, e), c.path, "run 'deltafin verify' and repack the bad experts")
-        tensors = ef.decode(data, where=c.path)
+            ef.check(data, self.model.checksum(layer, e), where, "run 'deltafin verify' and repack the bad experts")
+        tensors = ef.decode(data, where=where)
         if self.device.type != "cpu":
             tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-            self._release_after_copy(c.buf)  # the host buffer is reused once its async copy is done
-            self.cache.put((layer, e), tensors, c.nbytes)
-        elif not self.cache.put((layer, e), tensors, c.nbytes, lambda b=c.buf: self.pool.buffers.put(b)):
+            self._release_after_copy(buf)  # the host buffer is reused once its async copy is done
+            self.cache.put((layer, e), tensors, nbytes)
+        elif not self.cache.put((layer, e), tensors, nbytes, lambda b=buf: self.pool.buffers.put(b)):
             yield from self._timed(e, tensors)
-            self.pool.buffers.put(c.buf)  # the consumer finished with the views: reuse the buffer
+            self.pool.buffers.put(buf)  # the consumer finished with the views: reuse the buffer
             return
         yield from self._timed(e, tensors)
 

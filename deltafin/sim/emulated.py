@@ -74,3 +74,39 @@ def crosscheck(cfg: SimConfig, workers: int = 64) -> dict:
         "summed_gbps": cfg.summed_gbps,
         "sim_aggregate_fraction": sim["aggregate_fraction"],
     }
+
+
+CROSSCHECK_SCENARIOS = (
+    "report drives, bandwidth placement",
+    "report drives, round-robin (equal) placement",
+    "report drives, RAID-0 striping",
+    "report drives, bandwidth striping",
+    "internal drive alone",
+    "fast internal (2x), RAID-0 striping",
+    "fast internal (2x), bandwidth striping",
+)
+
+
+def crosscheck_scenarios(shape, drives, *, summed_gbps: float = 1.0, layers: int = 2, tokens: int = 3,
+                         seed: int = 0, names: tuple[str, ...] = CROSSCHECK_SCENARIOS) -> list[dict]:
+    """The standard scenarios ``names`` (decode, no cache) in the simulator and on emulated drives.
+
+    Where both can run: ``shape`` cut to ``layers`` MoE layers (expert size and count kept), every drive
+    rate scaled by the one factor that makes ``drives`` sum to ``summed_gbps`` (latencies kept), so
+    this machine can move the bytes. One record per scenario with both tok/s and their ratio.
+    """
+    from dataclasses import replace
+
+    from deltafin.sim.scenarios import scenario_configs
+
+    small = replace(shape, name=f"{shape.name} ({layers} layers)", layers=min(layers, shape.layers))
+    factor = summed_gbps / sum(d.gbps for d in drives)
+    out = []
+    for cfg in scenario_configs(small, tokens=tokens, prompt=0, seed=seed, drives=tuple(drives), cache_gb=()):
+        if cfg.name not in names:
+            continue
+        cfg = replace(cfg, drives=tuple(d.scaled(factor) for d in cfg.drives), prompt=0, cache_bytes=0)
+        reads = small.top_k * (len(cfg.drives) if cfg.layout != "placed" else 1)
+        rec = crosscheck(cfg, workers=max(64, reads))
+        out.append({"name": cfg.name, "layers": small.layers, "drives": len(cfg.drives), **rec})
+    return out

@@ -61,7 +61,7 @@ def _layout_line(s: dict) -> str:
                f"every expert in one piece per drive, read in parallel")
     else:
         how = "one file per expert" + (f" plus {s['replica_files']:,} replicas" if s.get("replica_files") else "")
-    return f"layout       placement {s.get('placement', '-')}: {how}"
+    return f"layout       placement {s['placement']}: {how}"
 
 
 def _layout(model: PackedModel) -> dict:
@@ -116,7 +116,7 @@ def format_summary(s: dict) -> str:
         f"(payload {s['expert_payload_bytes']:,} B, {'/'.join(s['expert_formats'])}) = {_gb(s['expert_bytes'])}",
         f"per token    {_gb(s['streamed_bytes_per_token'])} of routed experts "
         f"({s['experts_per_token']} x {s['moe_layers']} layers) when nothing is cached",
-        _layout_line(s),
+        *([_layout_line(s)] if "placement" in s else []),
         "drives:",
     ]
     if not s["per_drive"]:

@@ -2,6 +2,10 @@
 
 Expert files live on drives at ``<drive root>/<model_id>/L{layer:03d}/E{expert:04d}.dfx``; the manifest
 names drives by label only, and paths are derived, so a manifest can never point outside its drive roots.
+
+A layer may instead be striped (optional ``experts.stripe[layer]``): each expert file is cut into 4 KiB-aligned
+pieces, one per drive, stored as ``E{expert:04d}.dfx.p{offset}+{nbytes}``. A piece's name says which bytes of
+the expert it holds, so two layouts never disagree about what a file under one name contains.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ MANIFEST = "deltafin.json"
 FORMAT = "deltafin-model"
 VERSION = 1
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+STRIPE_MODES = ("bandwidth", "equal")  # pieces sized by drive read rate, or equal (RAID-0-like)
 _REQUIRED = ("format", "version", "model_id", "family", "model_type", "config", "trunk", "experts", "drives")
 
 
@@ -30,6 +35,11 @@ class DriveEntry:
 
 def expert_relpath(model_id: str, layer: int, expert: int) -> str:
     return os.path.join(model_id, f"L{layer:03d}", f"E{expert:04d}.dfx")
+
+
+def piece_relpath(model_id: str, layer: int, expert: int, offset: int, nbytes: int) -> str:
+    """Where bytes [offset, offset + nbytes) of a striped expert file live on their drive."""
+    return f"{expert_relpath(model_id, layer, expert)}.p{offset}+{nbytes}"
 
 
 def check_model_id(model_id: str) -> str:
@@ -87,7 +97,43 @@ def validate(doc: dict, where: str) -> dict:
         if any(not isinstance(loc, list) or not loc or any(not isinstance(d, int) or not 0 <= d < n for d in loc)
                for loc in locs):
             raise ManifestError(f"{where}: layer {L} names a drive that is not in the drive list; repack the model")
+    stripe = ex.get("stripe")
+    if stripe is not None:
+        if not isinstance(stripe, dict):
+            raise ManifestError(f"{where}: manifest experts.stripe is not an object; repack the model")
+        for L, st in stripe.items():
+            _check_stripe(ex, L, st, n, where)
     return doc
+
+
+def _check_stripe(ex: dict, L: str, st, ndrives: int, where: str) -> None:
+    """A striped layer: contiguous 4 KiB-aligned pieces covering the file, one per distinct drive."""
+    fix = "repack the model, or re-run 'deltafin place' to finish an interrupted placement"
+    bad = f"{where}: layer {L} stripe"
+    if L not in {str(x) for x in ex["layers"]}:
+        raise ManifestError(f"{bad}: {L!r} is not one of the MoE layers {ex['layers']}; {fix}")
+    if not isinstance(st, dict) or st.get("mode") not in STRIPE_MODES or not isinstance(st.get("pieces"), list) \
+            or not st["pieces"]:
+        raise ManifestError(f"{bad}: needs a mode (one of {', '.join(STRIPE_MODES)}) and a non-empty list of "
+                            f"pieces; {fix}")
+    offset, drives = 0, []
+    for p in st["pieces"]:
+        if not (isinstance(p, dict) and all(isinstance(p.get(k), int) for k in ("drive", "offset", "nbytes"))):
+            raise ManifestError(f"{bad}: piece {p!r} needs integer drive, offset and nbytes; {fix}")
+        if not 0 <= p["drive"] < ndrives:
+            raise ManifestError(f"{bad}: piece {p!r} names drive {p['drive']}, not in the drive list; {fix}")
+        if p["offset"] != offset or p["offset"] % 4096 or p["nbytes"] <= 0 or p["nbytes"] % 4096:
+            raise ManifestError(f"{bad}: piece {p!r} must start at byte {offset} and be a positive multiple of "
+                                f"4096 bytes (pieces are contiguous and 4 KiB-aligned); {fix}")
+        offset += p["nbytes"]
+        drives.append(p["drive"])
+    file_bytes = (ex["layouts"].get(L) or {}).get("file_bytes")
+    if offset != file_bytes:
+        raise ManifestError(f"{bad}: pieces cover {offset} bytes, but the layer's expert files are {file_bytes}; {fix}")
+    if len(set(drives)) != len(drives):
+        raise ManifestError(f"{bad}: drives {drives} repeat; each drive holds at most one piece of an expert; {fix}")
+    if any(loc != drives for loc in ex["locations"][L]):
+        raise ManifestError(f"{bad}: every expert's locations must list the pieces' drives {drives}; {fix}")
 
 
 def load(model_dir: str) -> dict:

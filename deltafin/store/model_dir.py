@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from deltafin.errors import DriveError, ManifestError
+from deltafin.errors import DriveError, ExpertFileError, ManifestError
+from deltafin.io.schedule import Piece
 from deltafin.quant.record import QTensor
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
+
+
+class ExpertFileRef(NamedTuple):
+    """One file of an expert: a whole copy (offset 0, the whole file) or one piece of a striped expert."""
+
+    drive: int
+    path: str
+    offset: int
+    nbytes: int
 
 
 @dataclass
@@ -18,6 +29,8 @@ class PackedModel:
     doc: dict
     config: dict
     drives: list[mf.DriveEntry]  # with run-time mount points applied
+    _stripes: dict = field(default_factory=dict, repr=False)
+    _folders: dict = field(default_factory=dict, repr=False)  # (drive, layer) -> resolved expert folder
 
     @classmethod
     def open(cls, path: str, drive_map: dict[str, str] | None = None) -> PackedModel:
@@ -74,18 +87,59 @@ class PackedModel:
     def checksum(self, layer: int, expert: int) -> str:
         return self.doc["experts"]["checksums"][str(layer)][expert]
 
+    def stripe(self, layer: int) -> tuple[Piece, ...] | None:
+        """The pieces (drive, offset, nbytes) every expert of a striped layer is cut into; None: whole files."""
+        if layer not in self._stripes:
+            st = (self.doc["experts"].get("stripe") or {}).get(str(layer))
+            self._stripes[layer] = None if st is None else tuple(
+                Piece(p["drive"], p["offset"], p["nbytes"]) for p in st["pieces"])
+        return self._stripes[layer]
+
     def expert_path(self, layer: int, expert: int, drive: int | None = None) -> str:
+        if self.stripe(layer) is not None:
+            raise ManifestError(f"layer {layer} of {self.model_id} is striped over drives: expert {expert} has no "
+                                f"single file; use expert_files()")
         d = self.locations(layer, expert)[0] if drive is None else drive
         return mf.resolve_under(self.drives[d].path, mf.expert_relpath(self.model_id, layer, expert))
 
+    def piece_path(self, layer: int, expert: int, piece: Piece) -> str:
+        rel = mf.piece_relpath(self.model_id, layer, expert, piece.offset, piece.nbytes)
+        folder = self._folders.get((piece.drive, layer))
+        if folder is None:  # resolved once per drive and layer: the read path asks for every piece
+            folder = self._folders[piece.drive, layer] = mf.resolve_under(self.drives[piece.drive].path,
+                                                                          os.path.dirname(rel))
+        full = os.path.join(folder, os.path.basename(rel))
+        return mf.resolve_under(self.drives[piece.drive].path, rel) if os.path.islink(full) else full
+
+    def expert_files(self, layer: int, expert: int) -> list[ExpertFileRef]:
+        """Every file of one expert: its pieces when the layer is striped, else each whole copy."""
+        pieces = self.stripe(layer)
+        if pieces is not None:
+            return [ExpertFileRef(p.drive, self.piece_path(layer, expert, p), p.offset, p.nbytes) for p in pieces]
+        n = self.file_bytes(layer)
+        return [ExpertFileRef(d, self.expert_path(layer, expert, d), 0, n) for d in self.locations(layer, expert)]
+
+    def read_expert_bytes(self, layer: int, expert: int) -> tuple[bytearray, str]:
+        """The whole expert file (pieces put back together), buffered; with a name for messages."""
+        files = self.expert_files(layer, expert)
+        if self.stripe(layer) is None:
+            with open(files[0].path, "rb") as fh:
+                return bytearray(fh.read()), files[0].path
+        data = bytearray(self.file_bytes(layer))
+        for f in files:
+            with open(f.path, "rb") as fh:
+                got = fh.readinto(memoryview(data)[f.offset : f.offset + f.nbytes])
+            if got != f.nbytes:
+                raise ExpertFileError(f"{f.path}: truncated ({got} of {f.nbytes} bytes); run 'deltafin verify' and "
+                                      f"repack the bad experts")
+        return data, f"layer {layer} expert {expert} ({', '.join(f.path for f in files)})"
+
     def read_expert(self, layer: int, expert: int, verify: bool = True) -> dict[str, QTensor]:
         """Plain buffered read of one expert (tools and tests; the engine reads through io/)."""
-        p = self.expert_path(layer, expert)
-        with open(p, "rb") as f:
-            data = f.read()
+        data, where = self.read_expert_bytes(layer, expert)
         if verify:
-            ef.check(data, self.checksum(layer, expert), p, "run 'deltafin verify' and repack the bad experts")
-        return ef.decode(memoryview(bytearray(data)), where=p)
+            ef.check(data, self.checksum(layer, expert), where, "run 'deltafin verify' and repack the bad experts")
+        return ef.decode(memoryview(data), where=where)
 
     def trunk_records(self) -> dict[str, QTensor]:
         """Every trunk tensor as a record (int8 stays int8 with its scales)."""

@@ -5,6 +5,11 @@ Resumable and crash-safe: every file is written under a temporary name, fsynced 
 ``pack-state.json``; the manifest is written last, so a model without one is never used. Re-running a
 finished pack with the same settings starts from its manifest: nothing is rewritten, and ``repair``
 re-checks every file and rewrites only the bad ones.
+
+``placement`` is any policy of ``deltafin.store.placement.ALL_POLICIES``: whole files placed by read rate
+(``bandwidth``), by a routing trace (``coactivation``, ``replicas``: ``trace`` names the JSONL file), equal
+counts (``roundrobin``), or every expert cut into one piece per drive (``stripe-bandwidth``: pieces sized
+by read rate; ``stripe-equal``: RAID-0-like). ``deltafin place`` changes it later.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
 from deltafin.store.convert import check_expert_sources, expert_tensors, passthrough_sections, trunk_tensor
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
-from deltafin.store.placement import DriveSpec, place
-from deltafin.store.plan import PackPlan, build_plan, check_placement
+from deltafin.store.place import Layout, plan_layout, relpath
+from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
+from deltafin.store.plan import PackPlan, build_plan
 
 log = logging.getLogger(__name__)
 STATE = "pack-state.json"
@@ -53,6 +59,8 @@ class PackOptions:
     model_id: str | None = None
     repair: bool = False
     progress: bool = True
+    trace: str | None = None  # routing trace (JSONL) for the coactivation and replicas placements
+    spare_gb: float | None = None  # replicas: GB per drive for extra copies (default: a tenth of its share)
 
 
 @dataclass
@@ -93,7 +101,7 @@ def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None
 
 def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
     t0 = time.perf_counter()
-    check_placement(opts.placement)
+    _check_policy(opts)
     ckpt = Checkpoint(src)
     missing = [sh for sh in ckpt.shards() if not ckpt.has_shard(sh)]
     if missing:
@@ -112,9 +120,10 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
     state = _load_state(out, fingerprint) or _state_from_manifest(prior, fingerprint) or _new_state(fingerprint)
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
-        sizes = {L: [plan.layouts[L].file_bytes] * plan.num_experts for L in plan.moe_layers}
-        placed = place(sizes, [DriveSpec(d.label, d.gbps) for d in drives], opts.placement)
-        state["locations"] = {str(L): placed[L] for L in plan.moe_layers}
+        layout = _plan_layout(plan, drives, opts)
+        state["locations"] = {str(L): layout.locations[L] for L in plan.moe_layers}
+        state["stripe"] = {str(L): st for L, st in layout.stripe.items()}
+        state["placement"] = opts.placement
     state["drives"] = {d.label: [d.gbps, d.measured] for d in drives}
     locations = {int(L): locs for L, locs in state["locations"].items()}
     job = _Job(ckpt, plan, out, drives, model_id, locations, state, opts)
@@ -132,6 +141,29 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return PackSummary(out, model_id, plan.expert_files, job.written, job.skipped, job.repaired, plan.expert_bytes,
                        job.bytes_written, plan.trunk_bytes, time.perf_counter() - t0, peak, job.per_drive())
+
+
+def _check_policy(opts: PackOptions) -> None:
+    if opts.placement not in ALL_POLICIES:
+        raise UsageError(f"--placement {opts.placement!r}: choose one of {', '.join(ALL_POLICIES)}")
+    if opts.placement in TRACE_POLICIES and not opts.trace:
+        raise UsageError(f"--placement {opts.placement!r} needs a routing trace: add --trace routes.jsonl (record "
+                         f"one with 'deltafin run MODEL --record-routes routes.jsonl'), or use bandwidth, "
+                         f"roundrobin, stripe-bandwidth or stripe-equal")
+    if opts.trace and not os.path.isfile(opts.trace):
+        raise UsageError(f"--trace {opts.trace}: no such file; record one with 'deltafin run MODEL --record-routes "
+                         f"{opts.trace}'")
+
+
+def _plan_layout(plan: PackPlan, drives: list[mf.DriveEntry], opts: PackOptions) -> Layout:
+    trace = None
+    if opts.trace:
+        from deltafin.io.routes import read_routes
+
+        trace = read_routes(opts.trace, plan.num_experts)
+    return plan_layout({L: plan.layouts[L].file_bytes for L in plan.moe_layers}, plan.num_experts,
+                       [DriveSpec(d.label, d.gbps) for d in drives], opts.placement, trace=trace,
+                       spare_gb=opts.spare_gb)
 
 
 def _default_id(out: str) -> str:
@@ -152,11 +184,14 @@ def _fingerprint(plan: PackPlan, drives: list[DriveArg], model_id: str, opts: Pa
         "model_id": model_id, "drives": [(d.label, os.path.realpath(d.path), d.gbps) for d in drives],
         "expert_file": [ef.VERSION, {str(L): _layout_doc(plan.layouts[L]) for L in plan.moe_layers}],
     }
+    if opts.trace:  # only when set, so packs without one keep their fingerprints
+        with open(opts.trace, "rb") as f:
+            doc["trace"] = [hashlib.sha256(f.read()).hexdigest(), opts.spare_gb]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _new_state(fingerprint: str) -> dict:
-    return {"fingerprint": fingerprint, "experts": {}, "trunk": [], "locations": None, "drives": None}
+    return {"fingerprint": fingerprint, "experts": {}, "trunk": [], "locations": None, "stripe": {}, "drives": None}
 
 
 def _load_state(out: str, fingerprint: str) -> dict | None:
@@ -186,6 +221,8 @@ def _state_from_manifest(prior: dict | None, fingerprint: str) -> dict | None:
         "experts": {str(L): {str(e): c for e, c in enumerate(ex["checksums"][str(L)])} for L in ex["layers"]},
         "trunk": sorted({t["file"] for t in prior["trunk"]["tensors"].values()}),
         "locations": {str(L): ex["locations"][str(L)] for L in ex["layers"]},
+        "stripe": ex.get("stripe") or {},  # 'deltafin place' may have changed the layout since
+        "placement": ex.get("placement", "bandwidth"),
         "drives": {d["label"]: [d["gbps"], d.get("measured", False)] for d in prior["drives"]},
     }
 
@@ -194,6 +231,7 @@ class _Job:
     def __init__(self, ckpt, plan, out, drives, model_id, locations, state, opts: PackOptions):
         self.ckpt, self.plan, self.out, self.drives = ckpt, plan, out, drives
         self.model_id, self.locations, self.state, self.opts = model_id, locations, state, opts
+        self.layout = Layout(opts.placement, locations, {int(L): st for L, st in (state.get("stripe") or {}).items()})
         self.written = self.skipped = self.repaired = self.bytes_written = 0
         self._last_save = time.monotonic()
         self._buffers = BufferPool()
@@ -201,6 +239,12 @@ class _Job:
 
     def path(self, d: int, L: int, e: int) -> str:
         return mf.resolve_under(self.drives[d].path, mf.expert_relpath(self.model_id, L, e))
+
+    def files(self, L: int, e: int) -> list[tuple[int, str, int, int]]:
+        """(drive, final path, offset, nbytes) of every file of one expert: whole copies or striped pieces."""
+        keys = sorted(self.layout.files(L, e, self.plan.layouts[L].file_bytes))
+        return [(k[0], mf.resolve_under(self.drives[k[0]].path, relpath(self.model_id, L, e, k)), k[1], k[2])
+                for k in keys]
 
     def _done(self, L: int) -> dict[str, str]:
         return self.state["experts"].setdefault(str(L), {})
@@ -223,11 +267,11 @@ class _Job:
         need = {d.label: (d.path, 0) for d in self.drives}
         for L in self.plan.moe_layers:
             done = self._done(L)
-            for e, loc in enumerate(self.locations[L]):
+            for e in range(self.plan.num_experts):
                 if str(e) not in done:
-                    for d in loc:
+                    for d, _path, _off, nbytes in self.files(L, e):
                         p, n = need[self.drives[d].label]
-                        need[self.drives[d].label] = (p, n + self.plan.layouts[L].file_bytes)
+                        need[self.drives[d].label] = (p, n + nbytes)
         trunk_label = "model directory"
         need[trunk_label] = (self.out, 0 if self.state["trunk"] else self.plan.trunk_bytes)
         check_space(need)
@@ -302,20 +346,21 @@ class _Job:
                     done[str(e)] = digest
                     self.written += 1
                     bar.update(nbytes)
-                for d in {d for e in batch for d in self.locations[L][e]}:
-                    ef.fsync_dir(os.path.dirname(self.path(d, L, batch[0])))
+                for folder in {os.path.dirname(f[1]) for e in batch for f in self.files(L, e)}:
+                    ef.fsync_dir(folder)
                 self._save_state()
         self._save_state(force=True)
 
     def _intact(self, L: int, e: int, digest: str) -> bool:
-        for d in self.locations[L][e]:
-            p = self.path(d, L, e)
-            if not os.path.exists(p):
+        files = [f[1] for f in self.files(L, e)]
+        if not all(os.path.exists(p) for p in files):
+            return False
+        # a striped expert's pieces are checked together: only the whole expert has a checksum
+        for group in ([files] if L in self.layout.stripe else [[p] for p in files]):
+            data = b"".join(_read(p) for p in group)
+            if ef.checksum(data) != digest:
+                log.warning("repair: %s is corrupt; rewriting it", ", ".join(group))
                 return False
-            with open(p, "rb") as f:
-                if ef.checksum(f.read()) != digest:
-                    log.warning("repair: %s is corrupt; rewriting it", p)
-                    return False
         return True
 
     def _stage_expert(self, L: int, e: int) -> tuple[int, str, list[tuple[str, str]]]:
@@ -335,11 +380,10 @@ class _Job:
                     read_into(self.ckpt, name, data[sec.offset : sec.offset + sec.nbytes], row)
             assert len(data) == layout.file_bytes
             moves = []
-            for d in self.locations[L][e]:
-                final = self.path(d, L, e)
-                moves.append((ef.write_tmp(final, data, direct=True, sync=False), final))
-            with self._lock:
-                self.bytes_written += len(data) * len(moves)
+            for _d, final, off, nbytes in self.files(L, e):
+                moves.append((ef.write_tmp(final, data[off : off + nbytes], direct=True, sync=False), final))
+                with self._lock:
+                    self.bytes_written += nbytes
             return e, ef.checksum(data), moves
         finally:
             self._buffers.put(buf)
@@ -352,10 +396,10 @@ class _Job:
     def per_drive(self) -> dict[str, dict]:
         out = {d.label: {"path": d.path, "gbps": d.gbps, "files": 0, "bytes": 0} for d in self.drives}
         for L in self.plan.moe_layers:
-            for loc in self.locations[L]:
-                for d in loc:
+            for e in range(self.plan.num_experts):
+                for d, _path, _off, nbytes in self.files(L, e):
                     out[self.drives[d].label]["files"] += 1
-                    out[self.drives[d].label]["bytes"] += self.plan.layouts[L].file_bytes
+                    out[self.drives[d].label]["bytes"] += nbytes
         return out
 
     def manifest(self, src: str) -> dict:
@@ -371,21 +415,28 @@ class _Job:
             "family": plan.family.name,
             "model_type": plan.config.get("model_type"),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {"path": os.path.abspath(src), "experts": self.opts.experts, "trunk": self.opts.trunk},
+            "source": {"path": os.path.abspath(src), "experts": self.opts.experts, "trunk": self.opts.trunk,
+                       "placement": self.opts.placement}
+            | ({"trace": os.path.abspath(self.opts.trace), "spare_gb": self.opts.spare_gb} if self.opts.trace else {}),
             "config": "config.json",
             "trunk": {"bytes": plan.trunk_bytes, "default": self.opts.trunk, "tensors": trunk},
             "experts": {
                 "layers": plan.moe_layers,
                 "num_experts": plan.num_experts,
-                "placement": self.opts.placement,
+                "placement": self.state.get("placement", self.opts.placement),
                 "layouts": {str(L): _layout_doc(plan.layouts[L]) for L in plan.moe_layers},
                 "locations": {str(L): self.locations[L] for L in plan.moe_layers},
                 "checksums": {str(L): [self._done(L)[str(e)] for e in range(plan.num_experts)] for L in plan.moe_layers},
-            },
+            } | ({"stripe": {str(L): st for L, st in sorted(self.layout.stripe.items())}} if self.layout.stripe else {}),
             "drives": [{"label": d.label, "path": d.path, "gbps": round(d.gbps, 3), "measured": d.measured}
                        for d in self.drives],
             "skipped": len(plan.skipped),
         }
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _trunk_file(group) -> str:

@@ -11,7 +11,10 @@ A placement maps layer -> expert -> [drive indices], primary first; further indi
   * ``replicas``: ``coactivation`` (or ``bandwidth`` without a trace), plus extra copies of the
     most-used experts on each drive's spare space;
   * ``roundrobin``: equal counts per drive whatever its rate (the RAID-like baseline).
-Striping an expert over drives is a read-time layout (``deltafin.io.schedule``), not a placement.
+
+Striped layouts (``STRIPE_POLICIES``) cut every expert file into one 4 KiB-aligned piece per drive
+instead: ``stripe-bandwidth`` sizes the pieces by read rate, ``stripe-equal`` makes them equal (RAID-0).
+``stripe_pieces`` gives the cut; the arithmetic is ``deltafin.io.schedule``'s.
 
 A routing trace is a sequence of tokens; each token maps layer id -> routed expert ids (a dict,
 or a list indexed by layer id).
@@ -23,6 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("bandwidth", "coactivation", "replicas", "roundrobin")
+STRIPE_POLICIES = {"stripe-bandwidth": "bandwidth", "stripe-equal": "equal"}  # policy -> manifest stripe mode
+ALL_POLICIES = POLICIES + tuple(STRIPE_POLICIES)
+TRACE_POLICIES = ("coactivation", "replicas")
 
 Placement = dict[int, list[list[int]]]
 Trace = Sequence[Mapping[int, Sequence[int]] | Sequence[Sequence[int]]]
@@ -202,6 +208,25 @@ def _add_copy(locs: list[int], nbytes: int, count: int, traffic: list[float], sp
     traffic[d] += share / (len(locs) + 1)
     spare[d] -= nbytes
     locs.append(d)
+
+
+# ---------------------------------------------------------------- striping
+
+
+def stripe_pieces(file_bytes: int, drives: list[DriveSpec], mode: str) -> list[tuple[int, int, int]]:
+    """One expert file cut over ``drives``: [(drive, offset, nbytes)], contiguous, 4 KiB-aligned.
+
+    ``mode`` "bandwidth" sizes pieces by read rate; "equal" cuts equal pieces (RAID-0-like).
+    """
+    from deltafin.io.schedule import stripe_bandwidth, stripe_equal
+
+    if mode == "bandwidth":
+        pieces = stripe_bandwidth(file_bytes, [d.gbps for d in drives])
+    elif mode == "equal":
+        pieces = stripe_equal(file_bytes, len(drives))
+    else:
+        raise ValueError(f"unknown stripe mode {mode!r}; known: bandwidth, equal")
+    return [(p.drive, p.offset, p.nbytes) for p in pieces]
 
 
 # ---------------------------------------------------------------- entry points

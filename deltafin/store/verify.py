@@ -1,4 +1,8 @@
-"""``deltafin verify``: re-read every expert file (direct I/O) and check it against the manifest."""
+"""``deltafin verify``: re-read every expert file (direct I/O) and check it against the manifest.
+
+A striped expert is checked as a whole: its pieces are read into one buffer at their offsets and the
+expert's checksum is taken over the reassembled file (the pieces have none of their own).
+"""
 
 from __future__ import annotations
 
@@ -28,12 +32,15 @@ class VerifyReport:
 
 def verify(model: PackedModel, threads: int = 4, on_file: Callable[[int], None] | None = None) -> VerifyReport:
     readers = [FileDriveReader(d.label, d.path) for d in model.drives]
-    jobs = [(L, e, d) for L in model.moe_layers for e in range(model.num_experts) for d in model.locations(L, e)]
+    jobs = [(L, e, d) for L in model.moe_layers for e in range(model.num_experts)
+            for d in ([None] if model.stripe(L) else model.locations(L, e))]
     rep = VerifyReport()
     t0 = time.perf_counter()
 
-    def check(job: tuple[int, int, int]) -> tuple[int, str | None, str]:
+    def check(job: tuple[int, int, int | None]) -> tuple[int, str | None, str]:
         L, e, d = job
+        if d is None:
+            return _check_striped(model, readers, L, e)
         path = model.expert_path(L, e, d)
         n = model.file_bytes(L)
         try:
@@ -65,6 +72,39 @@ def verify(model: PackedModel, threads: int = 4, on_file: Callable[[int], None] 
     return rep
 
 
+def _check_striped(model: PackedModel, readers, L: int, e: int) -> tuple[int, str | None, str]:
+    files = model.expert_files(L, e)
+    n = model.file_bytes(L)
+    where = f"layer {L} expert {e} ({', '.join(f.path for f in files)})"
+    buf = aligned_buffer(n)
+    for f in files:
+        try:
+            size = os.path.getsize(f.path)
+            if size != f.nbytes:
+                return n, f"piece of size {size} bytes, expected {f.nbytes}", f.path
+            if readers[f.drive].read_into(f.path, 0, buf[f.offset : f.offset + f.nbytes]) != f.nbytes:
+                return n, "short read", f.path
+        except FileNotFoundError:
+            return n, "missing (a piece of a striped expert)", f.path
+        except (DeltafinError, OSError) as err:
+            return n, str(err), f.path
+    data = buf[:n]
+    got = ef.checksum(data)
+    if got != model.checksum(L, e):
+        return n, f"checksum mismatch over the reassembled pieces (expected {model.checksum(L, e)}, got {got})", where
+    try:
+        _, hl, he = ef.parse_header(data, where)
+    except ExpertFileError as err:
+        return n, str(err), where
+    if (hl, he) != (L, e):
+        return n, f"holds layer {hl} expert {he}, expected layer {L} expert {e}", where
+    return n, None, where
+
+
 def repair_hint(model: PackedModel) -> str:
-    src = model.doc.get("source", {}).get("path", "SRC")
-    return f"deltafin pack {src} {model.path} --repair"
+    source = model.doc.get("source", {})
+    placement = source.get("placement", "bandwidth")
+    extra = f" --placement {placement}" if placement != "bandwidth" else ""  # the pack's own settings, or it repacks
+    if source.get("trace"):
+        extra += f" --trace {source['trace']}" + (f" --spare-gb {source['spare_gb']:g}" if source.get("spare_gb") else "")
+    return f"deltafin pack {source.get('path', 'SRC')} {model.path} --repair{extra}"

@@ -1,0 +1,391 @@
+"""Expert layouts over drives, planned for a policy, and ``deltafin place``: change a packed model's layout
+moving only the files that must move.
+
+A layout gives, per MoE layer, each expert's drives (primary first, then replicas) or, for a striped
+layer, the pieces every expert is cut into. Files are named by what they hold (``E0003.dfx`` is the whole
+expert, ``E0003.dfx.p<offset>+<nbytes>`` those bytes of it), so one name never holds two contents and a
+change of layout is a set difference per expert: for whole files it is exactly ``placement.moves``.
+
+``deltafin place`` is crash-safe and idempotent:
+  1. journal: ``place-journal.json`` in the model folder records the old and the new layout;
+  2. copy: each file the new layout adds is built from the old layout's bytes (checked against the
+     expert's checksum), written under a temporary name on its drive, fsynced, renamed, and its folder
+     fsynced; a file already under its final name (an interrupted run) is kept only if its bytes match;
+  3. commit: the manifest is rewritten atomically with the new layout;
+  4. delete: files of the old layout the new one does not use are deleted, then the journal.
+Re-running after an interruption at any point first finishes the journaled change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from deltafin.errors import DeltafinError, ExpertChecksumError, ManifestError, UsageError
+from deltafin.io.direct import FileDriveReader
+from deltafin.io.pool import BufferPool
+from deltafin.store import expert_file as ef
+from deltafin.store import manifest as mf
+from deltafin.store.drives import check_space
+from deltafin.store.model_dir import PackedModel
+from deltafin.store.placement import (
+    ALL_POLICIES,
+    STRIPE_POLICIES,
+    TRACE_POLICIES,
+    DriveSpec,
+    place,
+    stripe_pieces,
+)
+
+log = logging.getLogger(__name__)
+JOURNAL = "place-journal.json"
+WORKERS = 4  # experts copied at once
+_TMP = re.compile(r".+\.tmp-\d+(-\d+)?")
+
+FileKey = tuple[int, int, int, bool]  # (drive, offset, nbytes, is a piece)
+
+
+@dataclass
+class Layout:
+    """Where every expert file of a model lives. ``stripe`` holds only the striped layers."""
+
+    policy: str
+    locations: dict[int, list[list[int]]]
+    stripe: dict[int, dict] = field(default_factory=dict)  # layer -> {"mode", "pieces": [{drive, offset, nbytes}]}
+
+    @classmethod
+    def from_doc(cls, experts: dict) -> Layout:
+        stripe = {int(L): st for L, st in (experts.get("stripe") or {}).items()}
+        return cls(experts.get("placement", "bandwidth"), {int(L): v for L, v in experts["locations"].items()}, stripe)
+
+    def to_doc(self) -> dict:
+        doc = {"placement": self.policy, "locations": {str(L): v for L, v in sorted(self.locations.items())}}
+        if self.stripe:
+            doc["stripe"] = {str(L): v for L, v in sorted(self.stripe.items())}
+        return doc
+
+    def same_files(self, other: Layout) -> bool:
+        return self.locations == other.locations and self.stripe == other.stripe
+
+    def files(self, layer: int, expert: int, file_bytes: int) -> set[FileKey]:
+        st = self.stripe.get(layer)
+        if st is not None:
+            return {(p["drive"], p["offset"], p["nbytes"], True) for p in st["pieces"]}
+        return {(d, 0, file_bytes, False) for d in self.locations[layer][expert]}
+
+
+def relpath(model_id: str, layer: int, expert: int, key: FileKey) -> str:
+    _d, offset, nbytes, piece = key
+    if piece:
+        return mf.piece_relpath(model_id, layer, expert, offset, nbytes)
+    return mf.expert_relpath(model_id, layer, expert)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def replica_capacity(file_bytes: dict[int, int], num_experts: int, drives: list[DriveSpec],
+                     spare_bytes: list[float]) -> list[int]:
+    """Bytes each drive may hold for this model: its read-rate share of the experts, plus one expert
+    of rounding room, plus its spare space for replicas."""
+    total = sum(n * num_experts for n in file_bytes.values())
+    rate = sum(d.gbps for d in drives)
+    largest = max(file_bytes.values(), default=0)
+    return [int(total * d.gbps / rate + largest + s) for d, s in zip(drives, spare_bytes, strict=True)]
+
+
+def plan_layout(file_bytes: dict[int, int], num_experts: int, drives: list[DriveSpec], policy: str, *,
+                trace=None, spare_gb: float | None = None) -> Layout:
+    """The layout ``policy`` gives experts of ``file_bytes[layer]`` bytes over ``drives``.
+
+    ``trace`` (a routing trace) is needed by "coactivation" and "replicas"; "replicas" copies the most-used
+    experts onto ``spare_gb`` GB per drive (default: a tenth of the drive's share of the model).
+    """
+    if policy not in ALL_POLICIES:
+        raise UsageError(f"placement policy {policy!r} is unknown; choose one of {', '.join(ALL_POLICIES)}")
+    if policy in TRACE_POLICIES and trace is None:
+        raise UsageError(f"placement policy {policy!r} needs a routing trace: pass --trace routes.jsonl (record one "
+                         f"with 'deltafin run MODEL --record-routes routes.jsonl'), or use bandwidth, roundrobin, "
+                         f"stripe-bandwidth or stripe-equal")
+    if policy in STRIPE_POLICIES:
+        mode = STRIPE_POLICIES[policy]
+        stripe, locations = {}, {}
+        for L, n in file_bytes.items():
+            pieces = stripe_pieces(n, drives, mode)
+            stripe[L] = {"mode": mode, "pieces": [{"drive": d, "offset": o, "nbytes": b} for d, o, b in pieces]}
+            locations[L] = [[d for d, _o, _b in pieces] for _ in range(num_experts)]
+        return Layout(policy, locations, stripe)
+    sizes = {L: [n] * num_experts for L, n in file_bytes.items()}
+    capacity = None
+    if policy == "replicas":
+        total = sum(n * num_experts for n in file_bytes.values())
+        rate = sum(d.gbps for d in drives)
+        spare = [spare_gb * 1e9 if spare_gb is not None else 0.1 * total * d.gbps / rate for d in drives]
+        capacity = replica_capacity(file_bytes, num_experts, drives, spare)
+    try:
+        placed = place(sizes, drives, policy, trace=trace, capacity=capacity)
+    except ValueError as e:
+        raise UsageError(f"placement {policy!r}: {e}") from e
+    return Layout(policy, {L: placed[L] for L in file_bytes}, {})
+
+
+def model_layout(pm: PackedModel, policy: str, *, trace_path: str | None = None,
+                 spare_gb: float | None = None) -> Layout:
+    """The layout ``policy`` gives a packed model's experts over its drives (at their packed rates)."""
+    trace = None
+    if trace_path is not None:
+        from deltafin.io.routes import read_routes
+
+        trace = read_routes(trace_path, pm.num_experts)
+    drives = [DriveSpec(d.label, d.gbps) for d in pm.drives]
+    return plan_layout({L: pm.file_bytes(L) for L in pm.moe_layers}, pm.num_experts, drives, policy,
+                       trace=trace, spare_gb=spare_gb)
+
+
+# ---------------------------------------------------------------- applying
+
+
+@dataclass
+class PlaceReport:
+    policy: str
+    files_copied: int = 0
+    bytes_copied: int = 0
+    files_kept: int = 0  # already in place (unchanged, or finished by an interrupted run)
+    files_deleted: int = 0
+    bytes_deleted: int = 0
+    experts_changed: int = 0
+    resumed: bool = False
+    seconds: float = 0.0
+    per_drive: dict[str, dict] = field(default_factory=dict)
+
+
+def place_model(model_dir: str, policy: str, *, trace_path: str | None = None, spare_gb: float | None = None,
+                drive_map: dict[str, str] | None = None, progress: bool = False) -> PlaceReport:
+    """Change a packed model's placement to ``policy``, moving only what must move (crash-safe)."""
+    t0 = time.perf_counter()
+    resumed = resume(model_dir, drive_map, progress)
+    pm = PackedModel.open(model_dir, drive_map)
+    new = model_layout(pm, policy, trace_path=trace_path, spare_gb=spare_gb)
+    rep = apply_layout(pm, new, progress=progress)
+    rep.resumed = resumed
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def resume(model_dir: str, drive_map: dict[str, str] | None = None, progress: bool = False) -> bool:
+    """Finish a placement change that was interrupted; True when there was one."""
+    path = os.path.join(os.path.abspath(model_dir), JOURNAL)
+    if not os.path.exists(path):
+        return False
+    journal = _read_journal(path)
+    pm = PackedModel.open(model_dir, drive_map)
+    old, new = Layout.from_doc(journal["old"]), Layout.from_doc(journal["new"])
+    now = Layout.from_doc(pm.doc["experts"])
+    log.warning("%s: finishing an interrupted placement change to %r", model_dir, new.policy)
+    if now.same_files(new):  # committed: only old files are left to delete
+        _delete_old(pm, old, new, PlaceReport(new.policy))
+        _remove_journal(pm)
+    elif now.same_files(old):
+        apply_layout(pm, new, progress=progress)
+    else:
+        raise ManifestError(f"{path}: the manifest matches neither side of this interrupted placement change (the "
+                            f"model was repacked since?); delete {path} and run 'deltafin verify'")
+    return True
+
+
+def apply_layout(pm: PackedModel, new: Layout, *, progress: bool = False) -> PlaceReport:
+    """Move ``pm``'s expert files to layout ``new``: journal, copy, commit, delete (module docstring)."""
+    old = Layout.from_doc(pm.doc["experts"])
+    rep = PlaceReport(new.policy)
+    if old.same_files(new):
+        if old.policy != new.policy:
+            _commit(pm, new)
+        rep.per_drive = _per_drive(pm, new)
+        return rep
+    _remove_tmp(pm)
+    _check_space(pm, old, new)
+    mf.write_json_atomic(os.path.join(pm.path, JOURNAL),
+                         {"format": "deltafin-place-journal", "version": 1, "old": old.to_doc(), "new": new.to_doc()})
+    _copy_new(pm, old, new, rep, progress)
+    _commit(pm, new)
+    _delete_old(pm, old, new, rep)
+    _remove_journal(pm)
+    rep.per_drive = _per_drive(pm, new)
+    return rep
+
+
+def _read_journal(path: str) -> dict:
+    import json
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != "deltafin-place-journal" or "old" not in doc or "new" not in doc:
+            raise ValueError("not a placement journal")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ManifestError(f"{path}: unreadable placement journal ({e}); the manifest is still consistent: "
+                            f"delete {path}, run 'deltafin verify', and place again") from e
+    return doc
+
+
+def _changes(pm: PackedModel, old: Layout, new: Layout):
+    """(layer, expert, files to add, files to drop) for every expert whose files differ."""
+    for L in pm.moe_layers:
+        n = pm.file_bytes(L)
+        for e in range(pm.num_experts):
+            a, b = old.files(L, e, n), new.files(L, e, n)
+            if a != b:
+                yield L, e, sorted(b - a), sorted(a - b)
+
+
+def _path(pm: PackedModel, L: int, e: int, key: FileKey) -> str:
+    return mf.resolve_under(pm.drives[key[0]].path, relpath(pm.model_id, L, e, key))
+
+
+def _check_space(pm: PackedModel, old: Layout, new: Layout) -> None:
+    need = {d.label: (os.path.join(d.path, pm.model_id), 0) for d in pm.drives}
+    for _L, _e, add, _drop in _changes(pm, old, new):
+        for key in add:
+            label = pm.drives[key[0]].label
+            need[label] = (need[label][0], need[label][1] + key[2])
+    check_space(need)
+
+
+def _remove_tmp(pm: PackedModel) -> None:
+    """Temporary files an interrupted copy left behind (never under a final name)."""
+    for d in pm.drives:
+        for L in pm.moe_layers:
+            folder = os.path.join(d.path, pm.model_id, f"L{L:03d}")
+            if os.path.isdir(folder):
+                for name in os.listdir(folder):
+                    if _TMP.fullmatch(name):
+                        os.unlink(os.path.join(folder, name))
+
+
+def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progress: bool) -> None:
+    from tqdm import tqdm
+
+    jobs = [(L, e, add) for L, e, add, _drop in _changes(pm, old, new) if add]
+    rep.experts_changed = sum(1 for _ in _changes(pm, old, new))
+    readers = [FileDriveReader(d.label, d.path) for d in pm.drives]
+    buffers, lock, stop = BufferPool(), threading.Lock(), threading.Event()
+    total = sum(key[2] for _L, _e, add in jobs for key in add)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="place", disable=not progress, dynamic_ncols=True) as bar:
+
+        def one(job) -> None:
+            if stop.is_set():
+                return
+            L, e, add = job
+            n = pm.file_bytes(L)
+            buf = buffers.get(n)
+            try:
+                data = _read_verified(pm, old, L, e, readers, buf[:n])
+                for key in add:
+                    wrote = _install(_path(pm, L, e, key), data[key[1] : key[1] + key[2]])
+                    with lock:
+                        rep.files_copied += wrote
+                        rep.files_kept += not wrote
+                        rep.bytes_copied += key[2] * wrote
+                        bar.update(key[2])
+                for folder in {os.path.dirname(_path(pm, L, e, key)) for key in add}:
+                    ef.fsync_dir(folder)
+            finally:
+                buffers.put(buf)
+
+        with ThreadPoolExecutor(WORKERS) as ex:
+            futures = [ex.submit(one, job) for job in jobs]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            if any(f.exception() for f in done):
+                stop.set()
+            for f in futures:
+                f.result()  # raises the first failure, after the others have stopped
+
+
+def _read_verified(pm: PackedModel, old: Layout, L: int, e: int, readers, buf: memoryview) -> memoryview:
+    """The expert's bytes from the old layout, checked against its checksum (each whole copy is tried)."""
+    n = len(buf)
+    files = sorted(old.files(L, e, n))
+    tries = [files] if old.stripe.get(L) else [[f] for f in files]
+    problems = []
+    for group in tries:
+        try:
+            for key in group:
+                path = _path(pm, L, e, key)
+                got = readers[key[0]].read_into(path, 0, buf[key[1] : key[1] + key[2]])
+                if got != key[2]:
+                    raise ExpertChecksumError(f"{path}: {got} of {key[2]} bytes (truncated)")
+            ef.check(buf, pm.checksum(L, e), f"layer {L} expert {e}", "")
+            return buf
+        except (OSError, DeltafinError) as err:
+            problems.append(str(err).rstrip("; "))
+    raise ExpertChecksumError(f"layer {L} expert {e}: no good copy to move ({'; '.join(problems)}); nothing was "
+                              f"changed for it: repair the model first ('deltafin verify', then 'deltafin pack SRC "
+                              f"{pm.path} --repair') and place again")
+
+
+def _install(final: str, data: memoryview) -> bool:
+    """Put ``data`` under ``final`` durably (temporary name, fsync, rename); False when it was already there."""
+    try:
+        with open(final, "rb") as f:
+            if f.read(len(data) + 1) == data:
+                return False
+    except FileNotFoundError:
+        pass
+    os.replace(ef.write_tmp(final, data, direct=True), final)
+    return True
+
+
+def _commit(pm: PackedModel, new: Layout) -> None:
+    doc = dict(pm.doc)
+    experts = {k: v for k, v in doc["experts"].items() if k not in ("stripe", "locations", "placement")}
+    doc["experts"] = experts | new.to_doc()
+    mf.validate(doc, os.path.join(pm.path, mf.MANIFEST))
+    mf.write_json_atomic(os.path.join(pm.path, mf.MANIFEST), doc)
+    pm.doc = doc
+    pm._stripes.clear()
+
+
+def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport) -> None:
+    folders = set()
+    for L, e, _add, drop in _changes(pm, old, new):
+        for key in drop:
+            path = _path(pm, L, e, key)
+            if _remove(path):
+                rep.files_deleted += 1
+                rep.bytes_deleted += key[2]
+            folders.add(os.path.dirname(path))
+    for folder in folders:
+        if os.path.isdir(folder):
+            ef.fsync_dir(folder)
+
+
+def _remove(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _remove_journal(pm: PackedModel) -> None:
+    try:
+        os.unlink(os.path.join(pm.path, JOURNAL))
+    except FileNotFoundError:
+        return
+    ef.fsync_dir(pm.path)
+
+
+def _per_drive(pm: PackedModel, layout: Layout) -> dict[str, dict]:
+    out = {d.label: {"path": d.path, "gbps": d.gbps, "files": 0, "bytes": 0} for d in pm.drives}
+    for L in pm.moe_layers:
+        n = pm.file_bytes(L)
+        for e in range(pm.num_experts):
+            for key in layout.files(L, e, n):
+                out[pm.drives[key[0]].label]["files"] += 1
+                out[pm.drives[key[0]].label]["bytes"] += key[2]
+    return out
