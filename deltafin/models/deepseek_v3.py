@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.models import mla
 from deltafin.models.base import (
     ExpertSource,
     ExpertTensors,
@@ -27,11 +28,9 @@ from deltafin.models.base import (
     rms_norm,
 )
 from deltafin.models.layers import GrowingCache
-from deltafin.models.mla import absorb_is_better, attend_absorbed, attend_expanded
 from deltafin.models.rope import Rope, RopeConfig, apply_rope, yarn_mscale
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "glm4_moe_lite")
-LORA_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm without the config's eps
 REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -181,31 +180,23 @@ class Model:
     def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
         c, (T, _), pos = self.cfg, h.shape, state.pos
         H, dn, r, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        q = self._query(i, h).view(T, H, dn + r)  # [T, H, dn+r]
-        kv_a = "self_attn.kv_a_proj_with_mqa."
-        kv = linear(h, self._p(i, kv_a + "weight"), self._p(i, kv_a + "bias"))  # [T, R+r]
-        latent = rms_norm(kv[:, :R], self._p(i, "self_attn.kv_a_layernorm.weight"), LORA_NORM_EPS)  # [T, R]
+        p = self.w.get
+        pre = f"model.layers.{i}.self_attn."
+        q, latent, k_pe = mla.project(h, lambda n: p(pre + n), H, dn, r, R, c.q_lora_rank is not None)
         cos, sin = self.rope.cos_sin(pos, T)  # [T, r/2]
         q_rot = apply_rope(q[..., dn:], cos, sin, c.rope_interleave)  # [T, H, r]
-        k_rot = apply_rope(kv[:, R:], cos, sin, c.rope_interleave)  # [T, r]
+        k_rot = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [T, r]
         rows = state.layers[i].write(pos, torch.cat((latent, k_rot), dim=-1))  # [S, R+r]
-        attend = attend_absorbed if self._absorb(T, pos + T) else attend_expanded
-        w_kv_b = self._p(i, "self_attn.kv_b_proj.weight")  # [H*(dn+dv), R]
+        attend = mla.attend_absorbed if self._absorb(T, pos + T) else mla.attend_expanded
+        w_kv_b = p(pre + "kv_b_proj.weight")  # [H*(dn+dv), R]
         o = attend(q[..., :dn], q_rot, rows, w_kv_b, dn, c.v_head_dim, c.softmax_scale, pos)  # [T, H*dv]
-        return linear(o, self._p(i, "self_attn.o_proj.weight"), self._p(i, "self_attn.o_proj.bias"))
-
-    def _query(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        if self.cfg.q_lora_rank is None:
-            return linear(h, self._p(i, "self_attn.q_proj.weight"))
-        qa = linear(h, self._p(i, "self_attn.q_a_proj.weight"), self._p(i, "self_attn.q_a_proj.bias"))
-        qa = rms_norm(qa, self._p(i, "self_attn.q_a_layernorm.weight"), LORA_NORM_EPS)
-        return linear(qa, self._p(i, "self_attn.q_b_proj.weight"))  # [T, H*(dn+r)]
+        return linear(o, p(pre + "o_proj.weight"), p(pre + "o_proj.bias"))
 
     def _absorb(self, T: int, S: int) -> bool:
         if self.mla_mode != "auto":
             return self.mla_mode == "absorb"
         c = self.cfg
-        return absorb_is_better(
+        return mla.absorb_is_better(
             T, S, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
         )
 

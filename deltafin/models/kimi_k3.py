@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
-from deltafin.models import kda
+from deltafin.models import kda, mla
 from deltafin.models.base import (
     ExpertSource,
     ExpertTensors,
@@ -29,7 +29,7 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
 )
-from deltafin.models.k3_mla import MLA_LATENT_NORM_EPS, MLACache, MLADims, attend_absorbed, attend_expanded
+from deltafin.models.layers import GrowingCache
 
 # §6.2 disagreement 2: the official module declares A_log [num_heads], the checkpoint stores it zero-padded
 # to 128 entries, fla indexes it per head and sglang slices the first num_heads. We read entries
@@ -183,8 +183,6 @@ class Model:
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
         self.kda_chunk = kda.CHUNK
-        self.mla = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                           cfg.kv_lora_rank)
         self._check(weights)
         self.w = {n: t.to(self.device) for n, t in weights.items()}
         self.vec = self._vectors()
@@ -235,7 +233,7 @@ class Model:
         return vec
 
     def new_state(self, max_len: int) -> SequenceState:
-        """Per layer: KDA conv + recurrent state (fp32, fixed size) or an MLA latent cache of max_len tokens."""
+        """Per layer: KDA conv + recurrent state (fp32, fixed size) or an MLA latent cache of up to max_len tokens."""
         c, layers = self.cfg, []
         for i in range(self.num_layers):
             if c.is_kda(i):
@@ -243,7 +241,7 @@ class Model:
                 layers.append(kda.KDAState.zeros(c.kda_num_heads, K, K, c.short_conv_kernel_size, self.device))
             else:
                 width = c.kv_lora_rank + c.qk_rope_head_dim
-                layers.append(MLACache(torch.zeros(max_len, width, dtype=self.dtype, device=self.device)))
+                layers.append(GrowingCache((width,), max_len, self.device, self.dtype))
         return SequenceState(layers)
 
     # ------------------------------------------------------------------ the stream
@@ -315,23 +313,19 @@ class Model:
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
 
-    def _mla(self, pre: str, x: torch.Tensor, cache: MLACache, pos: int) -> torch.Tensor:
+    def _mla(self, pre: str, x: torch.Tensor, cache: GrowingCache, pos: int) -> torch.Tensor:
         """Gated MLA without rope (§3.2): latent cache; absorbed form for one token, expanded for more."""
-        T, d, w = x.shape[0], self.mla, self.w
-        if pos + T > cache.kv.shape[0]:
-            raise ValueError(f"MLA cache holds {cache.kv.shape[0]} tokens; cannot add {T} at position {pos}; "
+        c, T, w = self.cfg, x.shape[0], self.w
+        if pos + T > cache.max_len:
+            raise ValueError(f"MLA cache holds {cache.max_len} tokens; cannot add {T} at position {pos}; "
                              f"create the state with a larger max_len")
-        cq = rms_norm(linear(x, w[pre + "q_a_proj.weight"]), self.vec[pre + "q_a_layernorm.weight"], MLA_LATENT_NORM_EPS)
-        q = linear(cq, w[pre + "q_b_proj.weight"]).view(T, d.heads, d.nope + d.rope)
-        q_nope, q_pe = q.split([d.nope, d.rope], -1)
-        ckv = linear(x, w[pre + "kv_a_proj_with_mqa.weight"])  # [T, R+P]
-        c = rms_norm(ckv[:, : d.latent], self.vec[pre + "kv_a_layernorm.weight"], MLA_LATENT_NORM_EPS)
-        cache.kv[pos : pos + T] = torch.cat([c, ckv[:, d.latent :]], -1).to(cache.kv.dtype)
-        kv = cache.kv[: pos + T].to(x.dtype)  # [S, R+P]
-        wkv = dense(w[pre + "kv_b_proj.weight"], x.dtype).view(d.heads, d.nope + d.v, d.latent)
-        attend = attend_absorbed if T == 1 else attend_expanded
-        ctx = attend(q_nope, q_pe, kv, wkv, d).reshape(T, d.heads * d.v)
-        if self.cfg.mla_use_output_gate:
+        H, dn, r, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        q, latent, k_pe = mla.project(x, lambda n: w.get(pre + n), H, dn, r, R)  # k_pe stays un-rotated
+        rows = cache.write(pos, torch.cat((latent, k_pe), -1))  # [S, R+r]
+        attend = mla.attend_absorbed if T == 1 else mla.attend_expanded
+        scale = (dn + r) ** -0.5  # §3.2 step 4: 192^-0.5 for K3
+        ctx = attend(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn, c.v_head_dim, scale, pos)
+        if c.mla_use_output_gate:
             ctx = ctx * torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).to(ctx.dtype)
         return linear(ctx, w[pre + "o_proj.weight"])
 

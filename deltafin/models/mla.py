@@ -1,8 +1,9 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) over a latent cache.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; Kimi K3 without rotation) over a latent cache.
 
-Legend: T query tokens, S cached tokens (including these T), H heads, R kv_lora_rank, r rotary width,
+Legend: T query tokens, S cached tokens (including these T), H heads, R kv_lora_rank, r rope width,
 dn / dv the per-head no-rope key and value widths. The cache row of a token is its normalised latent
-[R] followed by its rotated key [r]; K and V are never stored expanded.
+[R] followed by its rope key [r] (rotated, or as projected for K3's NoPE MLA); K and V are never stored
+expanded.
 
 Two equal ways to attend: *absorbed* folds kv_b_proj into the query and the output (cheap when T is
 small: decoding), *expanded* rebuilds per-head K/V from the latent for this call only (cheap for long
@@ -11,13 +12,33 @@ prefill chunks). ``absorb_is_better`` picks by counting multiply-adds and boundi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from deltafin.models.base import dense, linear
+from deltafin.models.base import dense, linear, rms_norm
 from deltafin.models.layers import attention
 from deltafin.quant.record import QTensor
 
 EXPAND_BUDGET = 1 << 28  # most elements of per-call expanded K/V
+# transformers builds q_a_layernorm / kv_a_layernorm without the config's eps (DeepSeek-V3, kimi_linear);
+# K3 spec §6.2 disagreement 4: colibri, k3_ref and the MLX port use 1e-5; we follow the official files
+LATENT_NORM_EPS = 1e-6
+
+
+def project(h: torch.Tensor, p: Callable[[str], QTensor | None], H: int, dn: int, r: int, R: int, q_lora: bool = True):
+    """The MLA projections of h [T, D] from one layer's ``self_attn.`` records ``p(name)`` (None if absent):
+    q [T, H, dn+r] (through the q_a/q_b low-rank pair when ``q_lora``, else q_proj), the normalised latent
+    [T, R] and the rope key [T, r] before any rotation."""
+    T = h.shape[0]
+    if q_lora:
+        qa = linear(h, p("q_a_proj.weight"), p("q_a_proj.bias"))
+        q = linear(rms_norm(qa, p("q_a_layernorm.weight"), LATENT_NORM_EPS), p("q_b_proj.weight"))
+    else:
+        q = linear(h, p("q_proj.weight"))
+    kv = linear(h, p("kv_a_proj_with_mqa.weight"), p("kv_a_proj_with_mqa.bias"))  # [T, R+r]
+    latent = rms_norm(kv[:, :R], p("kv_a_layernorm.weight"), LATENT_NORM_EPS)  # [T, R]
+    return q.view(T, H, dn + r), latent, kv[:, R:]
 
 
 def absorb_is_better(T: int, S: int, H: int, R: int, r: int, dn: int, dv: int) -> bool:
