@@ -4,20 +4,21 @@ and the decoder body (embed, layer loop, head). RoPE is in ``rope.py``, caches a
 Stable API for every family module:
 
 - ``swiglu_expert(x, tensors)``, ``softmax_topk(logits, k, renormalize)``.
-- ``config_kwargs(cls, d)``: the known, non-null fields of an HF config dict.
+- ``config_kwargs(cls, d, exclude, aliases)``: the known, non-null fields of an HF config dict;
+  ``require_keys(d, keys, family)``; ``settle_decoder_config(cfg, family)``: head defaults and checks.
 - ``take(weights, prefix, names)``: named records with one clear error for missing ones.
 - ``DecoderLM``: embed / head / forward / new_state for models whose carry is the [T, D] residual stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 
-from deltafin.errors import CheckpointError
+from deltafin.errors import CheckpointError, UnsupportedArchitectureError
 from deltafin.models.base import ExpertSource, SequenceState, Weights, embed_rows, linear, rms_norm
 from deltafin.quant.record import QTensor
 
@@ -44,11 +45,42 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 # ---------------------------------------------------------------------------------------- configs
 
 
-def config_kwargs(cls, d: Mapping) -> dict:
-    """The entries of an HF config dict that name fields of the dataclass ``cls``; unknown keys and
-    explicit nulls (HF's "use the default") are dropped."""
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in d.items() if k in names and v is not None}
+def config_kwargs(cls, d: Mapping, exclude: Iterable[str] = (), aliases: Mapping[str, str] | None = None) -> dict:
+    """The entries of an HF config dict that name fields of the dataclass ``cls`` (less ``exclude``); unknown
+    keys and explicit nulls (HF's "use the default") are dropped. ``aliases`` maps other names of a field
+    (``{"num_experts": "num_local_experts"}``) to it; an alias is read when the field's own name is unset."""
+    names = {f.name for f in fields(cls)} - set(exclude)
+    kw = {k: v for k, v in d.items() if k in names and v is not None}
+    for alias, name in (aliases or {}).items():
+        if name not in kw and d.get(alias) is not None:
+            kw[name] = d[alias]
+    return kw
+
+
+def require_keys(d: Mapping, keys: Iterable[str], family: str) -> None:
+    """One CheckpointError naming every key of ``keys`` that the config dict lacks (or sets to null)."""
+    missing = [k for k in keys if d.get(k) is None]
+    if missing:
+        raise CheckpointError(f"config.json lacks {', '.join(missing)}; is this a {family} config?")
+
+
+def settle_decoder_config(cfg, family: str) -> None:
+    """The ``__post_init__`` checks every decoder config shares. Fills the head defaults of a frozen config
+    (``num_key_value_heads``: one per head; ``head_dim``: hidden_size / heads) and checks that the MLP
+    activation is SiLU and the query heads share the key/value heads evenly, where the config has them."""
+    heads = cfg.num_attention_heads
+    if getattr(cfg, "num_key_value_heads", heads) is None:
+        object.__setattr__(cfg, "num_key_value_heads", heads)
+    if getattr(cfg, "head_dim", 0) is None:
+        object.__setattr__(cfg, "head_dim", cfg.hidden_size // heads)
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"{family}: hidden_act {act!r}; only 'silu' is supported")
+    kv = getattr(cfg, "num_key_value_heads", heads)
+    if heads % kv:
+        raise UnsupportedArchitectureError(
+            f"{family}: {heads} attention heads are not a multiple of {kv} key/value heads"
+        )
 
 
 # ---------------------------------------------------------------------------------------- weights

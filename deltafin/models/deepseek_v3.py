@@ -8,7 +8,6 @@ their checkpoint names (``model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight``
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
 )
+from deltafin.models.common import config_kwargs, require_keys, settle_decoder_config
 from deltafin.models.layers import GrowingCache
 from deltafin.models.rope import Rope, RopeConfig, apply_rope, yarn_mscale
 
@@ -88,11 +88,12 @@ class Config:
                 f"model_type {self.model_type!r} is not served by deepseek_v3.py; "
                 f"it serves {', '.join(MODEL_TYPES)}"
             )
-        if self.scoring_func != "sigmoid" or self.hidden_act != "silu":
+        if self.scoring_func != "sigmoid":
             raise UnsupportedArchitectureError(
-                f"scoring_func={self.scoring_func!r}, hidden_act={self.hidden_act!r}: only sigmoid routing with "
-                f"SiLU experts (DeepSeek-V3 style) is supported"
+                f"{self.model_type}: scoring_func {self.scoring_func!r}; only sigmoid routing (DeepSeek-V3 style) "
+                f"is supported"
             )
+        settle_decoder_config(self, self.model_type)
         if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
             raise UnsupportedArchitectureError(
                 f"{self.n_routed_experts} experts cannot form {self.n_group} groups keeping {self.topk_group}"
@@ -106,14 +107,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict; unknown keys are ignored."""
-        missing = [k for k in REQUIRED if d.get(k) is None]
-        if missing:
-            raise CheckpointError(
-                f"config.json lacks {', '.join(missing)}; is this a DeepSeek-V3-family config?"
-            )
+        require_keys(d, REQUIRED, "DeepSeek-V3-family")
         kw = dict(GLM_DEFAULTS) if d.get("model_type") == "glm4_moe_lite" else {}
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "mlp_layer_types", "q_lora_rank"}
-        kw.update({k: d[k] for k in names if d.get(k) is not None})
+        kw.update(config_kwargs(cls, d, exclude=("rope", "mlp_layer_types", "q_lora_rank")))
         if "q_lora_rank" in d:
             kw["q_lora_rank"] = d["q_lora_rank"]  # None: a plain q_proj (DeepSeek-V2-Lite style)
         if d.get("mlp_layer_types"):

@@ -8,12 +8,11 @@ Expert roles: ``gate_up`` [2I, H] whose rows alternate gate/up, ``gate_up_bias``
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.errors import CheckpointError
 from deltafin.models.base import (
     ExpertSource,
     ExpertTensors,
@@ -25,6 +24,7 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
 )
+from deltafin.models.common import config_kwargs, require_keys, settle_decoder_config
 from deltafin.models.layers import KVCache, self_attention
 from deltafin.models.rope import Rope, RopeConfig
 
@@ -62,10 +62,7 @@ class Config:
     model_type: str = "gpt_oss"
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UnsupportedArchitectureError(
-                f"{self.num_attention_heads} attention heads do not share {self.num_key_value_heads} KV heads evenly"
-            )
+        settle_decoder_config(self, "gpt_oss")
         if len(self.layer_types) != self.num_hidden_layers:
             raise CheckpointError(
                 f"layer_types names {len(self.layer_types)} layers, the model has "
@@ -79,12 +76,8 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict; unknown keys are ignored."""
-        d = {**{ALIASES[k]: v for k, v in d.items() if k in ALIASES and ALIASES[k] not in d}, **d}
-        missing = [k for k in REQUIRED if d.get(k) is None]
-        if missing:
-            raise CheckpointError(f"config.json lacks {', '.join(missing)}; is this a gpt-oss config?")
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "layer_types"}
-        kw = {k: d[k] for k in names if d.get(k) is not None}
+        require_keys(d, REQUIRED, "gpt-oss")
+        kw = config_kwargs(cls, d, exclude=("rope", "layer_types"), aliases=ALIASES)
         n, heads = int(d["num_hidden_layers"]), int(d["num_attention_heads"])
         kw.setdefault("num_key_value_heads", heads)
         kw.setdefault("head_dim", int(d["hidden_size"]) // heads)

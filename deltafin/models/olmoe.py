@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, moe_dispatch, rms_norm
 from deltafin.models.common import (
     DecoderLM,
     config_kwargs,
+    settle_decoder_config,
     softmax_topk,
     swiglu_expert,
     take,
@@ -57,25 +57,11 @@ class Config:
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
     def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.hidden_act != "silu":
-            raise UnsupportedArchitectureError(
-                f"olmoe: hidden_act {self.hidden_act!r}; only 'silu' is supported"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UnsupportedArchitectureError(
-                f"olmoe: {self.num_attention_heads} attention heads are not a multiple of "
-                f"{self.num_key_value_heads} key/value heads"
-            )
+        settle_decoder_config(self, "olmoe")
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
-        kw = config_kwargs(cls, d)
-        if d.get("num_local_experts") is not None and "num_experts" not in kw:
-            kw["num_experts"] = d["num_local_experts"]
+        kw = config_kwargs(cls, d, aliases={"num_local_experts": "num_experts"})
         kw["rope"] = rope_parameters(d, 10000.0)
         return cls(**kw)
 
