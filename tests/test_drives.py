@@ -312,3 +312,25 @@ def test_bench_drives_cli_small(tmp_path, capsys):
     assert doc["policies"]["one-drive"]["aggregate_fraction"] < 0.5  # one of four drives
     assert doc["scale"] == 0.02 and abs(doc["summed_GBps"] - 0.5) < 1e-6
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("deltafin-bench-drives-")]  # cleaned up
+
+
+def test_engine_reads_replicas_from_the_drive_that_finishes_first(src, tmp_path):
+    from deltafin.runtime.source import StreamingExperts
+    from deltafin.store.place import apply_layout
+
+    model = _pack(src, tmp_path, "bandwidth")
+    pm = PackedModel.open(str(model))
+    everywhere = Layout("replicas", {L: [[0, 1] for _ in range(pm.num_experts)] for L in pm.moe_layers})
+    apply_layout(pm, everywhere)
+    pm = PackedModel.open(str(model))
+    assert verify(pm).ok and verify(pm).files == 2 * pm.num_experts * len(pm.moe_layers)
+    source = StreamingExperts(pm, cache_bytes=0, threads=2)
+    try:
+        for L in pm.moe_layers[:3]:
+            got = {e: t for e, t in source.fetch(L, list(range(pm.num_experts)))}
+            assert sorted(got) == list(range(pm.num_experts))
+        reads = {label: d["reads"] for label, d in source.per_drive().items()}
+    finally:
+        source.close()
+    # 8 equal reads per layer at rates 2:1: 5 + 3 and 6 + 2 both finish the layer after 3 reads' time
+    assert reads["d0"] + reads["d1"] == 3 * 8 and 3 * 5 <= reads["d0"] <= 3 * 6
