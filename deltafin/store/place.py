@@ -188,6 +188,7 @@ def resume(model_dir: str, drive_map: dict[str, str] | None = None, progress: bo
     now = Layout.from_doc(pm.doc["experts"])
     log.warning("%s: finishing an interrupted placement change to %r", model_dir, new.policy)
     if now.same_files(new):  # committed: only old files are left to delete
+        _remove_tmp(pm)
         _delete_old(pm, old, new, PlaceReport(new.policy))
         _remove_journal(pm)
     elif now.same_files(old):
@@ -298,12 +299,16 @@ def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progr
                 buffers.put(buf)
 
         with ThreadPoolExecutor(WORKERS) as ex:
-            futures = [ex.submit(one, job) for job in jobs]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            if any(f.exception() for f in done):
+            try:
+                futures = [ex.submit(one, job) for job in jobs]
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                if any(f.exception() for f in done):
+                    stop.set()
+                for f in futures:
+                    f.result()  # raises the first failure, after the others have stopped
+            except BaseException:  # Ctrl-C too: experts not started are skipped, the journal stays
                 stop.set()
-            for f in futures:
-                f.result()  # raises the first failure, after the others have stopped
+                raise
 
 
 def _read_verified(pm: PackedModel, old: Layout, L: int, e: int, readers, buf: memoryview) -> memoryview:
