@@ -18,7 +18,6 @@ from deltafin.store.families import ExpertPart, Family, Skip, resolve
 
 EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
-PACK_POLICIES = ("bandwidth", "roundrobin")  # placements that need no routing trace
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
@@ -125,12 +124,6 @@ class _Shapes:
 def _config_dtype(tc: dict) -> str:
     dt = str(tc.get("dtype") or tc.get("torch_dtype") or "bfloat16")
     return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dt, "BF16")
-
-
-def check_placement(policy: str) -> str:
-    if policy not in PACK_POLICIES:
-        raise UsageError(f"--placement {policy!r}: a pack places experts with one of {', '.join(PACK_POLICIES)}")
-    return policy
 
 
 def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> PackPlan:

@@ -7,8 +7,9 @@ import os
 from deltafin.errors import UsageError
 from deltafin.store.checkpoint import Checkpoint
 from deltafin.store.drives import DriveArg, free_bytes, probe_read_gbps
-from deltafin.store.placement import DriveSpec, place
-from deltafin.store.plan import build_plan, check_placement
+from deltafin.store.place import plan_layout
+from deltafin.store.placement import DriveSpec
+from deltafin.store.plan import build_plan
 
 
 def _rate(d: DriveArg) -> tuple[float, bool]:
@@ -21,19 +22,22 @@ def _rate(d: DriveArg) -> tuple[float, bool]:
 
 
 def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: str, policy: str) -> dict:
-    check_placement(policy)
     plan = build_plan(ckpt, experts, trunk)
     if not drives:
         drives = [DriveArg("d0", os.path.abspath("experts"), 1.0)]
     rates = [_rate(d) for d in drives]
     specs = [DriveSpec(d.label, r) for d, (r, _) in zip(drives, rates, strict=True)]
-    sizes = {L: [plan.layouts[L].file_bytes] * plan.num_experts for L in plan.moe_layers}
-    loc = place(sizes, specs, policy)
+    layout = plan_layout({L: plan.layouts[L].file_bytes for L in plan.moe_layers}, plan.num_experts, specs, policy)
     per_drive = {d.label: {"path": d.path, "gbps": r, "measured": m, "files": 0, "bytes": 0,
                            "free_bytes": free_bytes(d.path) if os.path.exists(os.path.dirname(d.path) or "/") else None}
                  for d, (r, m) in zip(drives, rates, strict=True)}
     for L in plan.moe_layers:
-        for row in loc[L]:
+        if L in layout.stripe:  # every expert is one piece per drive
+            for piece in layout.stripe[L]["pieces"]:
+                per_drive[drives[piece["drive"]].label]["files"] += plan.num_experts
+                per_drive[drives[piece["drive"]].label]["bytes"] += piece["nbytes"] * plan.num_experts
+            continue
+        for row in layout.locations[L]:
             for di in row:
                 per_drive[drives[di].label]["files"] += 1
                 per_drive[drives[di].label]["bytes"] += plan.layouts[L].file_bytes
