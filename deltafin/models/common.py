@@ -1,13 +1,13 @@
-"""Pieces shared by the model families: SwiGLU experts, softmax top-k routing, config and weight helpers,
-and the decoder body (embed, layer loop, head). RoPE is in ``rope.py``, caches and attention in ``layers.py``.
+"""Pieces shared by the model families: SwiGLU experts, softmax and sigmoid top-k routing, config and weight
+helpers, and the decoder body. RoPE is in ``rope.py``, caches and attention in ``layers.py``.
 
 Stable API for every family module:
 
-- ``swiglu_expert(x, tensors)``, ``softmax_topk(logits, k, renormalize)``.
+- ``swiglu_expert(x, tensors)``, ``softmax_topk(logits, k, renormalize)``, ``sigmoid_topk(...)``.
 - ``config_kwargs(cls, d, exclude, aliases)``: the known, non-null fields of an HF config dict;
   ``require_keys(d, keys, family)``; ``settle_decoder_config(cfg, family)``: head defaults and checks.
-- ``take(weights, prefix, names)``: named records with one clear error for missing ones.
-- ``DecoderLM``: embed / head / forward / new_state for models whose carry is the [T, D] residual stream.
+- ``take(weights, prefix, names)``, ``require_tensors(weights, names)``: one clear error for missing records.
+- ``DecoderLM``: the Model API over per-family parts; ``GQADecoder``: with RoPE'd GQA over a KV cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
-from deltafin.models.base import ExpertSource, SequenceState, Weights, embed_rows, linear, rms_norm
+from deltafin.models.base import (
+    ExpertSource,
+    SequenceState,
+    Weights,
+    dense,
+    embed_rows,
+    linear,
+    moe_dispatch,
+    rms_norm,
+)
+from deltafin.models.layers import KVCache, self_attention
+from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
 # ------------------------------------------------------------------------------------------- MLP / MoE
@@ -40,6 +51,44 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+ROUTER_RENORM_EPS = 1e-20  # DeepSeek-V3 and K3 spec §3.4 step 1: w_k = s_k / (sum s + 1e-20)
+
+
+def sigmoid_topk(
+    logits: torch.Tensor,
+    bias: QTensor | torch.Tensor | None,
+    k: int,
+    renormalize: bool,
+    scaling: float,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (also Kimi K2/K3): sigmoid scores of float32 logits [T, E]; the correction bias
+    [E] only picks the experts, among those of the best ``topk_group`` of ``n_group`` groups; the weights
+    are the unbiased scores of the chosen ones, optionally renormalised, times ``scaling``.
+    Returns (ids [T, k] long, weights [T, k] float32)."""
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores if bias is None else scores + dense(bias, torch.float32)  # selection only
+    ids = _group_limited(choice, n_group, topk_group).topk(k, dim=-1).indices
+    w = scores.gather(1, ids)  # [T, k]
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + ROUTER_RENORM_EPS)
+    return ids, w * scaling
+
+
+def _group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """choice [T, E] with experts outside the best topk_group groups set to -inf; a group's score is
+    the sum of its two best experts."""
+    if topk_group >= n_group:
+        return choice
+    T, E = choice.shape
+    per = E // n_group
+    groups = choice.view(T, n_group, per).topk(min(2, per), dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+    return choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -86,40 +135,42 @@ def settle_decoder_config(cfg, family: str) -> None:
 # ---------------------------------------------------------------------------------------- weights
 
 
-def take(weights: Weights, prefix: str, names: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict:
-    """{short: weights[prefix + name]} for every entry of ``names``; optional ones may be absent (None).
-    Raises one CheckpointError naming every missing required tensor."""
-    out = {short: weights.get(prefix + name) for short, name in names.items()}
-    missing = [prefix + names[s] for s, t in out.items() if t is None and s not in optional]
+def require_tensors(weights: Mapping, names: Iterable[str]) -> None:
+    """One CheckpointError naming the tensors of ``names`` that the packed trunk lacks."""
+    missing = [n for n in names if weights.get(n) is None]
     if missing:
         raise CheckpointError(
-            f"the packed trunk has no tensor(s) {missing}; the model was packed from another architecture or "
-            f"is incomplete: repack it"
+            f"the packed trunk lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}; the model "
+            f"was packed from another architecture or checkpoint, or is incomplete: repack it"
         )
-    return out
+
+
+def take(weights: Weights, prefix: str, names: Mapping[str, str], optional: tuple[str, ...] = ()) -> dict:
+    """{short: weights[prefix + name]} for every entry of ``names``; optional ones may be absent (None).
+    Raises one CheckpointError naming the missing required tensors."""
+    require_tensors(weights, [prefix + n for s, n in names.items() if s not in optional])
+    return {short: weights.get(prefix + name) for short, name in names.items()}
 
 
 # ---------------------------------------------------------------------------------------- decoder body
 
 
 class DecoderLM:
-    """Embed, final norm + lm_head and the layer loop of a decoder whose carry is the residual stream
-    [T, D]. Subclasses implement ``attn_part``, ``mlp_part``, ``route`` and ``new_layer_state``."""
+    """The decoder body every family shares (Model API and ``route`` contract: ``deltafin.models.base``).
 
-    num_layers: int
-    vocab_size: int
+    Holds the weights on the device, embeds, runs the layer loop and the head (final norm + lm_head).
+    The carry is the residual stream [T, D]: ``attn_part`` adds ``_attention`` of the input-normed stream,
+    ``mlp_part`` adds ``_moe`` (``_router`` + ``_expert`` through ``moe_dispatch``) or ``_dense_mlp`` of the
+    post-attention-normed one (``_mlp_input``). A family prepares in ``_setup`` and implements
+    ``new_layer_state``, ``_attention`` and ``_router``; Kimi K3 overrides the carry-specific parts.
+    """
 
     def __init__(
-        self,
-        weights: Weights,
-        device: torch.device | str,
-        dtype: torch.dtype,
-        norm_eps: float,
-        tie_word_embeddings: bool = False,
+        self, cfg, weights: Weights, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
     ):
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.norm_eps = norm_eps
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
+        self.norm_eps = cfg.rms_norm_eps
         self.w: dict[str, QTensor | torch.Tensor] = {n: t.to(self.device) for n, t in weights.items()}
         top = take(
             self.w,
@@ -128,31 +179,117 @@ class DecoderLM:
             optional=("lm_head",),
         )
         self.embed_w, self.norm_w = top["embed"], top["norm"]
-        self.lm_head = top["embed"] if tie_word_embeddings or top["lm_head"] is None else top["lm_head"]
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        self.lm_head = top["embed"] if tied or top["lm_head"] is None else top["lm_head"]
+        self._setup()
+
+    def _setup(self) -> None:
+        """Family-specific preparation once the weights are on the device (checks, per-layer records)."""
+
+    def _p(self, i: int, name: str) -> QTensor | torch.Tensor | None:
+        """Layer i's record ``name`` (checkpoint name after ``model.layers.{i}.``), None when absent."""
+        return self.w.get(f"model.layers.{i}.{name}")
+
+    # ------------------------------------------------------------------ the Model API
 
     def new_layer_state(self, i: int, max_len: int):
-        raise NotImplementedError
-
-    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        raise NotImplementedError
-
-    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         raise NotImplementedError
 
     def new_state(self, max_len: int) -> SequenceState:
         return SequenceState([self.new_layer_state(i, max_len) for i in range(self.num_layers)])
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor):
         return embed_rows(self.embed_w, ids.to(self.device), self.dtype)  # [T, D]
 
-    def head(self, carry: torch.Tensor) -> torch.Tensor:
+    def attn_part(self, i: int, carry, state: SequenceState):
+        h = rms_norm(carry, self._p(i, "input_layernorm.weight"), self.norm_eps)  # [T, D]
+        return carry + self._attention(i, h, state)
+
+    def mlp_part(self, i: int, carry, experts: ExpertSource):
+        return carry + self._mlp(i, self._mlp_input(i, carry), experts)
+
+    def route(self, i: int, carry) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts ``mlp_part(i, carry, ...)`` fetches: (ids [T, k] long, weights [T, k] float32), or
+        None for a dense layer. ``carry`` is mlp_part's input; the pre-MLP norm is applied here."""
+        return self._router(i, self._mlp_input(i, carry)) if self._is_moe(i) else None
+
+    def head(self, carry) -> torch.Tensor:
         h = rms_norm(carry, self.norm_w, self.norm_eps)  # [T, D]
         return linear(h, self.lm_head).float()  # [T, V]
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
-        x = self.embed(ids)  # [T, D]
+        x = self.embed(ids)
         for i in range(self.num_layers):
             x = self.attn_part(i, x, state)
             x = self.mlp_part(i, x, experts)
         state.pos += ids.shape[0]
         return self.head(x)  # [T, V]
+
+    # ------------------------------------------------------------------ the parts a family fills in
+
+    def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """Layer i's attention output [T, D] for the normed stream h [T, D] at positions state.pos.."""
+        raise NotImplementedError
+
+    def _is_moe(self, i: int) -> bool:
+        return True
+
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's router on its normed MLP input x [T, D]: (ids [T, k], weights [T, k] float32)."""
+        raise NotImplementedError
+
+    def _mlp_input(self, i: int, carry) -> torch.Tensor:
+        return rms_norm(carry, self._p(i, "post_attention_layernorm.weight"), self.norm_eps)  # [T, D]
+
+    def _mlp(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
+        return self._moe(i, x, experts) if self._is_moe(i) else self._dense_mlp(i, x)
+
+    def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
+        ids, weights = self._router(i, x)  # [T, k]
+        return moe_dispatch(x, ids, weights, i, experts, self._expert)  # [T, D]
+
+    def _expert(self, x: torch.Tensor, tensors) -> torch.Tensor:
+        return swiglu_expert(x, tensors)
+
+    def _dense_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self._swiglu(i, "mlp.", x)
+
+    def _swiglu(self, i: int, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU over layer i's records ``{prefix}gate_proj/up_proj/down_proj``."""
+        return swiglu_expert(x, {r: self._p(i, f"{prefix}{r}_proj.weight") for r in ("gate", "up", "down")})
+
+
+class GQADecoder(DecoderLM):
+    """DecoderLM with RoPE'd grouped-query attention over one KVCache per layer (qwen3_moe, mixtral, olmoe,
+    gpt_oss): q/k/v/o projections with optional biases; ``_qkv`` may norm or clip the projections,
+    ``_window`` and ``_sinks`` give a layer's sliding window and attention sinks."""
+
+    def _setup(self) -> None:
+        c = self.cfg
+        self.rope = Rope(c.rope, c.head_dim, getattr(c, "max_position_embeddings", None), self.device)
+
+    def new_layer_state(self, i: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype)
+
+    def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        c, T = self.cfg, h.shape[0]
+        q, k, v = self._qkv(i, h)
+        q = q.view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
+        k = k.view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
+        v = v.view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
+        scale = c.head_dim**-0.5
+        o = self_attention(q, k, v, self.rope, state.layers[i], state.pos, scale, self._window(i), self._sinks(i))
+        return self._proj(i, "o_proj", o)  # [T, D]
+
+    def _proj(self, i: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self._p(i, f"self_attn.{name}.weight"), self._p(i, f"self_attn.{name}.bias"))
+
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._proj(i, "q_proj", h), self._proj(i, "k_proj", h), self._proj(i, "v_proj", h)
+
+    def _window(self, i: int) -> int | None:
+        return getattr(self.cfg, "sliding_window", None)
+
+    def _sinks(self, i: int) -> torch.Tensor | None:
+        return None

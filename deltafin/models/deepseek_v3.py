@@ -11,22 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import mla
-from deltafin.models.base import (
-    ExpertSource,
-    ExpertTensors,
-    SequenceState,
-    Weights,
-    dense,
-    embed_rows,
-    linear,
-    moe_dispatch,
-    rms_norm,
+from deltafin.models.base import ExpertSource, SequenceState, linear
+from deltafin.models.common import (
+    DecoderLM,
+    config_kwargs,
+    require_keys,
+    require_tensors,
+    settle_decoder_config,
+    sigmoid_topk,
 )
-from deltafin.models.common import config_kwargs, require_keys, settle_decoder_config
 from deltafin.models.layers import GrowingCache
 from deltafin.models.rope import Rope, RopeConfig, apply_rope, yarn_mscale
 
@@ -131,47 +127,26 @@ class Config:
         return scale
 
 
-def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for x [n, D]."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
-
-
-def routed_expert(x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
-    return swiglu(x, t["gate"], t["up"], t["down"])
-
-
-class Model:
+class Model(DecoderLM):
     """DeepSeek-V3-family decoder driven layer by layer (see ``deltafin.models.base``)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        weights: Weights,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
-        _check_weights(cfg, weights)
-        self.w = {n: t.to(self.device) for n, t in weights.items()}
-        self.rope = Rope(cfg.rope, device=self.device)
+    def _setup(self) -> None:
+        c = self.cfg
+        names = ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]
+        require_tensors(
+            self.w,
+            [
+                f"model.layers.{i}.{n}"
+                for i in range(self.num_layers)
+                for n in [*names, "mlp.gate.weight" if c.is_moe(i) else "mlp.gate_proj.weight"]
+            ],
+        )
+        self.rope = Rope(c.rope, device=self.device)
         self.mla_mode = "auto"  # "auto" | "absorb" | "expand": how attention reads the latent cache
 
-    def _p(self, i: int, name: str):
-        return self.w.get(f"model.layers.{i}.{name}")
-
-    def new_state(self, max_len: int) -> SequenceState:
+    def new_layer_state(self, i: int, max_len: int) -> GrowingCache:
         width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim  # latent + rotated key, per token
-        return SequenceState(
-            [GrowingCache((width,), max_len, self.device, self.dtype) for _ in range(self.num_layers)]
-        )
-
-    def embed(self, ids: torch.LongTensor) -> torch.Tensor:
-        return embed_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype)  # [T, D]
-
-    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        h = rms_norm(carry, self._p(i, "input_layernorm.weight"), self.cfg.rms_norm_eps)
-        return carry + self._attention(i, h, state)
+        return GrowingCache((width,), max_len, self.device, self.dtype)
 
     def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
         c, (T, _), pos = self.cfg, h.shape, state.pos
@@ -196,72 +171,22 @@ class Model:
             T, S, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
         )
 
-    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        h = rms_norm(carry, self._p(i, "post_attention_layernorm.weight"), self.cfg.rms_norm_eps)
-        if not self.cfg.is_moe(i):
-            return carry + self._mlp(i, "mlp.", h)
-        ids, weights = self.route(i, h)
-        y = moe_dispatch(h, ids, weights, i, experts, routed_expert)  # [T, D]
-        if self.cfg.n_shared_experts:
-            y = y + self._mlp(i, "mlp.shared_experts.", h)
-        return carry + y
+    def _is_moe(self, i: int) -> bool:
+        return self.cfg.is_moe(i)
 
-    def _mlp(self, i: int, prefix: str, h: torch.Tensor) -> torch.Tensor:
-        return swiglu(h, *(self._p(i, f"{prefix}{n}_proj.weight") for n in ("gate", "up", "down")))
+    def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
+        y = super()._moe(i, x, experts)  # [T, D]
+        return y + self._swiglu(i, "mlp.shared_experts.", x) if self.cfg.n_shared_experts else y
+
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid, group-limited top-k; weights include routed_scaling_factor."""
+        c = self.cfg
+        logits = linear(x.float(), self._p(i, "mlp.gate.weight"))  # [T, E] fp32
+        bias = self._p(i, "mlp.gate.e_score_correction_bias")
+        k, scaling = c.num_experts_per_tok, c.routed_scaling_factor
+        return sigmoid_topk(logits, bias, k, c.norm_topk_prob, scaling, c.n_group, c.topk_group)
 
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Experts [T, k] and their weights [T, k] (float32, routed_scaling_factor included) for x [T, D],
         the MoE input (after post_attention_layernorm); None for dense layers."""
-        if not self.cfg.is_moe(i):
-            return None
-        c = self.cfg
-        scores = linear(x.float(), self._p(i, "mlp.gate.weight")).sigmoid()  # [T, E] fp32
-        bias = self._p(i, "mlp.gate.e_score_correction_bias")
-        choice = scores if bias is None else scores + dense(bias, torch.float32)  # selection only
-        ids = _group_limited(choice, c.n_group, c.topk_group).topk(c.num_experts_per_tok, dim=-1).indices
-        w = scores.gather(1, ids)  # [T, k]
-        if c.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * c.routed_scaling_factor
-
-    def head(self, carry: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(carry, self.w["model.norm.weight"], self.cfg.rms_norm_eps)
-        return linear(h, self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])).float()  # [T, V]
-
-    def forward(self, ids: torch.LongTensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x = self.mlp_part(i, self.attn_part(i, x, state), experts)
-        state.pos += ids.shape[0]
-        return self.head(x)
-
-
-def _group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """choice [T, E] with experts outside the best topk_group groups set to -inf; a group's score is
-    the sum of its two best experts."""
-    if topk_group >= n_group:
-        return choice
-    T, E = choice.shape
-    per = E // n_group
-    groups = choice.view(T, n_group, per).topk(min(2, per), dim=-1).values.sum(-1)  # [T, G]
-    keep = torch.zeros_like(groups, dtype=torch.bool)
-    keep.scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
-    return choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
-
-
-def _check_weights(cfg: Config, weights: Weights) -> None:
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        need += [
-            p + "self_attn.kv_a_proj_with_mqa.weight",
-            p + "self_attn.kv_b_proj.weight",
-            p + "self_attn.o_proj.weight",
-        ]
-        need += [p + ("mlp.gate.weight" if cfg.is_moe(i) else "mlp.gate_proj.weight")]
-    missing = [n for n in need if n not in weights]
-    if missing:
-        raise CheckpointError(
-            f"trunk lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}; "
-            f"was this model packed from a different checkpoint?"
-        )
+        return self._router(i, x) if self.cfg.is_moe(i) else None

@@ -13,20 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from deltafin.errors import CheckpointError
-from deltafin.models.base import (
-    ExpertSource,
-    ExpertTensors,
-    SequenceState,
-    Weights,
-    dense,
-    embed_rows,
-    linear,
-    moe_dispatch,
-    rms_norm,
+from deltafin.models.base import ExpertTensors, dense, linear
+from deltafin.models.common import (
+    GQADecoder,
+    config_kwargs,
+    require_keys,
+    require_tensors,
+    settle_decoder_config,
 )
-from deltafin.models.common import config_kwargs, require_keys, settle_decoder_config
-from deltafin.models.layers import KVCache, self_attention
-from deltafin.models.rope import Rope, RopeConfig
+from deltafin.models.layers import KVCache
+from deltafin.models.rope import RopeConfig
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # gpt-oss' RoPE when the config names none (transformers' GptOssConfig defaults)
@@ -102,61 +98,25 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-class Model:
+class Model(GQADecoder):
     """gpt-oss decoder driven layer by layer (see ``deltafin.models.base``)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        weights: Weights,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
-        _check_weights(cfg, weights)
-        self.w = {n: t.to(self.device) for n, t in weights.items()}
-        self.rope = Rope(cfg.rope, device=self.device)
-        self.sinks = [
-            dense(self.w[f"model.layers.{i}.self_attn.sinks"], torch.float32) for i in range(self.num_layers)
-        ]
+    def _setup(self) -> None:
+        super()._setup()
+        names = [f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += ["self_attn.sinks", "mlp.router.weight"]
+        require_tensors(self.w, [f"model.layers.{i}.{n}" for i in range(self.num_layers) for n in names])
+        self.sinks = [dense(self._p(i, "self_attn.sinks"), torch.float32) for i in range(self.num_layers)]
 
-    def _p(self, i: int, name: str):
-        return self.w.get(f"model.layers.{i}.{name}")
+    def new_layer_state(self, i: int, max_len: int) -> KVCache:
+        c = self.cfg  # a bounded cache: a write past max_len is an error
+        return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype, bounded=True)
 
-    def new_state(self, max_len: int) -> SequenceState:
-        c = self.cfg
-        return SequenceState(
-            [
-                KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype, bounded=True)
-                for _ in range(self.num_layers)
-            ]
-        )
+    def _window(self, i: int) -> int | None:
+        return self.cfg.window(i)
 
-    def embed(self, ids: torch.LongTensor) -> torch.Tensor:
-        return embed_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype)  # [T, D]
-
-    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        h = rms_norm(carry, self._p(i, "input_layernorm.weight"), self.cfg.rms_norm_eps)
-        return carry + self._attention(i, h, state)
-
-    def _proj(self, i: int, name: str, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self._p(i, f"self_attn.{name}.weight"), self._p(i, f"self_attn.{name}.bias"))
-
-    def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        c, (T, _), pos = self.cfg, h.shape, state.pos
-        q = self._proj(i, "q_proj", h).view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
-        k = self._proj(i, "k_proj", h).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        v = self._proj(i, "v_proj", h).view(T, c.num_key_value_heads, c.head_dim)
-        o = self_attention(
-            q, k, v, self.rope, state.layers[i], pos, c.head_dim**-0.5, c.window(i), self.sinks[i]
-        )  # [T, H*d]
-        return self._proj(i, "o_proj", o)
-
-    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        h = rms_norm(carry, self._p(i, "post_attention_layernorm.weight"), self.cfg.rms_norm_eps)
-        ids, weights = self.route(i, h)
-        return carry + moe_dispatch(h, ids, weights, i, experts, self._expert)
+    def _sinks(self, i: int) -> torch.Tensor:
+        return self.sinks[i]
 
     def _expert(self, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
         g = clamped_swiglu(
@@ -164,34 +124,13 @@ class Model:
         )  # [n, I]
         return linear(g, t["down"], t.get("down_bias"))  # [n, D]
 
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts [T, k] and weights [T, k] (float32) for x [T, D], the MoE input (after
-        post_attention_layernorm): top-k router logits, softmax over the k chosen."""
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k router logits, softmax over the k chosen."""
         logits = linear(x.float(), self._p(i, "mlp.router.weight"), self._p(i, "mlp.router.bias"))  # [T, E]
         top = logits.topk(self.cfg.num_experts_per_tok, dim=-1)
         return top.indices, torch.softmax(top.values, dim=-1)
 
-    def head(self, carry: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(carry, self.w["model.norm.weight"], self.cfg.rms_norm_eps)
-        return linear(h, self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])).float()  # [T, V]
-
-    def forward(self, ids: torch.LongTensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x = self.mlp_part(i, self.attn_part(i, x, state), experts)
-        state.pos += ids.shape[0]
-        return self.head(x)
-
-
-def _check_weights(cfg: Config, weights: Weights) -> None:
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        need += [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        need += [p + "self_attn.sinks", p + "mlp.router.weight"]
-    missing = [n for n in need if n not in weights]
-    if missing:
-        raise CheckpointError(
-            f"trunk lacks {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}; "
-            f"was this model packed from a different checkpoint?"
-        )
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts [T, k] and weights [T, k] (float32) for x [T, D], the MoE input (after
+        post_attention_layernorm): top-k router logits, softmax over the k chosen."""
+        return self._router(i, x)

@@ -22,20 +22,18 @@ from deltafin.models.base import (
     ExpertSource,
     ExpertTensors,
     SequenceState,
-    Weights,
     dense,
-    embed_rows,
     linear,
     moe_dispatch,
     rms_norm,
 )
+from deltafin.models.common import DecoderLM, require_tensors, sigmoid_topk
 from deltafin.models.layers import GrowingCache
 
 # §6.2 disagreement 2: the official module declares A_log [num_heads], the checkpoint stores it zero-padded
 # to 128 entries, fla indexes it per head and sglang slices the first num_heads. We read entries
 # [A_LOG_FIRST_HEAD, A_LOG_FIRST_HEAD + num_heads), one per head, broadcast over the head's channels.
 A_LOG_FIRST_HEAD = 0
-ROUTER_RENORM_EPS = 1e-20  # §3.4 step 1: w_k = s_k / (sum s + 1e-20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,24 +172,18 @@ _MOE_NAMES = ("gate.weight", "gate.e_score_correction_bias", "routed_expert_down
               "routed_expert_up_proj.weight")
 
 
-class Model:
-    """Kimi K3 over packed trunk records; routed experts come from an ExpertSource."""
-
-    def __init__(self, cfg: Config, weights: Weights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        self.kda_chunk = kda.CHUNK
-        self._check(weights)
-        self.w = {n: t.to(self.device) for n, t in weights.items()}
-        self.vec = self._vectors()
+class Model(DecoderLM):
+    """Kimi K3 over packed trunk records; routed experts come from an ExpertSource. The carry is a ``Carry``."""
 
     # ------------------------------------------------------------------ setup
 
-    def _check(self, weights: Weights) -> None:
-        need = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"]
+    def _setup(self) -> None:
+        self.kda_chunk = kda.CHUNK
+        self._check()
+        self.vec = self._vectors()
+
+    def _check(self) -> None:
+        need = ["lm_head.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight"]
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             need += [pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
@@ -204,13 +196,10 @@ class Model:
             need += [pre + "self_attn." + n for n in attn]
             mlp = [f"block_sparse_moe.{n}" for n in _MOE_NAMES] if self.cfg.is_moe(i) else ["mlp.gate_proj.weight"]
             need += [pre + n for n in mlp]
-        missing = [n for n in need if n not in weights]
-        if missing:
-            raise CheckpointError(f"kimi_k3: {len(missing)} trunk tensor(s) missing, e.g. {missing[:3]}; "
-                                  f"repack the model from a complete checkpoint")
+        require_tensors(self.w, need)
         H = self.cfg.kda_num_heads
         for i in (i for i in range(self.num_layers) if self.cfg.is_kda(i)):
-            a = weights[f"model.layers.{i}.self_attn.A_log"]
+            a = self.w[f"model.layers.{i}.self_attn.A_log"]
             if math.prod(a.shape) < A_LOG_FIRST_HEAD + H:
                 raise CheckpointError(f"layer {i}: A_log has shape {tuple(a.shape)}, fewer than {H} head entries")
 
@@ -232,23 +221,19 @@ class Model:
         vec[out] = vec[out + "_norm.weight"] * vec[out + "_proj.weight"].reshape(-1)
         return vec
 
-    def new_state(self, max_len: int) -> SequenceState:
-        """Per layer: KDA conv + recurrent state (fp32, fixed size) or an MLA latent cache of up to max_len tokens."""
-        c, layers = self.cfg, []
-        for i in range(self.num_layers):
-            if c.is_kda(i):
-                K = c.kda_head_dim
-                layers.append(kda.KDAState.zeros(c.kda_num_heads, K, K, c.short_conv_kernel_size, self.device))
-            else:
-                width = c.kv_lora_rank + c.qk_rope_head_dim
-                layers.append(GrowingCache((width,), max_len, self.device, self.dtype))
-        return SequenceState(layers)
+    def new_layer_state(self, i: int, max_len: int) -> kda.KDAState | GrowingCache:
+        """KDA conv + recurrent state (fp32, fixed size) or an MLA latent cache of up to max_len tokens."""
+        c = self.cfg
+        if c.is_kda(i):
+            K = c.kda_head_dim
+            return kda.KDAState.zeros(c.kda_num_heads, K, K, c.short_conv_kernel_size, self.device)
+        return GrowingCache((c.kv_lora_rank + c.qk_rope_head_dim,), max_len, self.device, self.dtype)
 
     # ------------------------------------------------------------------ the stream
 
     def embed(self, ids: torch.Tensor) -> Carry:
         """The embedding is the first partial sum; layer 0 snapshots it as block 0 (§3.3)."""
-        return Carry(embed_rows(self.w["model.embed_tokens.weight"], ids.to(self.device), self.dtype))
+        return Carry(super().embed(ids))
 
     def attn_part(self, i: int, carry: Carry, state: SequenceState) -> Carry:
         """AttnRes mix, snapshot, then KDA or MLA on T tokens at positions state.pos.. (§3.3 steps 1-3)."""
@@ -264,27 +249,16 @@ class Model:
 
     def mlp_part(self, i: int, carry: Carry, experts: ExpertSource) -> Carry:
         """AttnRes mix, then the dense MLP (layer 0) or the latent MoE; token-wise (§3.3 steps 4-5)."""
-        pre, eps = f"model.layers.{i}.", self.cfg.rms_norm_eps
+        return Carry(carry.p + self._mlp(i, self._mlp_input(i, carry), experts), carry.blocks)
+
+    def _mlp_input(self, i: int, carry: Carry) -> torch.Tensor:
+        pre, eps = f"model.layers.{i}.", self.norm_eps
         h = attn_res_mix(carry.p, carry.blocks, self.vec[pre + "mlp_res"], eps)
-        x = rms_norm(h, self.vec[pre + "post_attention_layernorm.weight"], eps)
-        m = self._moe(i, x, experts) if self.cfg.is_moe(i) else self._mlp(pre + "mlp.", x)
-        return Carry(carry.p + m, carry.blocks)
+        return rms_norm(h, self.vec[pre + "post_attention_layernorm.weight"], eps)
 
     def head(self, carry: Carry) -> torch.Tensor:
         """Final mix over all snapshots and p, model.norm, lm_head: float32 logits [T, V] (§3.6)."""
-        eps = self.cfg.rms_norm_eps
-        h = attn_res_mix(carry.p, carry.blocks, self.vec["model.output_attn_res"], eps)
-        h = rms_norm(h, self.vec["model.norm.weight"], eps)
-        return linear(h, self.w["lm_head.weight"]).float()
-
-    def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
-        """T new tokens of one sequence at positions state.pos..: float32 logits [T, V]; advances the state."""
-        carry = self.embed(ids)
-        for i in range(self.num_layers):
-            carry = self.attn_part(i, carry, state)
-            carry = self.mlp_part(i, carry, experts)
-        state.pos += ids.shape[0]
-        return self.head(carry)
+        return super().head(attn_res_mix(carry.p, carry.blocks, self.vec["model.output_attn_res"], self.norm_eps))
 
     # ------------------------------------------------------------------ attention
 
@@ -331,40 +305,42 @@ class Model:
 
     # ------------------------------------------------------------------ MLPs
 
-    def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+    def _situ_mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
         """SiTU-GLU MLP: the dense layer-0 MLP and the fused shared experts."""
         c, w = self.cfg, self.w
         a = situ_glu(linear(x, w[pre + "gate_proj.weight"]), linear(x, w[pre + "up_proj.weight"]),
                      c.activation_situ_beta, c.activation_situ_linear_beta)
         return linear(a, w[pre + "down_proj.weight"])
 
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer i's router on its MLP input x [T, D] (full width): ids [T, k], weights [T, k]; None if dense.
+    def _dense_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self._situ_mlp(f"model.layers.{i}.mlp.", x)
 
-        §3.4 step 1: sigmoid scores in fp32; the correction bias only picks the experts; the weights are the
-        unbiased scores of the chosen ones, renormalised, times routed_scaling_factor.
-        """
-        if not self.cfg.is_moe(i):
-            return None
-        pre = f"model.layers.{i}.block_sparse_moe.gate."
-        s = torch.sigmoid(linear(x.float(), self.w[pre + "weight"]))  # [T, E]
-        ids = (s + self.vec[pre + "e_score_correction_bias"]).topk(self.cfg.num_experts_per_token, -1).indices
-        wts = s.gather(1, ids)  # [T, k]
-        if self.cfg.moe_renormalize:
-            wts = wts / (wts.sum(-1, keepdim=True) + ROUTER_RENORM_EPS)
-        return ids, wts * self.cfg.routed_scaling_factor
+    def _is_moe(self, i: int) -> bool:
+        return self.cfg.is_moe(i)
+
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """§3.4 step 1: sigmoid scores in fp32; the correction bias only picks the experts; the weights are the
+        unbiased scores of the chosen ones, renormalised, times routed_scaling_factor."""
+        c, pre = self.cfg, f"model.layers.{i}.block_sparse_moe.gate."
+        logits = linear(x.float(), self.w[pre + "weight"])  # [T, E]
+        bias = self.vec[pre + "e_score_correction_bias"]
+        return sigmoid_topk(logits, bias, c.num_experts_per_token, c.moe_renormalize, c.routed_scaling_factor)
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer i's router on its MLP input x [T, D] (full width): ids [T, k], weights [T, k]; None if dense."""
+        return self._router(i, x) if self.cfg.is_moe(i) else None
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
         pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
-        ids, wts = self.route(i, x)
+        ids, wts = self._router(i, x)
         z = linear(x, w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
         y = moe_dispatch(z, ids, wts, i, experts, self._expert)  # [T, Lat] weighted sum over slots
         if self.cfg.latent_moe_use_norm:
             y = rms_norm(y, self.vec[pre + "routed_expert_norm.weight"], self.cfg.rms_norm_eps)
         y = linear(y, w[pre + "routed_expert_up_proj.weight"])  # [T, D]
         if self.cfg.num_shared_experts:
-            y = y + self._mlp(pre + "shared_experts.", x)
+            y = y + self._situ_mlp(pre + "shared_experts.", x)
         return y
 
     def _expert(self, z: torch.Tensor, t: ExpertTensors) -> torch.Tensor:

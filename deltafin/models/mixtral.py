@@ -7,17 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, moe_dispatch, rms_norm
-from deltafin.models.common import (
-    DecoderLM,
-    config_kwargs,
-    settle_decoder_config,
-    softmax_topk,
-    swiglu_expert,
-    take,
-)
-from deltafin.models.layers import KVCache, self_attention
-from deltafin.models.rope import Rope, rope_parameters
+from deltafin.models.base import linear
+from deltafin.models.common import GQADecoder, config_kwargs, settle_decoder_config, softmax_topk, take
+from deltafin.models.rope import rope_parameters
 
 _LAYER = {
     "ln1": "input_layernorm.weight",
@@ -59,58 +51,21 @@ class Config:
         return cls(**kw)
 
 
-class Model(DecoderLM):
+class Model(GQADecoder):
     """Legend: T tokens, D model width, H query heads, Hkv key/value heads, d head width, k experts per token."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        weights: Weights,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        super().__init__(weights, device, dtype, cfg.rms_norm_eps, cfg.tie_word_embeddings)
-        self.cfg = cfg
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        self.rope = Rope(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.device)
-        self.scale = cfg.head_dim**-0.5
-        self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
+    def _setup(self) -> None:
+        super()._setup()
+        self.routers = [self._router_weight(f"model.layers.{i}.") for i in range(self.num_layers)]
 
-    def _layer(self, i: int) -> dict:
-        p = f"model.layers.{i}."
+    def _router_weight(self, p: str):
         lw = take(self.w, p, _LAYER, optional=("router", "router_mlp"))
-        alt = lw.pop("router_mlp")
-        if lw["router"] is None:  # take() raises, naming the checkpoint name, when neither is there
-            lw["router"] = alt if alt is not None else take(self.w, p, {"router": _LAYER["router"]})["router"]
-        return lw
+        if lw["router"] is not None:
+            return lw["router"]
+        if lw["router_mlp"] is not None:
+            return lw["router_mlp"]
+        return take(self.w, p, {"router": _LAYER["router"]})["router"]  # raises, naming the checkpoint name
 
-    def new_layer_state(self, i: int, max_len: int) -> KVCache:
-        c = self.cfg
-        return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype)
-
-    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        c, lw = self.cfg, self.layers[i]
-        T, _ = carry.shape
-        h = rms_norm(carry, lw["ln1"], c.rms_norm_eps)  # [T, D]
-        q = linear(h, lw["q"]).view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
-        k = linear(h, lw["k"]).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        v = linear(h, lw["v"]).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        o = self_attention(
-            q, k, v, self.rope, state.layers[i], state.pos, self.scale, c.sliding_window
-        )  # [T, H*d]
-        return carry + linear(o, lw["o"])
-
-    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        h = rms_norm(carry, self.layers[i]["ln2"], self.cfg.rms_norm_eps)  # [T, D]
-        ids, weights = self._route(i, h)  # [T, k]
-        return carry + moe_dispatch(h, ids, weights, i, experts, swiglu_expert)
-
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts of layer i for a carry x [T, D] (the input of ``mlp_part``; the norm is applied here):
-        (ids [T, k] long, weights [T, k] float32). Every Mixtral layer is MoE."""
-        return self._route(i, rms_norm(x, self.layers[i]["ln2"], self.cfg.rms_norm_eps))
-
-    def _route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(h, self.layers[i]["router"])  # [T, E]
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = linear(x, self.routers[i])  # [T, E]
         return softmax_topk(logits, self.cfg.num_experts_per_tok, renormalize=True)

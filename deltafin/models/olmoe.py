@@ -7,17 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, moe_dispatch, rms_norm
-from deltafin.models.common import (
-    DecoderLM,
-    config_kwargs,
-    settle_decoder_config,
-    softmax_topk,
-    swiglu_expert,
-    take,
-)
-from deltafin.models.layers import KVCache, self_attention
-from deltafin.models.rope import Rope, rope_parameters
+from deltafin.models.base import linear, rms_norm
+from deltafin.models.common import GQADecoder, config_kwargs, settle_decoder_config, softmax_topk, take
+from deltafin.models.rope import rope_parameters
 
 _LAYER = {
     "ln1": "input_layernorm.weight",
@@ -66,60 +58,21 @@ class Config:
         return cls(**kw)
 
 
-class Model(DecoderLM):
+class Model(GQADecoder):
     """Legend: T tokens, D model width, H query heads, Hkv key/value heads, d head width, k experts per token."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        weights: Weights,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        super().__init__(weights, device, dtype, cfg.rms_norm_eps, cfg.tie_word_embeddings)
-        self.cfg = cfg
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        self.rope = Rope(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.device)
-        self.scale = cfg.head_dim**-0.5
-        self.layers = [
-            take(self.w, f"model.layers.{i}.", _LAYER, optional=_BIASES) for i in range(self.num_layers)
-        ]
+    def _setup(self) -> None:
+        super()._setup()
+        self.layers = [take(self.w, f"model.layers.{i}.", _LAYER, optional=_BIASES) for i in range(self.num_layers)]
 
-    def new_layer_state(self, i: int, max_len: int) -> KVCache:
-        c = self.cfg
-        return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype)
-
-    def _qkv(self, lw: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c, eps = self.cfg, self.cfg.rms_norm_eps
-        q = rms_norm(linear(h, lw["q"], lw["q_b"]), lw["qn"], eps)  # [T, H*d], normed over the full width
-        k = rms_norm(linear(h, lw["k"], lw["k_b"]), lw["kn"], eps)  # [T, Hkv*d]
-        v = linear(h, lw["v"], lw["v_b"])  # [T, Hkv*d]
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super()._qkv(i, h)  # [T, H*d], [T, Hkv*d], [T, Hkv*d]
+        lw, c = self.layers[i], self.cfg
+        q, k = rms_norm(q, lw["qn"], self.norm_eps), rms_norm(k, lw["kn"], self.norm_eps)  # over the full width
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
         return q, k, v
 
-    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        c, lw = self.cfg, self.layers[i]
-        T, _ = carry.shape
-        h = rms_norm(carry, lw["ln1"], c.rms_norm_eps)  # [T, D]
-        q, k, v = self._qkv(lw, h)
-        q = q.view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
-        k = k.view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        v = v.view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        o = self_attention(q, k, v, self.rope, state.layers[i], state.pos, self.scale)  # [T, H*d]
-        return carry + linear(o, lw["o"], lw["o_b"])
-
-    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        h = rms_norm(carry, self.layers[i]["ln2"], self.cfg.rms_norm_eps)  # [T, D]
-        ids, weights = self._route(i, h)  # [T, k]
-        return carry + moe_dispatch(h, ids, weights, i, experts, swiglu_expert)
-
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts of layer i for a carry x [T, D] (the input of ``mlp_part``; the norm is applied here):
-        (ids [T, k] long, weights [T, k] float32). Every OLMoE layer is MoE."""
-        return self._route(i, rms_norm(x, self.layers[i]["ln2"], self.cfg.rms_norm_eps))
-
-    def _route(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(h, self.layers[i]["router"])  # [T, E]
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = linear(x, self.layers[i]["router"])  # [T, E]
         return softmax_topk(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)

@@ -8,17 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.models.base import ExpertSource, SequenceState, Weights, linear, moe_dispatch, rms_norm
-from deltafin.models.common import (
-    DecoderLM,
-    config_kwargs,
-    settle_decoder_config,
-    softmax_topk,
-    swiglu_expert,
-    take,
-)
-from deltafin.models.layers import KVCache, self_attention
-from deltafin.models.rope import Rope, rope_parameters
+from deltafin.models.base import linear, rms_norm
+from deltafin.models.common import GQADecoder, config_kwargs, settle_decoder_config, softmax_topk, take
+from deltafin.models.rope import rope_parameters
 
 _ATTN = {
     "ln1": "input_layernorm.weight",
@@ -78,62 +70,25 @@ class Config:
         )
 
 
-class Model(DecoderLM):
+class Model(GQADecoder):
     """Legend: T tokens, D model width, H query heads, Hkv key/value heads, d head width, k experts per token."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        weights: Weights,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ):
-        super().__init__(weights, device, dtype, cfg.rms_norm_eps, cfg.tie_word_embeddings)
-        self.cfg = cfg
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        self.rope = Rope(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.device)
-        self.scale = cfg.head_dim**-0.5
-        self.layers = [self._layer(i) for i in range(cfg.num_hidden_layers)]
-
-    def _layer(self, i: int) -> dict:
-        return take(
-            self.w, f"model.layers.{i}.", _ATTN | (_MOE if self.cfg.is_moe(i) else _DENSE), optional=_BIASES
-        )
-
-    def new_layer_state(self, i: int, max_len: int) -> KVCache:
+    def _setup(self) -> None:
+        super()._setup()
         c = self.cfg
-        return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype)
+        self.layers = [
+            take(self.w, f"model.layers.{i}.", _ATTN | (_MOE if c.is_moe(i) else _DENSE), optional=_BIASES)
+            for i in range(self.num_layers)
+        ]
 
-    def attn_part(self, i: int, carry: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        c, lw, eps = self.cfg, self.layers[i], self.cfg.rms_norm_eps
-        T, _ = carry.shape
-        h = rms_norm(carry, lw["ln1"], eps)  # [T, D]
-        q = linear(h, lw["q"], lw["q_b"]).view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
-        k = linear(h, lw["k"], lw["k_b"]).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        v = linear(h, lw["v"], lw["v_b"]).view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
-        q, k = rms_norm(q, lw["qn"], eps), rms_norm(k, lw["kn"], eps)  # per head, over d
-        o = self_attention(
-            q, k, v, self.rope, state.layers[i], state.pos, self.scale, c.sliding_window
-        )  # [T, H*d]
-        return carry + linear(o, lw["o"], lw["o_b"])
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super()._qkv(i, h)
+        lw, T, d, eps = self.layers[i], h.shape[0], self.cfg.head_dim, self.norm_eps
+        return rms_norm(q.view(T, -1, d), lw["qn"], eps), rms_norm(k.view(T, -1, d), lw["kn"], eps), v  # per head
 
-    def mlp_part(self, i: int, carry: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        lw = self.layers[i]
-        h = rms_norm(carry, lw["ln2"], self.cfg.rms_norm_eps)  # [T, D]
-        if "router" not in lw:
-            return carry + swiglu_expert(h, lw)
-        ids, weights = self._route(lw, h)  # [T, k]
-        return carry + moe_dispatch(h, ids, weights, i, experts, swiglu_expert)
+    def _is_moe(self, i: int) -> bool:
+        return self.cfg.is_moe(i)
 
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Experts of layer i for a carry x [T, D] (the input of ``mlp_part``; the norm is applied here):
-        (ids [T, k] long, weights [T, k] float32), or None for a dense layer."""
-        lw = self.layers[i]
-        if "router" not in lw:
-            return None
-        return self._route(lw, rms_norm(x, lw["ln2"], self.cfg.rms_norm_eps))
-
-    def _route(self, lw: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(h, lw["router"])  # [T, E]
+    def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = linear(x, self.layers[i]["router"])  # [T, E]
         return softmax_topk(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
