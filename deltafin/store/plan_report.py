@@ -8,7 +8,7 @@ from deltafin.errors import UsageError
 from deltafin.store.checkpoint import Checkpoint
 from deltafin.store.drives import DriveArg, free_bytes, probe_read_gbps
 from deltafin.store.place import plan_layout
-from deltafin.store.placement import DriveSpec
+from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
 from deltafin.store.plan import build_plan
 
 
@@ -22,6 +22,10 @@ def _rate(d: DriveArg) -> tuple[float, bool]:
 
 
 def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: str, policy: str) -> dict:
+    if policy not in ALL_POLICIES or policy in TRACE_POLICIES:
+        raise UsageError(f"--placement {policy!r}: a plan places experts with one of "
+                         f"{', '.join(p for p in ALL_POLICIES if p not in TRACE_POLICIES)} (trace-based placements "
+                         f"need a recorded trace: pack with --trace, or use 'deltafin place' later)")
     plan = build_plan(ckpt, experts, trunk)
     if not drives:
         drives = [DriveArg("d0", os.path.abspath("experts"), 1.0)]
