@@ -4,6 +4,21 @@ Model modules are pure math. They never open files, start threads or print. Rout
 an ``ExpertSource``: the MoE block asks for ``(layer, expert ids)`` and gets each expert's tensors back
 in *arrival order* (cached ones first, then misses as their reads land). To keep output independent of
 arrival order, a model writes each expert's result into its own slot and sums the slots in a fixed order.
+
+Every family module exports ``Config`` (``Config.from_dict(d)`` ignores unknown keys) and
+``Model(cfg, weights, device="cpu", dtype=torch.float32)`` with ``num_layers``, ``vocab_size`` and:
+
+- ``new_state(max_len) -> SequenceState``: empty per-layer state for one sequence.
+- ``embed(ids [T]) -> carry``: the stream entering layer 0 (the residual stream [T, D]; Kimi K3: a ``Carry``).
+- ``attn_part(i, carry, state) -> carry``: layer i's attention for T tokens at positions ``state.pos``..
+- ``mlp_part(i, carry, experts) -> carry``: layer i's dense MLP or MoE. Token-wise, so the carries of several
+  sequences at the same layer may be concatenated along T.
+- ``route(i, carry) -> (ids [T, k] long, weights [T, k] float32) | None``: the experts that
+  ``mlp_part(i, carry, ...)`` fetches, for the same carry (``attn_part``'s output): the pre-MLP norm (and
+  K3's AttnRes mix) is applied inside, and the weights are those the expert outputs are scaled by (routed
+  scaling factor included). None for a dense layer.
+- ``head(carry) -> logits [T, V]`` float32.
+- ``forward(ids, state, experts) -> logits [T, V]``: embed, every layer, head; advances ``state.pos`` by T.
 """
 
 from __future__ import annotations

@@ -186,7 +186,3 @@ class Model(DecoderLM):
         k, scaling = c.num_experts_per_tok, c.routed_scaling_factor
         return sigmoid_topk(logits, bias, k, c.norm_topk_prob, scaling, c.n_group, c.topk_group)
 
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Experts [T, k] and their weights [T, k] (float32, routed_scaling_factor included) for x [T, D],
-        the MoE input (after post_attention_layernorm); None for dense layers."""
-        return self._router(i, x) if self.cfg.is_moe(i) else None

@@ -129,8 +129,3 @@ class Model(GQADecoder):
         logits = linear(x.float(), self._p(i, "mlp.router.weight"), self._p(i, "mlp.router.bias"))  # [T, E]
         top = logits.topk(self.cfg.num_experts_per_tok, dim=-1)
         return top.indices, torch.softmax(top.values, dim=-1)
-
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts [T, k] and weights [T, k] (float32) for x [T, D], the MoE input (after
-        post_attention_layernorm): top-k router logits, softmax over the k chosen."""
-        return self._router(i, x)

@@ -326,10 +326,6 @@ class Model(DecoderLM):
         bias = self.vec[pre + "e_score_correction_bias"]
         return sigmoid_topk(logits, bias, c.num_experts_per_token, c.moe_renormalize, c.routed_scaling_factor)
 
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer i's router on its MLP input x [T, D] (full width): ids [T, k], weights [T, k]; None if dense."""
-        return self._router(i, x) if self.cfg.is_moe(i) else None
-
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
         pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
