@@ -7,6 +7,7 @@ Stable API for every family module:
 - ``config_kwargs(cls, d, exclude, aliases)``: the known, non-null fields of an HF config dict;
   ``require_keys(d, keys, family)``; ``settle_decoder_config(cfg, family)``: head defaults and checks.
 - ``take(weights, prefix, names)``, ``require_tensors(weights, names)``: one clear error for missing records.
+- ``DecoderConfig``: ``from_dict`` and ``__post_init__`` of the plain decoder configs.
 - ``DecoderLM``: the Model API over per-family parts; ``GQADecoder``: with RoPE'd GQA over a KV cache.
 """
 
@@ -30,7 +31,7 @@ from deltafin.models.base import (
     rms_norm,
 )
 from deltafin.models.layers import KVCache, self_attention
-from deltafin.models.rope import Rope
+from deltafin.models.rope import Rope, rope_parameters
 from deltafin.quant.record import QTensor
 
 # ------------------------------------------------------------------------------------------- MLP / MoE
@@ -130,6 +131,32 @@ def settle_decoder_config(cfg, family: str) -> None:
         raise UnsupportedArchitectureError(
             f"{family}: {heads} attention heads are not a multiple of {kv} key/value heads"
         )
+
+
+class DecoderConfig:
+    """Base of the qwen3_moe, mixtral and olmoe config dataclasses. ``from_dict`` reads the known, non-null
+    fields (``ALIASES``: other names of a field), the rope settings (``ROPE_THETA``: the family's default
+    theta) and ``_extra(d)``; ``__post_init__`` is ``settle_decoder_config``."""
+
+    __slots__ = ()
+    FAMILY = ""
+    ALIASES: Mapping[str, str] = {}
+    ROPE_THETA = 10000.0
+
+    def __post_init__(self) -> None:
+        settle_decoder_config(self, self.FAMILY)
+
+    @classmethod
+    def from_dict(cls, d: Mapping):
+        """From a config.json dict; unknown keys are ignored."""
+        kw = config_kwargs(cls, d, aliases=cls.ALIASES)
+        kw.update(rope=rope_parameters(d, cls.ROPE_THETA), **cls._extra(d))
+        return cls(**kw)
+
+    @classmethod
+    def _extra(cls, d: Mapping) -> dict:
+        """Fields that need more than a copy from the config dict."""
+        return {}
 
 
 # ---------------------------------------------------------------------------------------- weights
@@ -259,14 +286,39 @@ class DecoderLM:
         return swiglu_expert(x, {r: self._p(i, f"{prefix}{r}_proj.weight") for r in ("gate", "up", "down")})
 
 
+GQA_LAYER = {
+    "ln1": "input_layernorm.weight",
+    "ln2": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "q_b": "self_attn.q_proj.bias",
+    "k_b": "self_attn.k_proj.bias",
+    "v_b": "self_attn.v_proj.bias",
+    "o_b": "self_attn.o_proj.bias",
+}
+QK_NORMS = {"qn": "self_attn.q_norm.weight", "kn": "self_attn.k_norm.weight"}
+
+
 class GQADecoder(DecoderLM):
     """DecoderLM with RoPE'd grouped-query attention over one KVCache per layer (qwen3_moe, mixtral, olmoe,
     gpt_oss): q/k/v/o projections with optional biases; ``_qkv`` may norm or clip the projections,
-    ``_window`` and ``_sinks`` give a layer's sliding window and attention sinks."""
+    ``_window`` and ``_sinks`` give a layer's sliding window and attention sinks. ``self.layers[i]`` holds
+    layer i's records by short name: ``GQA_LAYER`` plus the family's ``_layer_names(i)``."""
+
+    OPTIONAL = ("q_b", "k_b", "v_b", "o_b")  # short names that may be absent
 
     def _setup(self) -> None:
         c = self.cfg
         self.rope = Rope(c.rope, c.head_dim, getattr(c, "max_position_embeddings", None), self.device)
+        self.layers = [
+            take(self.w, f"model.layers.{i}.", GQA_LAYER | self._layer_names(i), optional=self.OPTIONAL)
+            for i in range(self.num_layers)
+        ]
+
+    def _layer_names(self, i: int) -> dict[str, str]:
+        return {}
 
     def new_layer_state(self, i: int, max_len: int) -> KVCache:
         c = self.cfg

@@ -18,7 +18,6 @@ from deltafin.models.common import (
     GQADecoder,
     config_kwargs,
     require_keys,
-    require_tensors,
     settle_decoder_config,
 )
 from deltafin.models.layers import KVCache
@@ -101,12 +100,14 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 class Model(GQADecoder):
     """gpt-oss decoder driven layer by layer (see ``deltafin.models.base``)."""
 
+    OPTIONAL = (*GQADecoder.OPTIONAL, "router_b")
+
+    def _layer_names(self, i: int) -> dict[str, str]:
+        return {"sinks": "self_attn.sinks", "router": "mlp.router.weight", "router_b": "mlp.router.bias"}
+
     def _setup(self) -> None:
         super()._setup()
-        names = [f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        names += ["self_attn.sinks", "mlp.router.weight"]
-        require_tensors(self.w, [f"model.layers.{i}.{n}" for i in range(self.num_layers) for n in names])
-        self.sinks = [dense(self._p(i, "self_attn.sinks"), torch.float32) for i in range(self.num_layers)]
+        self.sinks = [dense(lw["sinks"], torch.float32) for lw in self.layers]
 
     def new_layer_state(self, i: int, max_len: int) -> KVCache:
         c = self.cfg  # a bounded cache: a write past max_len is an error
@@ -126,6 +127,7 @@ class Model(GQADecoder):
 
     def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k router logits, softmax over the k chosen."""
-        logits = linear(x.float(), self._p(i, "mlp.router.weight"), self._p(i, "mlp.router.bias"))  # [T, E]
+        lw = self.layers[i]
+        logits = linear(x.float(), lw["router"], lw["router_b"])  # [T, E]
         top = logits.topk(self.cfg.num_experts_per_tok, dim=-1)
         return top.indices, torch.softmax(top.values, dim=-1)

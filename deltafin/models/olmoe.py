@@ -8,29 +8,14 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.models.base import linear, rms_norm
-from deltafin.models.common import GQADecoder, config_kwargs, settle_decoder_config, softmax_topk, take
-from deltafin.models.rope import rope_parameters
-
-_LAYER = {
-    "ln1": "input_layernorm.weight",
-    "ln2": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
-    "qn": "self_attn.q_norm.weight",
-    "kn": "self_attn.k_norm.weight",
-    "q_b": "self_attn.q_proj.bias",
-    "k_b": "self_attn.k_proj.bias",
-    "v_b": "self_attn.v_proj.bias",
-    "o_b": "self_attn.o_proj.bias",
-    "router": "mlp.gate.weight",
-}
-_BIASES = ("q_b", "k_b", "v_b", "o_b")
+from deltafin.models.common import QK_NORMS, DecoderConfig, GQADecoder, softmax_topk
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class Config(DecoderConfig):
+    FAMILY = "olmoe"
+    ALIASES = {"num_local_experts": "num_experts"}
+
     vocab_size: int = 50304
     hidden_size: int = 2048
     intermediate_size: int = 2048
@@ -48,22 +33,12 @@ class Config:
     hidden_act: str = "silu"
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
-    def __post_init__(self) -> None:
-        settle_decoder_config(self, "olmoe")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Config:
-        kw = config_kwargs(cls, d, aliases={"num_local_experts": "num_experts"})
-        kw["rope"] = rope_parameters(d, 10000.0)
-        return cls(**kw)
-
 
 class Model(GQADecoder):
     """Legend: T tokens, D model width, H query heads, Hkv key/value heads, d head width, k experts per token."""
 
-    def _setup(self) -> None:
-        super()._setup()
-        self.layers = [take(self.w, f"model.layers.{i}.", _LAYER, optional=_BIASES) for i in range(self.num_layers)]
+    def _layer_names(self, i: int) -> dict[str, str]:
+        return QK_NORMS | {"router": "mlp.gate.weight"}
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super()._qkv(i, h)  # [T, H*d], [T, Hkv*d], [T, Hkv*d]

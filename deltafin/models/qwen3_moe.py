@@ -9,30 +9,17 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.models.base import linear, rms_norm
-from deltafin.models.common import GQADecoder, config_kwargs, settle_decoder_config, softmax_topk, take
-from deltafin.models.rope import rope_parameters
+from deltafin.models.common import QK_NORMS, DecoderConfig, GQADecoder, softmax_topk
 
-_ATTN = {
-    "ln1": "input_layernorm.weight",
-    "ln2": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight",
-    "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight",
-    "qn": "self_attn.q_norm.weight",
-    "kn": "self_attn.k_norm.weight",
-    "q_b": "self_attn.q_proj.bias",
-    "k_b": "self_attn.k_proj.bias",
-    "v_b": "self_attn.v_proj.bias",
-    "o_b": "self_attn.o_proj.bias",
-}
-_BIASES = ("q_b", "k_b", "v_b", "o_b")
 _MOE = {"router": "mlp.gate.weight"}
 _DENSE = {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class Config(DecoderConfig):
+    FAMILY = "qwen3_moe"
+    ALIASES = {"num_local_experts": "num_experts"}  # transformers 5's name
+
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 6144  # dense layers
@@ -53,16 +40,12 @@ class Config:
     hidden_act: str = "silu"
     rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
-    def __post_init__(self) -> None:
-        settle_decoder_config(self, "qwen3_moe")
-
     @classmethod
-    def from_dict(cls, d: dict) -> Config:
-        kw = config_kwargs(cls, d, aliases={"num_local_experts": "num_experts"})  # transformers 5's name
-        kw["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
-        kw["sliding_window"] = d.get("sliding_window") if d.get("use_sliding_window") else None
-        kw["rope"] = rope_parameters(d, 10000.0)
-        return cls(**kw)
+    def _extra(cls, d: dict) -> dict:
+        return {
+            "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
+            "sliding_window": d.get("sliding_window") if d.get("use_sliding_window") else None,
+        }
 
     def is_moe(self, i: int) -> bool:
         return (
@@ -73,13 +56,8 @@ class Config:
 class Model(GQADecoder):
     """Legend: T tokens, D model width, H query heads, Hkv key/value heads, d head width, k experts per token."""
 
-    def _setup(self) -> None:
-        super()._setup()
-        c = self.cfg
-        self.layers = [
-            take(self.w, f"model.layers.{i}.", _ATTN | (_MOE if c.is_moe(i) else _DENSE), optional=_BIASES)
-            for i in range(self.num_layers)
-        ]
+    def _layer_names(self, i: int) -> dict[str, str]:
+        return QK_NORMS | (_MOE if self.cfg.is_moe(i) else _DENSE)
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super()._qkv(i, h)
