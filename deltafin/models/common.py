@@ -95,7 +95,9 @@ def _group_limited(choice: torch.Tensor, n_group: int, topk_group: int) -> torch
 # ---------------------------------------------------------------------------------------- configs
 
 
-def config_kwargs(cls, d: Mapping, exclude: Iterable[str] = (), aliases: Mapping[str, str] | None = None) -> dict:
+def config_kwargs(
+    cls, d: Mapping, exclude: Iterable[str] = (), aliases: Mapping[str, str] | None = None
+) -> dict:
     """The entries of an HF config dict that name fields of the dataclass ``cls`` (less ``exclude``); unknown
     keys and explicit nulls (HF's "use the default") are dropped. ``aliases`` maps other names of a field
     (``{"num_experts": "num_local_experts"}``) to it; an alias is read when the field's own name is unset."""
@@ -325,20 +327,21 @@ class GQADecoder(DecoderLM):
         return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype)
 
     def _attention(self, i: int, h: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        c, T = self.cfg, h.shape[0]
+        c, T, lw = self.cfg, h.shape[0], self.layers[i]
         q, k, v = self._qkv(i, h)
         q = q.view(T, c.num_attention_heads, c.head_dim)  # [T, H, d]
         k = k.view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
         v = v.view(T, c.num_key_value_heads, c.head_dim)  # [T, Hkv, d]
         scale = c.head_dim**-0.5
-        o = self_attention(q, k, v, self.rope, state.layers[i], state.pos, scale, self._window(i), self._sinks(i))
-        return self._proj(i, "o_proj", o)  # [T, D]
-
-    def _proj(self, i: int, name: str, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self._p(i, f"self_attn.{name}.weight"), self._p(i, f"self_attn.{name}.bias"))
+        o = self_attention(
+            q, k, v, self.rope, state.layers[i], state.pos, scale, self._window(i), self._sinks(i)
+        )
+        return linear(o, lw["o"], lw["o_b"])  # [T, D]
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._proj(i, "q_proj", h), self._proj(i, "k_proj", h), self._proj(i, "v_proj", h)
+        """q [T, H*d], k and v [T, Hkv*d] (or already split into heads) for the normed stream h [T, D]."""
+        lw = self.layers[i]
+        return linear(h, lw["q"], lw["q_b"]), linear(h, lw["k"], lw["k_b"]), linear(h, lw["v"], lw["v_b"])
 
     def _window(self, i: int) -> int | None:
         return getattr(self.cfg, "sliding_window", None)

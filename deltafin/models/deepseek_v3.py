@@ -132,7 +132,11 @@ class Model(DecoderLM):
 
     def _setup(self) -> None:
         c = self.cfg
-        names = ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]
+        names = [
+            "self_attn.kv_a_proj_with_mqa.weight",
+            "self_attn.kv_b_proj.weight",
+            "self_attn.o_proj.weight",
+        ]
         require_tensors(
             self.w,
             [
@@ -185,4 +189,3 @@ class Model(DecoderLM):
         bias = self._p(i, "mlp.gate.e_score_correction_bias")
         k, scaling = c.num_experts_per_tok, c.routed_scaling_factor
         return sigmoid_topk(logits, bias, k, c.norm_topk_prob, scaling, c.n_group, c.topk_group)
-

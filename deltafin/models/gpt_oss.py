@@ -111,7 +111,9 @@ class Model(GQADecoder):
 
     def new_layer_state(self, i: int, max_len: int) -> KVCache:
         c = self.cfg  # a bounded cache: a write past max_len is an error
-        return KVCache(c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype, bounded=True)
+        return KVCache(
+            c.num_key_value_heads, c.head_dim, c.head_dim, max_len, self.device, self.dtype, bounded=True
+        )
 
     def _window(self, i: int) -> int | None:
         return self.cfg.window(i)

@@ -10,7 +10,10 @@ import torch
 from deltafin.models.base import linear
 from deltafin.models.common import DecoderConfig, GQADecoder, softmax_topk, take
 
-_ROUTERS = {"router": "block_sparse_moe.gate.weight", "router_mlp": "mlp.gate.weight"}  # checkpoint / transformers 5
+_ROUTERS = {
+    "router": "block_sparse_moe.gate.weight",
+    "router_mlp": "mlp.gate.weight",
+}  # checkpoint / transformers 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +49,9 @@ class Model(GQADecoder):
 
     def _setup(self) -> None:
         super()._setup()
-        for i, lw in enumerate(self.layers):  # one of the two names; take() names the first when neither is there
+        for i, lw in enumerate(
+            self.layers
+        ):  # one of the two names; take() names the first when neither is there
             if lw["router"] is None:
                 lw["router"] = lw["router_mlp"]
             if lw["router"] is None:

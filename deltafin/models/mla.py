@@ -26,7 +26,9 @@ EXPAND_BUDGET = 1 << 28  # most elements of per-call expanded K/V
 LATENT_NORM_EPS = 1e-6
 
 
-def project(h: torch.Tensor, p: Callable[[str], QTensor | None], H: int, dn: int, r: int, R: int, q_lora: bool = True):
+def project(
+    h: torch.Tensor, p: Callable[[str], QTensor | None], H: int, dn: int, r: int, R: int, q_lora: bool = True
+):
     """The MLA projections of h [T, D] from one layer's ``self_attn.`` records ``p(name)`` (None if absent):
     q [T, H, dn+r] (through the q_a/q_b low-rank pair when ``q_lora``, else q_proj), the normalised latent
     [T, R] and the rope key [T, r] before any rotation."""

@@ -43,7 +43,10 @@ class Model(GQADecoder):
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super()._qkv(i, h)  # [T, H*d], [T, Hkv*d], [T, Hkv*d]
         lw, c = self.layers[i], self.cfg
-        q, k = rms_norm(q, lw["qn"], self.norm_eps), rms_norm(k, lw["kn"], self.norm_eps)  # over the full width
+        q, k = (
+            rms_norm(q, lw["qn"], self.norm_eps),
+            rms_norm(k, lw["kn"], self.norm_eps),
+        )  # over the full width
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
         return q, k, v

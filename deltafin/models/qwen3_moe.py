@@ -62,7 +62,11 @@ class Model(GQADecoder):
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super()._qkv(i, h)
         lw, T, d, eps = self.layers[i], h.shape[0], self.cfg.head_dim, self.norm_eps
-        return rms_norm(q.view(T, -1, d), lw["qn"], eps), rms_norm(k.view(T, -1, d), lw["kn"], eps), v  # per head
+        return (
+            rms_norm(q.view(T, -1, d), lw["qn"], eps),
+            rms_norm(k.view(T, -1, d), lw["kn"], eps),
+            v,
+        )  # per head
 
     def _is_moe(self, i: int) -> bool:
         return self.cfg.is_moe(i)

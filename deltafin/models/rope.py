@@ -66,7 +66,9 @@ class RopeConfig:
                 f"rope type {self.kind!r} is not supported; supported: {', '.join(KINDS)}"
             )
         if self.kind == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None):
-            raise CheckpointError("llama3 rope settings lack low_freq_factor/high_freq_factor; fix config.json")
+            raise CheckpointError(
+                "llama3 rope settings lack low_freq_factor/high_freq_factor; fix config.json"
+            )
         assert self.dim % 2 == 0, self.dim
 
     @classmethod
@@ -125,7 +127,11 @@ class RopeConfig:
 
     def _correction_range(self) -> tuple[float, float]:
         def dim_for(rotations: float) -> float:  # dimension index making `rotations` turns over original_max
-            return self.dim * math.log(self.original_max / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+            return (
+                self.dim
+                * math.log(self.original_max / (rotations * 2 * math.pi))
+                / (2 * math.log(self.theta))
+            )
 
         low, high = dim_for(self.beta_fast), dim_for(self.beta_slow)
         if self.truncate:
