@@ -240,10 +240,22 @@ def test_generation_that_raises_is_a_500_for_that_request_only(served, client, m
     assert client.completions.create(model=MODEL, prompt="fine", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_cancelled_stream_frees_the_slot(served, client):
+def _slow_steps(worker, monkeypatch) -> None:
+    """Keep a generation running well past the moment its client leaves, on any machine."""
+    step = worker.engine.forward_batch
+
+    def slow_step(seqs):
+        time.sleep(0.05)
+        return step(seqs)
+
+    monkeypatch.setattr(worker.engine, "forward_batch", slow_step)
+
+
+def test_cancelled_stream_frees_the_slot(served, client, monkeypatch):
     url, worker = served
     wait_idle(worker)
     before = worker.counters.requests_cancelled
+    _slow_steps(worker, monkeypatch)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
                                             max_tokens=200, temperature=0, stream=True)
     got = 0
@@ -259,10 +271,11 @@ def test_cancelled_stream_frees_the_slot(served, client):
     assert r.usage.completion_tokens >= 1
 
 
-def test_client_that_gives_up_on_a_plain_request_cancels_it(served):
+def test_client_that_gives_up_on_a_plain_request_cancels_it(served, monkeypatch):
     url, worker = served
     wait_idle(worker)
     before = worker.counters.requests_cancelled
+    _slow_steps(worker, monkeypatch)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "long", "max_tokens": 200}, timeout=0.3)
     wait_idle(worker)
