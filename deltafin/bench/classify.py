@@ -9,17 +9,13 @@ skips the expert math (and says so); full mode runs every expert on all of its t
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
 
 import torch
 
 from deltafin.bench.decode import situ_glu_expert
-from deltafin.bench.disk import raw_read_gbps
-from deltafin.bench.synthetic import K3_LATENT, write_synthetic
+from deltafin.bench.synthetic import K3_LATENT, expert_major_layer, synthetic_run
 
 K3_MOE_LAYERS, K3_EXPERTS, K3_K = 92, 896, 16  # Kimi K3: 82,432 expert files
 
@@ -37,25 +33,15 @@ def k3_projection(batch: int, tokens: int, ratio: float, gbps: float = 25.0, nby
 
 
 def run(args) -> dict:
-    from deltafin.runtime.source import StreamingExperts
-    from deltafin.store.model_dir import PackedModel
-
     if min(args.inputs, args.tokens, args.batch) < 1:
         from deltafin.errors import UsageError
 
         raise UsageError("--inputs, --tokens and --batch must be >= 1")
-    work = tempfile.mkdtemp(prefix="deltafin-bench-classify-", dir=args.dir)
-    try:
-        root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
-                               args.layers, args.experts, seed=args.seed)
-        pm = PackedModel.open(root)
-        nbytes = pm.file_bytes(pm.moe_layers[0])
-        paths = [pm.expert_path(L, e) for L in pm.moe_layers for e in range(pm.num_experts)]
-        random.Random(args.seed).shuffle(paths)
-        raw = raw_read_gbps(paths[:48], nbytes, args.threads)
+    with synthetic_run(args, "classify") as run_:
+        pm, nbytes = run_.pm, run_.nbytes
         rng = random.Random(args.seed)
         inputs = [_routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, rng) for _ in range(args.inputs)]
-        source = StreamingExperts(pm, cache_bytes=0, threads=args.threads, device=args.device)
+        source = run_.source(args.threads, args.device)
         x = torch.randn(args.batch * args.tokens, K3_LATENT, device=args.device)
         unique = alone = 0
         math_s = 0.0
@@ -64,23 +50,16 @@ def run(args) -> dict:
             batch = inputs[b : b + args.batch]
             for L in pm.moe_layers:
                 toks = [tok for r in batch for tok in r[L]]  # [B*T] routes of the batch's tokens
-                union = sorted({e for tok in toks for e in tok})
-                unique += len(union) * nbytes
                 alone += sum(len({e for tok in r[L] for e in tok}) for r in batch) * nbytes
-                for e, t in source.fetch(L, union):
-                    if not args.io_only:
-                        m0 = time.perf_counter()
-                        rows = [i for i, tok in enumerate(toks) if e in tok]
-                        situ_glu_expert(x[rows], t)
-                        math_s += time.perf_counter() - m0
+                n, m = expert_major_layer(source, L, toks, x, args.io_only, situ_glu_expert)
+                unique += n * nbytes
+                math_s += m
         if args.device == "cuda":
             torch.cuda.synchronize()
         took = time.perf_counter() - t0
         st = source.stats
         source.close()
-        raw = max(raw, raw_read_gbps(paths[:48], nbytes, args.threads))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        raw = run_.remeasure()
     floor = unique / (raw * 1e9)
     ratio = took / floor
     rec = {

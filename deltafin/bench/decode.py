@@ -8,16 +8,12 @@ SiTU-GLU on one latent token: step time / max(I/O time, math time), target <= 1.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
 
 import torch
 
-from deltafin.bench.disk import raw_read_gbps
-from deltafin.bench.synthetic import K3_LATENT, write_synthetic
+from deltafin.bench.synthetic import K3_LATENT, synthetic_run
 
 
 def situ_glu_expert(x: torch.Tensor, t) -> torch.Tensor:
@@ -34,20 +30,9 @@ def _routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> 
 
 
 def run(args) -> dict:
-    from deltafin.runtime.source import StreamingExperts
-    from deltafin.store.model_dir import PackedModel
-
-    work = tempfile.mkdtemp(prefix="deltafin-bench-decode-", dir=args.dir)
-    try:
-        root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
-                               args.layers, args.experts, seed=args.seed)
-        pm = PackedModel.open(root)
-        nbytes = pm.file_bytes(pm.moe_layers[0])
-        paths = [pm.expert_path(L, e) for L in pm.moe_layers for e in range(pm.num_experts)]
-        random.Random(args.seed).shuffle(paths)
-        inflight = min(args.threads, args.k)
-        raw = raw_read_gbps(paths[: max(4 * inflight, 32)], nbytes, inflight)
-        source = StreamingExperts(pm, cache_bytes=0, threads=args.threads, device=args.device)
+    with synthetic_run(args, "decode", inflight=min(args.threads, args.k)) as run_:
+        pm = run_.pm
+        source = run_.source(args.threads, args.device)
         routes = _routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
         x = torch.randn(1, K3_LATENT, device=args.device)
         math_s = _math_only(pm, routes[0], x, args.device) * len(routes) if not args.io_only else 0.0
@@ -62,9 +47,7 @@ def run(args) -> dict:
         wall = time.perf_counter() - t0
         st = source.stats
         source.close()
-        raw = max(raw, raw_read_gbps(paths[: max(4 * inflight, 32)], nbytes, inflight))  # bracket the run
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        raw, nbytes = run_.remeasure(), run_.nbytes
     read_gbps = st.bytes_read / wall / 1e9
     io_s = st.bytes_read / (raw * 1e9)
     rec = {

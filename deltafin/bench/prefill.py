@@ -9,56 +9,34 @@ all of its tokens and reports its math time.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
 
 import torch
 
 from deltafin.bench.decode import situ_glu_expert
-from deltafin.bench.disk import raw_read_gbps
-from deltafin.bench.synthetic import K3_LATENT, write_synthetic
+from deltafin.bench.synthetic import K3_LATENT, expert_major_layer, synthetic_run
 
 
 def run(args) -> dict:
-    from deltafin.runtime.source import StreamingExperts
-    from deltafin.store.model_dir import PackedModel
-
-    work = tempfile.mkdtemp(prefix="deltafin-bench-prefill-", dir=args.dir)
-    try:
-        root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
-                               args.layers, args.experts, seed=args.seed)
-        pm = PackedModel.open(root)
-        nbytes = pm.file_bytes(pm.moe_layers[0])
-        paths = [pm.expert_path(L, e) for L in pm.moe_layers for e in range(pm.num_experts)]
-        random.Random(args.seed).shuffle(paths)
-        raw = raw_read_gbps(paths[:48], nbytes, args.threads)
+    with synthetic_run(args, "prefill") as run_:
+        pm, nbytes = run_.pm, run_.nbytes
         rng = random.Random(args.seed)
         routes = {L: [rng.sample(range(pm.num_experts), args.k) for _ in range(args.prompt)] for L in pm.moe_layers}
-        source = StreamingExperts(pm, cache_bytes=0, threads=args.threads, device=args.device)
+        source = run_.source(args.threads, args.device)
         x = torch.randn(args.prompt, K3_LATENT, device=args.device)
-        unique = 0
-        math_s = 0.0
+        unique, math_s = 0, 0.0
         t0 = time.perf_counter()
         for L in pm.moe_layers:
-            union = sorted({e for tok in routes[L] for e in tok})
-            unique += len(union) * nbytes
-            for e, t in source.fetch(L, union):
-                if not args.io_only:
-                    m0 = time.perf_counter()
-                    rows = [i for i, tok in enumerate(routes[L]) if e in tok]
-                    situ_glu_expert(x[rows], t)
-                    math_s += time.perf_counter() - m0
+            n, m = expert_major_layer(source, L, routes[L], x, args.io_only, situ_glu_expert)
+            unique += n * nbytes
+            math_s += m
         if args.device == "cuda":
             torch.cuda.synchronize()
         ttft = time.perf_counter() - t0
         st = source.stats
         source.close()
-        raw = max(raw, raw_read_gbps(paths[:48], nbytes, args.threads))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        raw = run_.remeasure()
     floor = unique / (raw * 1e9)
     rec = {
         "bench": "prefill", "mode": "io-only" if args.io_only else "full", "device": args.device,

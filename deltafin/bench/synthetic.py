@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -90,3 +95,63 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
     }
     mf.write_json_atomic(os.path.join(root, mf.MANIFEST), doc)
     return root
+
+
+class SyntheticRun:
+    """A synthetic model written under a scratch folder, with the drive's raw direct read rate measured
+    before the run (``raw``) and again by :meth:`remeasure` after it; the higher is the stricter limit."""
+
+    def __init__(self, root: str, seed: int, inflight: int, sample: int = 48):
+        from deltafin.store.model_dir import PackedModel
+
+        self.pm = PackedModel.open(root)
+        self.nbytes = self.pm.file_bytes(self.pm.moe_layers[0])
+        paths = [self.pm.expert_path(L, e) for L in self.pm.moe_layers for e in range(self.pm.num_experts)]
+        import random
+
+        random.Random(seed).shuffle(paths)
+        self._probe = paths[: max(sample, 4 * inflight)]
+        self.inflight = inflight
+        self.raw = self._measure()
+
+    def _measure(self) -> float:
+        from deltafin.bench.disk import raw_read_gbps
+
+        return raw_read_gbps(self._probe, self.nbytes, self.inflight)
+
+    def remeasure(self) -> float:
+        self.raw = max(self.raw, self._measure())
+        return self.raw
+
+    def source(self, threads: int, device: str):
+        from deltafin.runtime.source import StreamingExperts
+
+        return StreamingExperts(self.pm, cache_bytes=0, threads=threads, device=device)
+
+
+@contextmanager
+def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[SyntheticRun]:
+    """Write the synthetic model for a benchmark (``args``: dir, layers, experts, seed, threads), yield it,
+    and remove it afterwards."""
+    work = tempfile.mkdtemp(prefix=f"deltafin-bench-{name}-", dir=args.dir)
+    try:
+        root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
+                               args.layers, args.experts, seed=args.seed)
+        yield SyntheticRun(root, args.seed, inflight or args.threads)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def expert_major_layer(source, layer: int, token_routes: list[list[int]], x: torch.Tensor, io_only: bool,
+                       expert_fn) -> tuple[int, float]:
+    """One layer of expert-major prefill: fetch the union of the tokens' experts once and run each expert
+    on all of its tokens (unless ``io_only``). Returns (unique experts, seconds of expert math)."""
+    union = sorted({e for tok in token_routes for e in tok})
+    math_s = 0.0
+    for e, t in source.fetch(layer, union):
+        if not io_only:
+            m0 = time.perf_counter()
+            rows = [i for i, tok in enumerate(token_routes) if e in tok]
+            expert_fn(x[rows], t)
+            math_s += time.perf_counter() - m0
+    return len(union), math_s
