@@ -52,59 +52,40 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
 
 
+def _synthetic_bench(sub, name: str, help_: str, layers: int, experts: int) -> argparse.ArgumentParser:
+    """A benchmark over a synthetic model with Kimi K3's expert size, read through the engine's source."""
+    b = sub.add_parser(name, help=help_)
+    b.add_argument("--layers", type=int, default=layers, help="MoE layers of the synthetic model")
+    b.add_argument("--experts", type=int, default=experts, help="experts per layer (files: layers x experts)")
+    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--threads", type=int, default=8, help="reads in flight")
+    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
+    b.add_argument("--json", metavar="PATH")
+    return b
+
+
 def _add_bench(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     b = sub.add_parser("pack", help="pack throughput beside the disk's raw write rate")
     b.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
     b.add_argument("--gb", type=float, default=4.0, help="GB of expert bytes to pack (default 4)")
     b.add_argument("--json", metavar="PATH")
-    b = sub.add_parser("decode", help="expert streaming at Kimi K3's expert size beside the raw read rate")
+    b = _synthetic_bench(sub, "decode", "expert streaming at Kimi K3's expert size beside the raw read rate", 4, 64)
     b.add_argument("--synthetic", default="k3", choices=["k3"], help="synthetic model shape (K3 expert sizes)")
-    b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic model")
-    b.add_argument("--experts", type=int, default=64, help="experts per layer (files written: layers x experts)")
-    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
     b.add_argument("--tokens", type=int, default=6)
-    b.add_argument("--threads", type=int, default=8, help="reads in flight")
-    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
-    b.add_argument("--json", metavar="PATH")
-    _add_bench_prefill(sub)
+    b = _synthetic_bench(sub, "prefill", "time to first token beside the read floor (cold cache, K3 expert size)",
+                         4, 96)
+    b.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     from deltafin.interfaces.cmd_drives import add_bench_drives_args
 
     add_bench_drives_args(sub)
-    _add_bench_classify(sub)
-
-
-def _add_bench_classify(sub) -> None:
-    b = sub.add_parser("classify", help="inputs per hour beside the read floor (K3 expert size, cold cache)")
+    b = _synthetic_bench(sub, "classify", "inputs per hour beside the read floor (K3 expert size, cold cache)", 2, 64)
     b.add_argument("--inputs", type=int, default=16, help="inputs to classify")
     b.add_argument("--tokens", type=int, default=128, help="tokens per input")
     b.add_argument("--batch", type=int, default=8, help="inputs prefilled together (one pass each)")
-    b.add_argument("--layers", type=int, default=2, help="MoE layers of the synthetic model")
-    b.add_argument("--experts", type=int, default=64, help="experts per layer")
-    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
-    b.add_argument("--threads", type=int, default=8, help="reads in flight")
-    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
-    b.add_argument("--json", metavar="PATH")
-
-
-def _add_bench_prefill(sub) -> None:
-    b = sub.add_parser("prefill", help="time to first token beside the read floor (cold cache, K3 expert size)")
-    b.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic model")
-    b.add_argument("--experts", type=int, default=96, help="experts per layer")
-    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
-    b.add_argument("--threads", type=int, default=8, help="reads in flight")
-    b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
-    b.add_argument("--json", metavar="PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:
