@@ -85,7 +85,7 @@ def test_stats_account_for_reads(k3_model):
     assert st["tokens"] == toks and st["ttft_s"] > 0 and st["decode_tok_s"] > 0
     pm = PackedModel.open(str(k3_model / "model"))
     assert st["bytes_read"] == st["reads"] * pm.file_bytes(pm.moe_layers[0])
-    assert sum(d["bytes"] for d in st["per_drive"].values()) >= st["bytes_read"]
+    assert sum(d["bytes"] for d in st["per_drive"].values()) == st["bytes_read"]  # this run only
 
 
 def test_sampling_seeded_and_top_k_one_is_greedy(k3_model):

@@ -21,6 +21,7 @@ from deltafin.store.model_dir import PackedModel
 
 log = logging.getLogger(__name__)
 GB = 1e9
+GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,17 @@ class PrefillReport:
     @property
     def read_amplification(self) -> float:
         return self.bytes_read / self.unique_bytes if self.unique_bytes else 0.0
+
+
+def _drive_delta(now: dict[str, dict], before: dict[str, dict], wall_s: float) -> dict[str, dict]:
+    """Per-drive counters of one run (the source's are cumulative), with the rate over the run's wall time."""
+    out = {}
+    for label, d in now.items():
+        b = before.get(label, {})
+        run = {k: d[k] - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors")}
+        run["gbps_over_run"] = run["bytes"] / wall_s / 1e9 if wall_s > 0 else 0.0
+        out[label] = run
+    return out
 
 
 def resolve_device(name: str) -> torch.device:
@@ -177,7 +189,7 @@ class Engine:
         self,
         prompt: list[int],
         max_new: int,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams = GREEDY,
         stop_ids: tuple[int, ...] | None = None,
         stop_strings: tuple[str, ...] = (),
         state: SequenceState | None = None,
@@ -190,7 +202,8 @@ class Engine:
         state = state if state is not None else self.new_state()
         sampler = Sampler(sampling)
         src = self.source.stats
-        base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses)
+        base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
+                self.source.per_drive())
         t0 = time.perf_counter()
         (logits,), pre = self.prefill([prompt], [state])
         stats.prefill_read_amplification = pre.read_amplification
@@ -247,7 +260,10 @@ class Engine:
         stats.reads = src.reads - base[3]
         hits, misses = src.hits - base[4], src.misses - base[5]
         stats.cache_hit_rate = hits / (hits + misses) if hits + misses else 0.0
-        stats.per_drive = self.source.per_drive()
+        stats.per_drive = _drive_delta(self.source.per_drive(), base[6], end - t0)
+        rated = {d.label: d.gbps for d in self.packed.drives}
+        for label, d in stats.per_drive.items():
+            d["rated_gbps"] = rated.get(label)
 
     def close(self) -> None:
         self.record_routes(None)

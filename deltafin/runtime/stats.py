@@ -49,7 +49,8 @@ class RunStats:
             f"{self.cache_hit_rate:.1%} of {self.cache_bytes / 1e9:.2f} GB",
         ]
         for label, d in self.per_drive.items():
-            rate = d["bytes"] / d["busy_s"] / 1e9 if d["busy_s"] else 0.0
+            rated = f" of its {d['rated_gbps']:.2f} GB/s" if d.get("rated_gbps") else ""
             lines.append(f"  drive {label}: {d['reads']:,} reads, {d['bytes'] / 1e6:,.1f} MB, "
-                         f"{rate:.2f} GB/s per read in flight")
+                         f"{d['gbps_over_run']:.3f} GB/s over the run{rated}"
+                         + (f", {d['errors']} failed reads" if d.get("errors") else ""))
         return "\n".join(lines)
