@@ -14,9 +14,7 @@ from deltafin.jobs.batch import Defaults, load_batch
 from deltafin.jobs.classify import Classifier, ClassifyRun, gather_inputs, parse_labels
 from deltafin.jobs.results import ResultLog
 from deltafin.runtime.engine import Engine, EngineOptions
-from deltafin.store.drives import parse_drives
-from deltafin.store.pack import PackOptions, pack
-from deltafin.tiny import build_tiny, save_byte_tokenizer
+from tests.tiny import pack_tiny
 
 ENGINE_ARGS = ["--cache-gb", "0.05", "--max-len", "256", "--threads", "2", "--quiet"]
 
@@ -24,11 +22,7 @@ ENGINE_ARGS = ["--cache-gb", "0.05", "--max-len", "256", "--threads", "2", "--qu
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobs")
-    build_tiny("deepseek_v3", root / "src", vocab_size=320)
-    save_byte_tokenizer(root / "src", 320)
-    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
-         PackOptions(progress=False))
-    return str(root / "model")
+    return pack_tiny(root, "deepseek_v3", tokenizer=True)
 
 
 @pytest.fixture(scope="module")

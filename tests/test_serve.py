@@ -19,9 +19,7 @@ from deltafin.runtime.sampling import SamplingParams  # noqa: E402
 from deltafin.serve.app import create_app  # noqa: E402
 from deltafin.serve.protocol import Limits  # noqa: E402
 from deltafin.serve.worker import Job, Worker  # noqa: E402
-from deltafin.store.drives import parse_drives  # noqa: E402
-from deltafin.store.pack import PackOptions, pack  # noqa: E402
-from deltafin.tiny import build_tiny, save_byte_tokenizer  # noqa: E402
+from tests.tiny import pack_tiny  # noqa: E402
 
 MODEL = "tiny-qwen"
 OPTS = EngineOptions(cache_gb=0.05, max_len=256, threads=2)
@@ -31,11 +29,7 @@ T = 30  # seconds: every client call is bounded
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    build_tiny("qwen3_moe", root / "src", vocab_size=320)
-    save_byte_tokenizer(root / "src", 320)
-    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
-         PackOptions(progress=False))
-    return str(root / "model")
+    return pack_tiny(root, "qwen3_moe", tokenizer=True)
 
 
 @pytest.fixture(scope="module")
