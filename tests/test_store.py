@@ -515,18 +515,18 @@ def test_pack_k3_compressed_tensors_mxfp4_is_byte_identical(k3_checkpoint, tmp_p
     assert verify(model).ok and s.expert_files == 8
 
 
-def test_pack_int4_pack_quantized_experts_are_kept(tmp_path):
-    """Kimi K2-Thinking layout (model_type kimi_k2 = DeepSeek-V3): INT4 group-32 experts stay int4g32."""
+def _int4_checkpoint(tmp_path, wrong_in: int = 0):
+    """Kimi K2-Thinking layout (model_type kimi_k2 = DeepSeek-V3) with compressed-tensors INT4 group-32
+    experts; ``wrong_in`` makes every weight_shape disagree with its packed data by that many columns."""
     build_tiny("deepseek_v3", tmp_path / "bf16", seed=5)
-    t = _load_all(tmp_path / "bf16")
     out = {}
-    for name, w in t.items():
+    for name, w in _load_all(tmp_path / "bf16").items():
         if ".mlp.experts." in name:
             packed, s = int4.quantize_ref(w.numpy())
             base = name[: -len("weight")]
             out[base + "weight_packed"] = torch.from_numpy(packed)
             out[base + "weight_scale"] = torch.from_numpy(s).to(torch.bfloat16)
-            out[base + "weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+            out[base + "weight_shape"] = torch.tensor([w.shape[0], w.shape[1] - wrong_in], dtype=torch.int64)
         else:
             out[name] = w.to(torch.bfloat16)
     src = tmp_path / "src"
@@ -538,6 +538,12 @@ def test_pack_int4_pack_quantized_experts_are_kept(tmp_path):
                                   "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32,
                                                                             "symmetric": True, "type": "int"}}}}
     (src / "config.json").write_text(json.dumps(cfg))
+    return src, out
+
+
+def test_pack_int4_pack_quantized_experts_are_kept(tmp_path):
+    """INT4 group-32 experts stay int4g32, byte for byte."""
+    src, out = _int4_checkpoint(tmp_path)
     _pack(src, tmp_path / "model", tmp_path)
     model = PackedModel.open(str(tmp_path / "model"))
     for L in model.moe_layers:
@@ -554,23 +560,9 @@ def test_pack_int4_pack_quantized_experts_are_kept(tmp_path):
 
 
 def test_pack_int4_weight_shape_disagreement_is_an_error(tmp_path):
-    build_tiny("deepseek_v3", tmp_path / "bf16", seed=5)
-    t = _load_all(tmp_path / "bf16")
-    out = {}
-    for name, w in t.items():
-        if ".mlp.experts." in name:
-            packed, s = int4.quantize_ref(w.numpy())
-            base = name[: -len("weight")]
-            out[base + "weight_packed"] = torch.from_numpy(packed)
-            out[base + "weight_scale"] = torch.from_numpy(s).to(torch.bfloat16)
-            out[base + "weight_shape"] = torch.tensor([w.shape[0], w.shape[1] - 3], dtype=torch.int64)
-        else:
-            out[name] = w
-    (tmp_path / "src").mkdir()
-    save_file(out, str(tmp_path / "src" / "model.safetensors"))
-    shutil.copy(tmp_path / "bf16" / "config.json", tmp_path / "src" / "config.json")
+    src, _ = _int4_checkpoint(tmp_path, wrong_in=3)
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight_shape"):
-        _pack(tmp_path / "src", tmp_path / "model", tmp_path)
+        _pack(src, tmp_path / "model", tmp_path)
 
 
 def test_pack_gpt_oss_mxfp4_blocks_are_byte_identical(tmp_path):
