@@ -12,7 +12,8 @@ def add_engine_args(p) -> None:
     p.add_argument("model", help="packed model folder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--cache-gb", type=float, default=None,
-                   help="RAM for cached experts (default: half of free memory after the trunk, printed at start)")
+                   help="memory for cached experts (default: half of free memory after the trunk, printed at start; "
+                        "GPU memory on CUDA)")
     p.add_argument("--threads", type=int, default=4, help="reader threads per drive (reads in flight per drive)")
     p.add_argument("--max-len", type=int, default=4096, help="context limit in tokens")
     p.add_argument("--drive-map", action="append", metavar="LABEL=PATH", help="drive LABEL is now mounted at PATH")

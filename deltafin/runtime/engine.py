@@ -37,12 +37,16 @@ class EngineOptions:
     record_routes: str | None = None  # write the routing trace (JSONL, deltafin.io.routes) of decoded tokens here
 
 
-def default_cache_bytes(trunk_bytes: int) -> int:
-    """Half of what is left of available memory after the trunk and 2 GB of headroom."""
-    import psutil
+def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
+    """Half of what is left after the trunk and 2 GB of headroom: of available RAM on the CPU, of free
+    device memory on CUDA (where cached experts live on the GPU)."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
 
-    spare = psutil.virtual_memory().available - trunk_bytes - 2 * 1024**3
-    return max(int(spare * 0.5), 0)
+        free = psutil.virtual_memory().available
+    return max(int((free - trunk_bytes - 2 * 1024**3) * 0.5), 0)
 
 
 def default_prefill_bytes() -> int:
@@ -92,7 +96,8 @@ class Engine:
         self.device = resolve_device(opts.device)
         self.packed = PackedModel.open(model_dir, opts.drive_map)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
-        self.cache_bytes = int(opts.cache_gb * GB) if opts.cache_gb is not None else default_cache_bytes(trunk_bytes)
+        self.cache_bytes = (int(opts.cache_gb * GB) if opts.cache_gb is not None
+                            else default_cache_bytes(trunk_bytes, self.device))
         weights = {k: v.to(self.device) for k, v in self.packed.trunk_records().items()}
         self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device)
         readers = None
