@@ -14,8 +14,6 @@ by read rate; ``stripe-equal``: RAID-0-like). ``deltafin place`` changes it late
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -34,12 +32,19 @@ from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
 from deltafin.store.convert import check_expert_sources, expert_tensors, passthrough_sections, trunk_tensor
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
+from deltafin.store.pack_state import (
+    STATE,
+    fingerprint,
+    layout_doc,
+    load_state,
+    new_state,
+    state_from_manifest,
+)
 from deltafin.store.place import Layout, plan_layout, relpath
 from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
 from deltafin.store.plan import PackPlan, build_plan
 
 log = logging.getLogger(__name__)
-STATE = "pack-state.json"
 WRITERS = 3  # experts in flight: source reads and encoding overlap the direct writes
 COMMIT_BATCH = 16  # experts made durable by one flush, then renamed to their final names
 TOKENIZER_FILES = (
@@ -116,8 +121,8 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
     if not drive_args:
         drive_args = [DriveArg("d0", os.path.join(out, "experts"), None)]
     model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
-    fingerprint = _fingerprint(plan, drive_args, model_id, opts)
-    state = _load_state(out, fingerprint) or _state_from_manifest(prior, fingerprint) or _new_state(fingerprint)
+    digest = fingerprint(plan, drive_args, model_id, opts)
+    state = load_state(out, digest) or state_from_manifest(prior, digest) or new_state(digest)
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
         layout = _plan_layout(plan, drives, opts)
@@ -129,13 +134,13 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
     job = _Job(ckpt, plan, out, drives, model_id, locations, state, opts)
     job.remove_stale_tmp()
     job.check_space()
-    if prior is not None and prior.get("fingerprint") != fingerprint:
+    if prior is not None and prior.get("fingerprint") != digest:
         # other settings: files are about to be rewritten, so the old manifest must not outlive them
         log.warning("%s: repacking with new settings; removing the old manifest first", out)
         os.unlink(os.path.join(out, mf.MANIFEST))
     job.write_all()
     _copy_side_files(ckpt, out)
-    doc = job.manifest(src) | {"fingerprint": fingerprint}
+    doc = job.manifest(src) | {"fingerprint": digest}
     mf.write_json_atomic(os.path.join(out, mf.MANIFEST), doc)
     os.unlink(os.path.join(out, STATE))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -176,55 +181,6 @@ def _prior_manifest(out: str) -> dict | None:
         return mf.load(out)
     except ManifestError:
         return None
-
-
-def _fingerprint(plan: PackPlan, drives: list[DriveArg], model_id: str, opts: PackOptions) -> str:
-    doc = {
-        "config": plan.config, "experts": opts.experts, "trunk": opts.trunk, "placement": opts.placement,
-        "model_id": model_id, "drives": [(d.label, os.path.realpath(d.path), d.gbps) for d in drives],
-        "expert_file": [ef.VERSION, {str(L): _layout_doc(plan.layouts[L]) for L in plan.moe_layers}],
-    }
-    if opts.trace:  # only when set, so packs without one keep their fingerprints
-        with open(opts.trace, "rb") as f:
-            doc["trace"] = [hashlib.sha256(f.read()).hexdigest(), opts.spare_gb]
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _new_state(fingerprint: str) -> dict:
-    return {"fingerprint": fingerprint, "experts": {}, "trunk": [], "locations": None, "stripe": {}, "drives": None}
-
-
-def _load_state(out: str, fingerprint: str) -> dict | None:
-    p = os.path.join(out, STATE)
-    if not os.path.exists(p):
-        return None
-    try:
-        with open(p) as f:
-            st = json.load(f)
-    except ValueError as e:
-        raise UsageError(f"{p}: unreadable pack state ({e}); remove it and re-run to start the pack over") from e
-    if st.get("fingerprint") != fingerprint:
-        raise UsageError(
-            f"{out} holds an interrupted pack with different settings (source config, formats, drives or "
-            f"placement); re-run with the same arguments to resume, or remove {p} and the expert folders to start over"
-        )
-    return _new_state(fingerprint) | st
-
-
-def _state_from_manifest(prior: dict | None, fingerprint: str) -> dict | None:
-    """A finished pack with the same settings: its files are done, where its manifest says they are."""
-    if prior is None or prior.get("fingerprint") != fingerprint:
-        return None
-    ex = prior["experts"]
-    return {
-        "fingerprint": fingerprint,
-        "experts": {str(L): {str(e): c for e, c in enumerate(ex["checksums"][str(L)])} for L in ex["layers"]},
-        "trunk": sorted({t["file"] for t in prior["trunk"]["tensors"].values()}),
-        "locations": {str(L): ex["locations"][str(L)] for L in ex["layers"]},
-        "stripe": ex.get("stripe") or {},  # 'deltafin place' may have changed the layout since
-        "placement": ex.get("placement", "bandwidth"),
-        "drives": {d["label"]: [d["gbps"], d.get("measured", False)] for d in prior["drives"]},
-    }
 
 
 class _Job:
@@ -424,7 +380,7 @@ class _Job:
                 "layers": plan.moe_layers,
                 "num_experts": plan.num_experts,
                 "placement": self.state.get("placement", self.opts.placement),
-                "layouts": {str(L): _layout_doc(plan.layouts[L]) for L in plan.moe_layers},
+                "layouts": {str(L): layout_doc(plan.layouts[L]) for L in plan.moe_layers},
                 "locations": {str(L): self.locations[L] for L in plan.moe_layers},
                 "checksums": {str(L): [self._done(L)[str(e)] for e in range(plan.num_experts)] for L in plan.moe_layers},
             } | ({"stripe": {str(L): st for L, st in sorted(self.layout.stripe.items())}} if self.layout.stripe else {}),
@@ -441,14 +397,6 @@ def _read(path: str) -> bytes:
 
 def _trunk_file(group) -> str:
     return os.path.join("trunk", f"layer-{group:03d}.safetensors" if isinstance(group, int) else "global.safetensors")
-
-
-def _layout_doc(layout: ef.ExpertLayout) -> dict:
-    return {
-        "file_bytes": layout.file_bytes,
-        "payload_bytes": layout.payload_bytes,
-        "tensors": [{"name": t.name, "format": t.format, "shape": list(t.shape)} for t in layout.tensors],
-    }
 
 
 def _copy_side_files(ckpt: Checkpoint, out: str) -> None:
