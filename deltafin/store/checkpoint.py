@@ -121,13 +121,8 @@ class Checkpoint:
         return h[name]
 
     def read_bytes(self, name: str) -> bytearray:
-        ti = self.info(name)
-        buf = bytearray(ti.nbytes)
-        p = os.path.join(self.path, ti.shard)
-        with open(p, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], ti.offset)
-        if got != ti.nbytes:
-            raise CheckpointError(f"{p}: short read of {name} ({got} of {ti.nbytes} bytes); the shard is truncated")
+        buf = bytearray(self.info(name).nbytes)
+        read_into(self, name, memoryview(buf))
         return buf
 
     def read(self, name: str) -> torch.Tensor:
@@ -143,13 +138,8 @@ class Checkpoint:
 def read_row(ckpt: Checkpoint, name: str, i: int) -> torch.Tensor:
     """Row ``i`` along dim 0 of a stacked tensor (e.g. one expert of gpt-oss's [E, ...] tensors)."""
     ti = ckpt.info(name)
-    row = ti.nbytes // ti.shape[0]
-    buf = bytearray(row)
-    p = os.path.join(ckpt.path, ti.shard)
-    with open(p, "rb", buffering=0) as f:
-        got = os.preadv(f.fileno(), [buf], ti.offset + i * row)
-    if got != row:
-        raise CheckpointError(f"{p}: short read of {name}[{i}] ({got} of {row} bytes); the shard is truncated")
+    buf = bytearray(ti.nbytes // ti.shape[0])
+    read_into(ckpt, name, memoryview(buf), i)
     return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape(ti.shape[1:])
 
 
@@ -167,4 +157,6 @@ def read_into(ckpt: Checkpoint, name: str, out: memoryview, row: int | None = No
     finally:
         os.close(fd)
     if got != size:
-        raise CheckpointError(f"{p}: short read of {name} ({got} of {size} bytes); the shard is truncated")
+        what = name if row is None else f"{name}[{row}]"
+        raise CheckpointError(f"{p}: short read of {what} ({got} of {size} bytes); the shard is truncated: "
+                              f"download it again")

@@ -126,20 +126,18 @@ def encode_into(tensors: dict[str, QTensor], layer: int, expert: int, out: memor
     buf = out[: layout.file_bytes] if out is not None else memoryview(bytearray(layout.file_bytes))
     if len(buf) < layout.file_bytes:
         raise ValueError(f"buffer of {len(buf)} bytes is too small for a {layout.file_bytes}-byte expert file")
-    raw = _header_json(layout, layer, expert)
-    buf[:HEADER_BYTES] = MAGIC + struct.pack("<I", len(raw)) + raw + bytes(HEADER_BYTES - 8 - len(raw))
+    header_into(layout, layer, expert, buf)
     for tl, t in zip(layout.tensors, tensors.values(), strict=True):
         for sec, src in zip(tl.sections, (t.data, t.scale), strict=False):
             flat = src.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             assert flat.nbytes == sec.nbytes
-            end = sec.offset + sec.nbytes
-            buf[sec.offset : end] = memoryview(flat)
-            buf[end : align_up(end)] = bytes(align_up(end) - end)  # padding is zero (the buffer may be reused)
+            buf[sec.offset : sec.offset + sec.nbytes] = memoryview(flat)
     return buf
 
 
 def header_into(layout: ExpertLayout, layer: int, expert: int, buf: memoryview) -> None:
-    """Header block plus zeroed padding of every section; the caller fills the section bytes."""
+    """Header block plus zeroed padding after every section (buffers are reused); the caller fills the
+    section bytes."""
     raw = _header_json(layout, layer, expert)
     buf[:HEADER_BYTES] = MAGIC + struct.pack("<I", len(raw)) + raw + bytes(HEADER_BYTES - 8 - len(raw))
     for t in layout.tensors:
