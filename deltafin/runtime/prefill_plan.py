@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltafin.errors import UsageError
+from deltafin.store.memory import state_sizes
 
 F32 = 4
 
@@ -28,23 +29,12 @@ class PrefillPlan:
 
 
 def _dims(tc: dict) -> dict:
-    la = tc.get("linear_attn_config") or {}
-    heads = tc.get("num_attention_heads", 1)
-    head_dim = tc.get("head_dim") or tc.get("v_head_dim") or tc["hidden_size"] // heads
-    layers = tc.get("num_hidden_layers", 1)
-    full_layers = len(la["full_attn_layers"]) if la.get("full_attn_layers") else layers
-    if tc.get("kv_lora_rank"):  # MLA: latent + rope key per token
-        per_tok = (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * full_layers * F32
-    else:
-        per_tok = 2 * tc.get("num_key_value_heads", heads) * head_dim * full_layers * F32
-    fixed = 0
-    if la.get("kda_layers"):  # recurrent state: heads x K x V fp32 per KDA layer, any context length
-        fixed = len(la["kda_layers"]) * la["num_heads"] * la["head_dim"] ** 2 * F32
+    fixed, per_tok, _, _ = state_sizes(tc)
     k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 1
     width = tc.get("routed_expert_hidden_size") or tc["hidden_size"]
     inter = tc.get("moe_intermediate_size") or tc.get("intermediate_size") or width
-    return dict(heads=heads, per_tok=per_tok, fixed=fixed, k=k, width=width, inter=inter,
-                hidden=tc["hidden_size"], dense_inter=tc.get("intermediate_size") or inter)
+    return dict(heads=tc.get("num_attention_heads", 1), per_tok=per_tok * F32, fixed=fixed, k=k, width=width,
+                inter=inter, hidden=tc["hidden_size"], dense_inter=tc.get("intermediate_size") or inter)
 
 
 def activation_bytes(tc: dict, chunk: int, context: int) -> int:

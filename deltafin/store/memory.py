@@ -26,8 +26,13 @@ def trunk_bytes_both(tensors: dict[str, dict]) -> tuple[int, int]:
     return int8, bf16
 
 
-def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
-    """Per-sequence state that does not grow (recurrent) and cache bytes per 1k tokens (KV or latent)."""
+def state_sizes(tc: dict) -> tuple[int, int, int, int]:
+    """(recurrent state bytes per sequence, cache values per token, attention layers, recurrent layers).
+
+    Recurrent (KDA) state does not grow with the context: the delta-rule state in float32 plus the short
+    conv history of q, k and v. The cache holds, per token and attention layer, the MLA latent and rope key,
+    or K and V.
+    """
     la = tc.get("linear_attn_config") or {}
     layers = tc.get("num_hidden_layers", 0)
     full = len(la["full_attn_layers"]) if la.get("full_attn_layers") else layers
@@ -35,20 +40,24 @@ def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
     fixed = 0
     if kda:
         H, K = la["num_heads"], la["head_dim"]
-        conv = 3 * (la.get("short_conv_kernel_size", 4) - 1) * H * K  # q, k, v histories
-        fixed = kda * (H * K * K + conv) * F32  # the delta-rule state is kept in float32
+        conv = 3 * (la.get("short_conv_kernel_size", 4) - 1) * H * K
+        fixed = kda * (H * K * K + conv) * F32
     if tc.get("kv_lora_rank"):
         per_tok = (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * full
-        kind = f"latent cache ({tc['kv_lora_rank']} + {tc.get('qk_rope_head_dim', 0)} values x {full} layers)"
     else:
         heads = tc.get("num_attention_heads", 1)
-        hd = tc.get("head_dim") or tc["hidden_size"] // heads
+        hd = tc.get("head_dim") or tc.get("v_head_dim") or tc["hidden_size"] // heads
         per_tok = 2 * tc.get("num_key_value_heads", heads) * hd * full
+    return fixed, per_tok, full, kda
+
+
+def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
+    """Per-sequence state that does not grow (recurrent) and cache bytes per 1k tokens (KV or latent)."""
+    fixed, per_tok, full, kda = state_sizes(tc)
+    if tc.get("kv_lora_rank"):
+        kind = f"latent cache ({tc['kv_lora_rank']} + {tc.get('qk_rope_head_dim', 0)} values x {full} layers)"
+    else:
         kind = f"KV cache ({full} layers)"
     return {"recurrent_state_bytes": fixed, "recurrent_layers": kda, "cache_kind": kind,
             "cache_bytes_per_1k_tokens": per_tok * 1000 * state_dtype_bytes,
             "cache_bytes_per_1k_tokens_bf16": per_tok * 1000 * 2}
-
-
-def streamed_per_token(expert_file_bytes: int, k: int, moe_layers: int) -> int:
-    return expert_file_bytes * k * moe_layers
