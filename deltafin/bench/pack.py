@@ -26,13 +26,13 @@ def synthetic_k3_source(path: str, layers: int, experts: int, seed: int = 0) -> 
     """K3-named checkpoint: a dense layer 0 stand-in and ``layers`` MoE layers of real-size MXFP4 experts."""
     from safetensors.numpy import save_file
 
+    from deltafin.k3_tiny import tiny_config
+
     rng = np.random.default_rng(seed)
     os.makedirs(path, exist_ok=True)
-    cfg = json.load(open(_k3_config_path())) if _k3_config_path() else {}
-    tc = cfg.get("text_config", {})
-    tc.update(num_hidden_layers=layers + 1, num_experts=experts, hidden_size=256, vocab_size=1024,
-              routed_expert_hidden_size=LATENT, moe_intermediate_size=INTER)
-    cfg.update(model_type="kimi_k3", text_config=tc)
+    # The K3 config layout with real expert sizes; only the experts (and two stand-in tensors) are written.
+    cfg = tiny_config(num_hidden_layers=layers + 1, num_experts=experts, hidden_size=256, vocab_size=1024,
+                      routed_expert_hidden_size=LATENT, moe_intermediate_size=INTER)
     weight_map = {}
     for L in range(1, layers + 1):
         for first in range(0, experts, SHARD_EXPERTS):  # small shards keep this generator's memory low
@@ -60,15 +60,6 @@ def _warm(folder: str) -> None:
         with open(os.path.join(folder, name), "rb") as f:
             while f.read(64 << 20):
                 pass
-
-
-def _k3_config_path() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for root in (os.path.join(here, "..", "..", "..", "shared"), os.path.join(here, "..", "..", "shared")):
-        p = os.path.join(root, "specs", "kimi-k3", "config.json")
-        if os.path.exists(p):
-            return p
-    return None
 
 
 def run(folder: str | None, gb: float, json_path: str | None = None) -> dict:
