@@ -152,7 +152,8 @@ def test_replica_serves_a_failed_read(k3_model, tmp_path):
     finally:
         eng.close()
     assert torch.equal(got, ref)
-    assert eng.source.per_drive()  # both drives answered
+    # the failed primary reads were counted on their drive, and served from the replicas
+    assert sum(d["errors"] for d in eng.source.per_drive().values()) > 0
 
 
 def test_context_limit_is_a_clear_error(k3_model):

@@ -46,7 +46,6 @@ class FileDriveReader:
         self.label = label
         self.root = root
         self.direct = direct and _supports_direct(root)
-        self._lock = threading.Lock()
 
     def _open(self, path: str) -> int:
         flags = os.O_RDONLY
