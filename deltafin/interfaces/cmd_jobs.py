@@ -91,12 +91,18 @@ def _batch(args) -> int:
 
 def _classify(args) -> int:
     from deltafin.interfaces.cmd_run import open_engine
-    from deltafin.jobs.classify import Classifier, ClassifyRun, csv_columns, gather_inputs, parse_labels
+    from deltafin.jobs.classify import (
+        Classifier,
+        ClassifyRun,
+        check_template,
+        csv_columns,
+        gather_inputs,
+        parse_labels,
+    )
     from deltafin.jobs.results import ResultLog
 
     labels = parse_labels(args.labels)
-    if "{input}" not in args.template:
-        raise UsageError(f"--template {args.template!r} has no {{input}} placeholder")
+    check_template(args.template)  # before the model loads
     items = gather_inputs(args.inputs)
     fmt = args.format or ("csv" if args.out.endswith(".csv") else "jsonl")
     eng = open_engine(args)

@@ -56,10 +56,10 @@ def gather_inputs(path: str) -> list[Item]:
                 text, err = _read_text(full)
                 items.append(Item(rel, rel, text, err))
         if not items:
-            raise UsageError(f"{path}: the folder holds no input files")
+            raise UsageError(f"{path}: the folder holds no input files; put one input per file there, or pass a file or a .jsonl")
         return items
     if not os.path.exists(path):
-        raise UsageError(f"{path}: no such input file or folder")
+        raise UsageError(f"{path}: no such input file or folder; pass a file, a folder of files or a .jsonl of {{\"id\", \"text\"}}")
     if path.endswith(".jsonl"):
         items = []
         for rec in read_jsonl(path, ("id", "text")):
@@ -80,8 +80,15 @@ def parse_labels(spec: str) -> list[str]:
     if not spec.strip() or not all(labels):
         raise UsageError(f"--labels {spec!r}: give a comma-separated list of non-empty labels, e.g. yes,no")
     if len(set(labels)) != len(labels):
-        raise UsageError(f"--labels {spec!r}: a label is repeated")
+        raise UsageError(f"--labels {spec!r}: a label is repeated; give each label once, e.g. --labels yes,no")
     return labels
+
+
+def check_template(template: str) -> str:
+    if "{input}" not in template:
+        raise UsageError(f"--template {template!r} has no {{input}} placeholder; "
+                         f"e.g. --template 'Is this spam?\\n{{input}}\\nAnswer:'")
+    return template
 
 
 class Classifier:
@@ -90,16 +97,16 @@ class Classifier:
         if not labels:
             raise UsageError("the label set is empty; give --labels yes,no")
         if "{input}" not in template:
-            raise UsageError(f"--template {template!r} has no {{input}} placeholder")
+            raise UsageError(f"--template {template!r} has no {{input}} placeholder; e.g. --template 'Is this spam?\\n{{input}}\\nAnswer:'")
         if engine.codec is None:
             raise UsageError("this model has no tokenizer files, so text inputs and labels cannot be encoded")
         self.engine, self.labels, self.template, self.chat = engine, labels, template, chat
         self.label_ids = [engine.codec.encode(label_prefix + lab) for lab in labels]
         for lab, ids in zip(labels, self.label_ids, strict=True):
             if not ids:
-                raise UsageError(f"label {lab!r} encodes to no tokens")
+                raise UsageError(f"label {lab!r} encodes to no tokens; use a non-empty label")
         if len({tuple(ids) for ids in self.label_ids}) != len(labels):
-            raise UsageError(f"labels {labels} do not all encode to different tokens")
+            raise UsageError(f"labels {labels} do not all encode to different tokens; choose labels that differ in text (or try --label-prefix ' ')")
         self.longest_label = max(map(len, self.label_ids))
 
     def prompt(self, text: str) -> list[int]:
