@@ -86,7 +86,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--device mps: the Apple GPU is not available to torch here; use --device cpu")
     if name not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r}: choose cpu, cuda or mps")
+        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose cpu, cuda or mps")
     return torch.device(name)
 
 
@@ -162,7 +162,7 @@ class Engine:
     def prefill(self, prompts: list[list[int]], states: list[SequenceState]) -> tuple[list[torch.Tensor], PrefillReport]:
         """Prefill prompts together, expert-major, in chunks planned from the memory budget."""
         if any(not p for p in prompts):
-            raise UsageError("a prompt is empty; give at least one token")
+            raise UsageError("a prompt is empty; give at least one token (a non-empty -p TEXT or --prompt-ids)")
         longest = max(len(p) for p in prompts)
         past = max(st.pos for st in states)
         for p, st in zip(prompts, states, strict=True):

@@ -18,11 +18,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+            raise UsageError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p}")
         if self.top_k < 0:
-            raise UsageError(f"top_k must be >= 0, got {self.top_k}")
+            raise UsageError(f"top_k must be >= 0 (0 means no limit), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
