@@ -139,8 +139,12 @@ def _plot_drives(plt, curves: dict[str, list[dict]], out_dir: str) -> str:
     ax.set_xlabel("drives (internal + Thunderbolt externals)")
     ax.set_ylabel("decode tok/s")
     ax.set_title(f"{bound[0]['model']}: decode vs drive count")
+    return _save(plt, fig, ax, out_dir, "scaling_drives.png")
+
+
+def _save(plt, fig, ax, out_dir: str, name: str) -> str:
     ax.legend()
-    path = os.path.join(out_dir, "scaling_drives.png")
+    path = os.path.join(out_dir, name)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -154,9 +158,4 @@ def _plot_cache(plt, pts: list[dict], out_dir: str) -> str:
     ax.set_xlabel("expert cache (GB)")
     ax.set_ylabel("decode tok/s")
     ax.set_title(f"{pts[0]['model']}: decode vs cache size (uniform routing)")
-    ax.legend()
-    path = os.path.join(out_dir, "scaling_cache.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, out_dir, "scaling_cache.png")
