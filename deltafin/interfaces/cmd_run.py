@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -18,7 +19,13 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-len", type=int, default=4096, help="context limit in tokens")
     p.add_argument("--drive-map", action="append", metavar="LABEL=PATH", help="drive LABEL is now mounted at PATH")
     p.add_argument("--emulate-drives", metavar="SPEC", help="serve reads through an emulated drive set")
-    p.add_argument("--verify-reads", action="store_true", help="check every expert read against its checksum")
+    p.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every expert read against its checksum (default; a bad copy is read from a "
+                        "replica); --no-verify-reads skips it")
+    p.add_argument("--read-deadline", type=float, default=None, metavar="SECONDS",
+                   help="least time a read may take before it is retried once, then read from a replica or "
+                        "reported (default 5; longer for reads queued behind many others: 10x their time at "
+                        "the drive's rate)")
     p.add_argument("--stats-json", metavar="PATH", help="write the run's statistics as JSON")
     p.add_argument("--record-routes", metavar="PATH",
                    help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
@@ -42,7 +49,7 @@ def open_engine(args):
 
     opts = EngineOptions(args.device, args.cache_gb, args.threads, args.verify_reads,
                          parse_drive_map(args.drive_map), args.emulate_drives, args.max_len,
-                         record_routes=getattr(args, "record_routes", None))
+                         record_routes=getattr(args, "record_routes", None), read_deadline_s=args.read_deadline)
     eng = Engine(args.model, opts)
     if not args.quiet:
         print(f"[deltafin] {eng.packed.model_id} ({eng.packed.family}) on {eng.device}; trunk "

@@ -29,12 +29,13 @@ class EngineOptions:
     device: str = "cpu"
     cache_gb: float | None = None  # None: derived from free memory and trunk size
     threads: int = 4  # reader threads per drive
-    verify_reads: bool = False
+    verify_reads: bool = True  # every expert read checked against its checksum (in the reader threads)
     drive_map: dict | None = None
     emulate_drives: str | None = None
     max_len: int = 4096
     prefill_gb: float | None = None  # None: a quarter of available memory, at least 1 GB
     record_routes: str | None = None  # write the routing trace (JSONL, deltafin.io.routes) of decoded tokens here
+    read_deadline_s: float | None = None  # least seconds a read may take before it is retried (ReadDeadline)
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -90,6 +91,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _deadline(seconds: float | None):
+    from deltafin.io.pool import ReadDeadline
+
+    if seconds is None:
+        return ReadDeadline()
+    if not (seconds > 0 and seconds != float("inf")):
+        raise UsageError(f"--read-deadline {seconds}: give seconds > 0, e.g. --read-deadline 10")
+    return ReadDeadline(min_s=seconds)
+
+
 class Engine:
     def __init__(self, model_dir: str, opts: EngineOptions = EngineOptions()):
         self.opts = opts
@@ -106,7 +117,7 @@ class Engine:
 
             readers = emulated_readers(opts.emulate_drives, self.packed)
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
-                                       opts.verify_reads)
+                                       opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
         from deltafin.runtime.tokenizer import load_codec
 
         self.codec = load_codec(self.packed.path, self.packed.config)
