@@ -76,6 +76,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b = _synthetic_bench(sub, "decode", "expert streaming at Kimi K3's expert size beside the raw read rate", 4, 64)
     b.add_argument("--synthetic", default="k3", choices=["k3"], help="synthetic model shape (K3 expert sizes)")
     b.add_argument("--tokens", type=int, default=6)
+    b.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every read against its checksum, as 'run' does by default (its cost is reported)")
     b = _synthetic_bench(sub, "prefill", "time to first token beside the read floor (cold cache, K3 expert size)",
                          4, 96)
     b.add_argument("--prompt", type=int, default=512, help="prompt tokens")

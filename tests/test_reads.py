@@ -282,3 +282,18 @@ def test_a_striped_expert_with_a_bit_flip_is_named(k3, tmp_path):
     engine = Engine(model, EngineOptions(cache_gb=0.0, verify_reads=False))  # the opt-out reaches the source
     assert engine.source.verify is False
     engine.close()
+
+
+def test_bench_decode_reports_the_checksum_cost_beside_the_drive(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    main(["bench", "decode", "--layers", "1", "--experts", "8", "--k", "4", "--tokens", "1", "--threads", "2",
+          "--io-only", "--dir", str(tmp_path), "--json", str(out)])
+    line = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    assert rec["verify_reads"] is True and rec["xxh3_GBps"] > 0
+    assert rec["verify_cores_at_raw"] == pytest.approx(rec["raw_GBps"] / rec["xxh3_GBps"])
+    assert "reads verified: xxh3" in line and "GB/s on one core vs raw" in line
+    from deltafin.bench.decode import _print
+
+    _print({**rec, "verify_reads": False})  # what --no-verify-reads prints
+    assert "reads not verified (--no-verify-reads)" in capsys.readouterr().out
