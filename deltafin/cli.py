@@ -42,6 +42,8 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", action="store_true", help="print what the pack would write; read no weights")
     p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
     p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="pack NaN/inf weights as they are (by default they are refused as damage, naming the tensor)")
     p.add_argument("--no-progress", action="store_true")
 
 

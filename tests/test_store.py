@@ -418,6 +418,9 @@ def _k3_config(tiny: dict) -> dict:
             "model_type": "kimi_linear", "quantization_config": {
                 "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}}
     cfg["text_config"].update(tiny)
+    n = tiny["num_hidden_layers"]  # the layer schedule covers the layers the checkpoint has
+    la = cfg["text_config"].setdefault("linear_attn_config", {"num_heads": 2, "head_dim": 32})
+    la.update(kda_layers=list(range(1, n)), full_attn_layers=[n])
     return cfg
 
 

@@ -100,7 +100,9 @@ def _place(args) -> int:
     else:
         print(f"placed {args.model} by {args.policy}: {rep.experts_changed:,} experts changed; copied "
               f"{rep.files_copied:,} files ({rep.bytes_copied / 1e9:.3f} GB), kept {rep.files_kept:,} already there, "
-              f"deleted {rep.files_deleted:,} ({rep.bytes_deleted / 1e9:.3f} GB) in {rep.seconds:.1f} s")
+              f"deleted {rep.files_deleted:,} ({rep.bytes_deleted / 1e9:.3f} GB) in {rep.seconds:.1f} s; "
+              f"{rep.files_verified:,} files of the new layout read back and matched their checksums before "
+              f"any delete")
     for label, d in rep.per_drive.items():
         print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
     _write_json(args.json, {k: getattr(rep, k) for k in rep.__dataclass_fields__})

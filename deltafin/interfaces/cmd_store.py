@@ -30,7 +30,7 @@ def _pack(args) -> int:
     from deltafin.store.pack import PackOptions, pack
 
     opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
-                       args.trace, args.spare_gb)
+                       args.trace, args.spare_gb, args.allow_nonfinite)
     s = pack(args.src, args.out, drives, opts)
     print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
           + (f", {s.repaired} repaired" if s.repaired else "") + f"), {s.expert_bytes / 1e9:.3f} GB experts, "
@@ -69,7 +69,7 @@ def _verify(args) -> int:
     total = sum(model.file_bytes(L) * model.num_experts for L in model.moe_layers)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", dynamic_ncols=True) as bar:
         rep = verify(model, args.threads, bar.update)
-    print(f"verified {rep.files:,} expert files, {rep.bytes / 1e9:.3f} GB in {rep.seconds:.1f} s "
+    print(f"verified {rep.files:,} expert files and {rep.trunk_files} trunk files, {rep.bytes / 1e9:.3f} GB in {rep.seconds:.1f} s "
           f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s): "
           + ("all good" if rep.ok else f"{len(rep.bad)} bad"))
     for path, problem in rep.bad:

@@ -14,6 +14,7 @@ by read rate; ``stripe-equal``: RAID-0-like). ``deltafin place`` changes it late
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -23,14 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from safetensors.torch import save_file
-
 from deltafin.errors import CheckpointError, ManifestError, UsageError
 from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
-from deltafin.store.convert import check_expert_sources, expert_tensors, passthrough_sections, trunk_tensor
+from deltafin.store.convert import TrunkStream, check_expert_sources, expert_tensors, passthrough_sections
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
 from deltafin.store.pack_state import (
     STATE,
@@ -43,6 +42,8 @@ from deltafin.store.pack_state import (
 from deltafin.store.place import Layout, plan_layout, relpath
 from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
 from deltafin.store.plan import PackPlan, build_plan
+from deltafin.store.safetensors_io import write_streamed
+from deltafin.store.trunk import trunk_intact
 
 log = logging.getLogger(__name__)
 WRITERS = 3  # experts in flight: source reads and encoding overlap the direct writes
@@ -66,6 +67,7 @@ class PackOptions:
     progress: bool = True
     trace: str | None = None  # routing trace (JSONL) for the coactivation and replicas placements
     spare_gb: float | None = None  # replicas: GB per drive for extra copies (default: a tenth of its share)
+    allow_nonfinite: bool = False  # pack NaN/inf weights as they are (refused by default: they are damage)
 
 
 @dataclass
@@ -255,26 +257,33 @@ class _Job:
             self._save_state(force=True)
 
     def _write_trunk(self, group, bar) -> None:
+        """One trunk file, streamed a block of rows at a time: memory holds a block, not the tensors."""
         entries = self.trunk_groups[group]
         bar.update(sum(t.out_bytes for t in entries))
         rel = _trunk_file(group)
-        if rel in self.state["trunk"]:
-            return
-        tensors = {}
-        for t in entries:
-            q = trunk_tensor(self.ckpt, t)
-            tensors[t.name] = q.data.contiguous()
-            if q.scale is not None:
-                tensors[t.name + "#scale"] = q.scale.contiguous()
         full = os.path.join(self.out, rel)
+        if rel in self.state["trunk"]:
+            if not self.opts.repair or trunk_intact(full, self.state["trunk_files"].get(rel)):
+                return
+            self.repaired += 1
+        streams = {s[0]: ts for ts in (TrunkStream(self.ckpt, t, self.opts.allow_nonfinite) for t in entries)
+                   for s in ts.specs}
+        specs = [s for ts in dict.fromkeys(streams.values()) for s in ts.specs]
         os.makedirs(os.path.dirname(full), exist_ok=True)
         tmp = full + f".tmp-{os.getpid()}"
-        save_file(tensors, tmp, metadata={"format": "deltafin-trunk"})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            size, digest = write_streamed(tmp, specs, lambda name: streams[name].chunks(name),
+                                          {"format": "deltafin-trunk"})
+        except BaseException:  # a full disk, bad weights or Ctrl-C: no partial file stays behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.replace(tmp, full)
-        self.bytes_written += os.path.getsize(full)
-        self.state["trunk"].append(rel)
+        ef.fsync_dir(os.path.dirname(full))
+        self.bytes_written += size
+        if rel not in self.state["trunk"]:
+            self.state["trunk"].append(rel)
+        self.state["trunk_files"][rel] = {"bytes": size, "xxh3": digest}
         self._save_state(force=True)
 
     def _write_layer(self, L: int, bar) -> None:
@@ -375,7 +384,8 @@ class _Job:
                        "placement": self.opts.placement}
             | ({"trace": os.path.abspath(self.opts.trace), "spare_gb": self.opts.spare_gb} if self.opts.trace else {}),
             "config": "config.json",
-            "trunk": {"bytes": plan.trunk_bytes, "default": self.opts.trunk, "tensors": trunk},
+            "trunk": {"bytes": plan.trunk_bytes, "default": self.opts.trunk, "tensors": trunk,
+                      "files": {rel: self.state["trunk_files"][rel] for rel in sorted(self.state["trunk_files"])}},
             "experts": {
                 "layers": plan.moe_layers,
                 "num_experts": plan.num_experts,
