@@ -17,6 +17,7 @@ from deltafin.runtime.prefill_plan import plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
 from deltafin.runtime.stats import RunStats
+from deltafin.runtime.stops import StopMatcher
 from deltafin.store.model_dir import PackedModel
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ class Engine:
         stats.union_per_layer = pre.union_per_layer
         stats.prefill_bytes_read = pre.bytes_read
         emitted, text = [], ""
+        stops = StopMatcher(stop_strings)
         t_first = None
         while len(emitted) < max_new:
             if on_logits:
@@ -231,9 +233,10 @@ class Engine:
             delta = self._delta(emitted, text)
             text += delta
             yield tok, delta
-            hit = next((s for s in stop_strings if s and s in text), None)
-            if hit:
-                text = text[: text.index(hit)]
+            at = stops.feed(text)
+            if at is not None:
+                hit = next(s for s in stops.stops if text.startswith(s, at))
+                text = text[:at]
                 stats.stop_reason = f"stop string {hit!r}"
                 break
             if len(emitted) < max_new:

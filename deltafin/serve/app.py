@@ -22,7 +22,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltafin.runtime.batched import TokenOut
-from deltafin.serve.protocol import APIError, Limits, ModelInfo, Parsed, parse_chat, parse_completion
+from deltafin.serve.gate import BodyTimeout, BodyTooLarge, ClientLeft, read_body, replay
+from deltafin.serve.protocol import APIError, Limits, ModelInfo, Parsed, parse_chat, parse_completion, redact
 from deltafin.serve.responses import Choice, Formatter, TokenPieces
 from deltafin.serve.worker import Failure, Job, QueueFull, Worker
 
@@ -34,22 +35,21 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class Gate:
-    """ASGI middleware: refuses bodies over the limit (413, before they are read in full) and counts
-    responses by path and status for /metrics."""
+    """ASGI middleware: reads a request's body whole before the route runs, under a size limit (413, counted
+    as it arrives, chunked or not) and a deadline (408); a client that hangs up mid-upload ends the exchange
+    quietly (counted as 499). Counts responses by path and status for /metrics."""
 
-    def __init__(self, app, max_bytes: int, counts: Counter):
-        self.app, self.max_bytes, self.counts = app, max_bytes, counts
+    def __init__(self, app, max_bytes: int, counts: Counter, body_timeout_s: float = 30.0):
+        self.app, self.max_bytes, self.counts, self.body_timeout_s = app, max_bytes, counts, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started, seen = [False], [0]
         path = scope.get("path", "")
         path = path if path in KNOWN_PATHS else "other"
 
         async def counted_send(msg):
             if msg["type"] == "http.response.start":
-                started[0] = True
                 self.counts[(path, msg["status"])] += 1
             await send(msg)
 
@@ -58,24 +58,18 @@ class Gate:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await error_response(too_big)(scope, receive, counted_send)
-
-        async def limited_receive():
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen[0] += len(msg.get("body", b""))
-                if seen[0] > self.max_bytes:
-                    raise _TooBig()
-            return msg
-
         try:
-            await self.app(scope, limited_receive, counted_send)
-        except _TooBig:
-            if not started[0]:
-                await error_response(too_big)(scope, receive, counted_send)
-
-
-class _TooBig(Exception):
-    pass
+            body = await read_body(receive, self.max_bytes, self.body_timeout_s)
+        except BodyTooLarge:
+            return await error_response(too_big)(scope, receive, counted_send)
+        except BodyTimeout:
+            late = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s; send it "
+                            f"at once", code="request_timeout")
+            return await error_response(late)(scope, receive, counted_send)
+        except ClientLeft:
+            self.counts[(path, 499)] += 1
+            return
+        await self.app(scope, replay(body, receive), counted_send)
 
 
 KNOWN_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
@@ -145,11 +139,18 @@ class Server:
 async def read_json(request: Request) -> object:
     raw = await request.body()
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate (\ud800) is not text
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"we could not parse the JSON body of your request ({e}); send a JSON object") from None
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the JSON body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), which is "
+                       f"not Unicode text; send valid UTF-8", code="invalid_unicode") from None
     except RecursionError:
         raise APIError(400, "the JSON body is nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise APIError(400, f"the JSON body holds a number we cannot read ({e}); send numbers of usual size") from None
+    return body
 
 
 def submit(srv: Server, parsed: Parsed) -> tuple[list[Job], asyncio.Queue]:
@@ -173,7 +174,7 @@ def cancel(jobs: list[Job]) -> None:
 
 
 def failure_error(f: Failure) -> APIError:
-    return APIError(f.status, f.message, f.type)
+    return APIError(f.status, redact(f.message), f.type)
 
 
 class ClientGone(Exception):
@@ -272,7 +273,7 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
     srv = Server(worker, model_name, api_key, limits)
     app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
-    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http)
+    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http, body_timeout_s=limits.body_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

@@ -8,6 +8,7 @@ Fields OpenAI defines but Deltafin does not implement are accepted only at their
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from deltafin.errors import UsageError
@@ -33,10 +34,14 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_prompts: int = 16  # prompts in one /v1/completions request
     max_stops: int = 16
+    max_stop_chars: int = 1000  # longest stop string (each is matched per token in time linear in its length)
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.max_body_bytes < 1 or self.max_prompts < 1:
+        if min(self.max_tokens, self.max_body_bytes, self.max_prompts, self.max_stops, self.max_stop_chars) < 1:
             raise UsageError(f"server limits must be >= 1, got {self}")
+        if not self.body_timeout_s > 0:
+            raise UsageError(f"the body timeout must be > 0 s, got {self.body_timeout_s}")
 
 
 @dataclass
@@ -47,6 +52,15 @@ class Parsed:
     include_usage: bool = False
     logprobs: bool = False
     token_ids: bool = False  # log-probability tokens as "token_id:N"
+
+
+_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"`,;:()<>\[\]{}]+/)+([^\s/'\"`,;:()<>\[\]{}]*)")
+
+
+def redact(message: str) -> str:
+    """``message`` with server-side absolute paths cut to their last part (``.../E0513.dfx``): errors from
+    the engine name files, and a client has no business learning the server's folders."""
+    return _PATH.sub(lambda m: ".../" + m.group(1), message)
 
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
@@ -118,6 +132,10 @@ def _stops(body: dict, limits: Limits) -> tuple[str, ...]:
         raise bad(f"stop must be a non-empty string or a list of non-empty strings, got {v!r}", param="stop")
     if len(stops) > limits.max_stops:
         raise bad(f"stop has {len(stops)} strings; at most {limits.max_stops} are allowed", param="stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_chars:
+        raise bad(f"a stop string has {longest} characters; at most {limits.max_stop_chars} are allowed",
+                  param="stop")
     return tuple(stops)
 
 
@@ -216,9 +234,9 @@ def parse_chat(body: object, info: ModelInfo, limits: Limits, chat) -> Parsed:
     try:
         prompt = chat(messages)
     except UsageError as e:
-        raise bad(str(e), param="messages") from None
+        raise bad(redact(str(e)), param="messages") from None
     except Exception as e:  # a template that raises on these messages (roles out of order, ...)
-        raise bad(f"the model's chat template rejected these messages: {e}", param="messages") from None
+        raise bad(f"the model's chat template rejected these messages: {redact(str(e))}", param="messages") from None
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad("give max_tokens or max_completion_tokens, not both", param="max_tokens")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -264,7 +282,7 @@ def parse_completion(body: object, info: ModelInfo, limits: Limits, encode) -> P
     try:
         prompts = _prompts(body["prompt"], encode, info.vocab_size)
     except UsageError as e:
-        raise bad(str(e), param="prompt") from None
+        raise bad(redact(str(e)), param="prompt") from None
     if len(prompts) > limits.max_prompts:
         raise bad(f"{len(prompts)} prompts in one request; at most {limits.max_prompts}", param="prompt")
     for i, p in enumerate(prompts):
