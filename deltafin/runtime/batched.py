@@ -22,13 +22,15 @@ from deltafin.runtime.stops import StopMatcher
 @dataclass(frozen=True, slots=True)
 class GenSpec:
     """What one sequence asks for. ``top_logprobs``: None for no log-probabilities, else how many
-    alternatives to report per token (0: only the chosen token's)."""
+    alternatives to report per token (0: only the chosen token's). ``grammar``: a compiled constraint
+    (``runtime.grammar.Compiled``) the tokens must keep to, or None."""
 
     prompt: tuple[int, ...]
     max_new: int
     sampling: SamplingParams = SamplingParams()
     stop_strings: tuple[str, ...] = ()
     top_logprobs: int | None = None
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt, "a prompt needs at least one token"
@@ -135,7 +137,9 @@ class BatchDecoder:
         logits, _ = self.engine.prefill([list(s.spec.prompt) for s in seqs], states)
         for s, st, lg in zip(seqs, states, logits, strict=True):
             s.state, s.logits = st, lg
-            s.sampler, s.stop = Sampler(s.spec.sampling), StopText(s.spec.stop_strings)
+            constraint = s.spec.grammar.constraint() if s.spec.grammar is not None else None
+            s.sampler = Sampler(s.spec.sampling, s.spec.prompt, constraint)
+            s.stop = StopText(s.spec.stop_strings)
         self.counters.prompt_tokens += sum(len(s.spec.prompt) for s in seqs)
         self.counters.prefill_s += time.perf_counter() - t0
 

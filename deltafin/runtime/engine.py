@@ -206,7 +206,7 @@ class Engine:
                                            cache_bytes=self.cache_bytes, direct_io=self.source.direct)
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, prompt)
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
                 self.source.per_drive())

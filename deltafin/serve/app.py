@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over one engine worker (FastAPI).
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
+Routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
 Every error is OpenAI's JSON shape with a 4xx status (500 only when generation itself fails); nothing a
 client sends can stop the server. A client that disconnects cancels its sequences.
 """
@@ -14,6 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,9 +23,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltafin.runtime.batched import TokenOut
+from deltafin.runtime.grammar import Grammars
+from deltafin.serve import tools
 from deltafin.serve.gate import BodyTimeout, BodyTooLarge, ClientLeft, read_body, replay
-from deltafin.serve.protocol import APIError, Limits, ModelInfo, Parsed, parse_chat, parse_completion, redact
-from deltafin.serve.responses import Choice, Formatter, TokenPieces
+from deltafin.serve.protocol import (
+    APIError,
+    Context,
+    Limits,
+    ModelInfo,
+    Parsed,
+    parse_chat,
+    parse_completion,
+    redact,
+)
+from deltafin.serve.responses import Choice, Formatter, TokenPieces, ToolStream
 from deltafin.serve.worker import Failure, Job, QueueFull, Worker
 
 log = logging.getLogger(__name__)
@@ -102,6 +114,7 @@ class Server:
         embed = getattr(eng.model, "embed_w", None)
         vocab = int(eng.packed.text_config.get("vocab_size") or getattr(embed, "shape", (0,))[0])
         self.info = ModelInfo(name, eng.opts.max_len, vocab)
+        self.ctx = Context(_grammars(eng.codec, vocab), tools.detect(eng.codec))
         self.pieces = TokenPieces(eng.codec, worker.codec_lock)
         self.http: Counter = Counter()
         self.started = int(time.time())
@@ -125,7 +138,7 @@ class Server:
         with self.worker.codec_lock:
             return codec.encode(text)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         codec = self.worker.engine.codec
         if codec is None:
             from deltafin.errors import UsageError
@@ -133,7 +146,17 @@ class Server:
             raise UsageError("this model has no tokenizer files, so chat is not possible; use /v1/completions "
                              "with token ids")
         with self.worker.codec_lock:
-            return codec.chat(messages)
+            return codec.chat(messages, tools=tools)
+
+
+def _grammars(codec, vocab: int) -> Grammars | None:
+    """Constrained decoding when xgrammar is installed (it is optional); None otherwise."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        log.info("xgrammar is not installed: response_format and forced tool calls will be refused")
+        return None
+    return Grammars(codec, vocab)
 
 
 async def read_json(request: Request) -> object:
@@ -242,6 +265,7 @@ async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Qu
                   first: tuple[int, object]) -> AsyncIterator[str]:
     pending = {j.index for j in jobs}
     offsets = dict.fromkeys(pending, 0)
+    calling = {i: ToolStream(parsed.tool_format) for i in pending} if parsed.tool_format else {}
     completion = 0
     if fmt.kind == "chat":
         for j in jobs:
@@ -254,11 +278,20 @@ async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Qu
             return
         assert isinstance(ev, TokenOut)
         completion += 1
+        calls = []
+        if i in calling:  # text that may be a tool call is held back until it is known
+            shown = calling[i].feed(ev.text)
+            if ev.finish_reason:
+                rest, calls = calling[i].finish()
+                shown += rest
+            ev = replace(ev, text=shown, finish_reason=None if calls else ev.finish_reason)
         chunk = fmt.chunk(i, ev, parsed.logprobs, offsets[i])
         offsets[i] += len(ev.text)
         if chunk is not None:
             yield sse(chunk)
-        if ev.finish_reason:
+        if calls:
+            yield sse(fmt.tool_chunk(i, calls))
+        if ev.finish_reason or calls:
             pending.discard(i)
         if not pending:
             break
@@ -306,20 +339,32 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
         return route
 
     async def completions(request: Request):
-        parsed = await run_in_threadpool(parse_completion, await read_json(request), srv.info, srv.limits, srv.encode)
+        parsed = await run_in_threadpool(parse_completion, await read_json(request), srv.info, srv.limits, srv.encode,
+                                         srv.ctx)
         return await respond(request, parsed)
 
     async def chat_completions(request: Request):
-        parsed = await run_in_threadpool(parse_chat, await read_json(request), srv.info, srv.limits, srv.chat)
+        parsed = await run_in_threadpool(parse_chat, await read_json(request), srv.info, srv.limits, srv.chat, srv.ctx)
         return await respond(request, parsed)
 
     async def respond(request: Request, parsed: Parsed) -> Response:
-        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids)
+        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids,
+                        parsed.tool_format)
         return await (stream(request, srv, parsed, fmt) if parsed.stream else collect(request, srv, parsed, fmt))
 
+    def card() -> dict:
+        return {"id": srv.info.name, "object": "model", "created": srv.started, "owned_by": "deltafin",
+                "max_model_len": srv.info.max_len}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": srv.info.name, "object": "model",
-                                                         "created": srv.started, "owned_by": "deltafin"}]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(request: Request):
+        wanted = request.path_params["model_id"]
+        if wanted != srv.info.name:
+            raise APIError(404, f"the model {wanted!r} does not exist; this server serves {srv.info.name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(card())
 
     async def metrics(request: Request):
         from deltafin.serve.metrics import render
@@ -329,6 +374,7 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
     app.add_api_route("/v1/completions", guarded(completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(chat_completions), methods=["POST"])
     app.add_api_route("/v1/models", guarded(models), methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", guarded(model), methods=["GET"])
     app.add_api_route("/metrics", guarded(metrics), methods=["GET"])
 
     @app.get("/health")
