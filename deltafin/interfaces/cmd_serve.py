@@ -21,6 +21,11 @@ def add_serve_args(p) -> None:
     p.add_argument("--served-model-name", help="model name clients send (default: the packed model's id)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (then 408; default 30)")
+    p.add_argument("--idle-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5); request headers are due "
+                        "within twice this (at least 10 s)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most (then 429)")
 
@@ -47,7 +52,10 @@ def run(args) -> int:
 
     if args.max_batch < 1 or args.max_queue < 1:
         raise UsageError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
-    limits = Limits(args.max_tokens_limit, args.max_request_bytes)
+    if not (args.body_timeout > 0 and args.idle_timeout > 0):
+        raise UsageError(f"--body-timeout and --idle-timeout must be > 0 s, got {args.body_timeout} and "
+                         f"{args.idle_timeout}")
+    limits = Limits(args.max_tokens_limit, args.max_request_bytes, body_timeout_s=args.body_timeout)
     if not _loopback(args.host) and not args.api_key:
         print(f"[deltafin] warning: listening on {args.host} without --api-key; anyone who can reach this "
               f"port can use the model", file=sys.stderr)
@@ -58,7 +66,10 @@ def run(args) -> int:
         app = create_app(worker, name, args.api_key, limits)
         print(f"[deltafin] serving {name!r} on http://{args.host}:{args.port}/v1"
               f"{' (API key required)' if args.api_key else ''}", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        from deltafin.serve.gate import uvicorn_config
+
+        uvicorn.Server(uvicorn_config(app, args.host, args.port, args.idle_timeout,
+                                      max(2 * args.idle_timeout, 10.0))).run()
     finally:
         worker.stop()
         eng.close()

@@ -17,6 +17,7 @@ from deltafin.runtime.prefill_plan import plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
 from deltafin.runtime.stats import RunStats
+from deltafin.runtime.stops import StopMatcher
 from deltafin.store.model_dir import PackedModel
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class Engine:
                                            cache_bytes=self.cache_bytes, direct_io=self.source.direct)
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, prompt)
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
                 self.source.per_drive())
@@ -227,6 +228,7 @@ class Engine:
         stats.union_per_layer = pre.union_per_layer
         stats.prefill_bytes_read = pre.bytes_read
         emitted, text = [], ""
+        stops = StopMatcher(stop_strings)
         t_first = None
         while len(emitted) < max_new:
             if on_logits:
@@ -242,9 +244,10 @@ class Engine:
             delta = self._delta(emitted, text)
             text += delta
             yield tok, delta
-            hit = next((s for s in stop_strings if s and s in text), None)
-            if hit:
-                text = text[: text.index(hit)]
+            at = stops.feed(text)
+            if at is not None:
+                hit = next(s for s in stops.stops if text.startswith(s, at))
+                text = text[:at]
                 stats.stop_reason = f"stop string {hit!r}"
                 break
             if len(emitted) < max_new:

@@ -26,18 +26,22 @@ class TextCodec:
             return self.impl.decode(ids)
         return self.impl.decode(ids, skip_special_tokens=False)
 
-    def chat(self, messages: list[dict], thinking: bool = True, add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for a conversation from the checkpoint's chat template."""
+    def chat(self, messages: list[dict], thinking: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids for a conversation from the checkpoint's chat template (``tools``: OpenAI tool
+        declarations, written where the template puts them)."""
         if self.kind == "kimi":
             from deltafin.tokenizers.xtml import encode_chat
 
-            return encode_chat(self.impl, messages, thinking=thinking, add_generation_prompt=add_generation_prompt)
+            return encode_chat(self.impl, messages, tools=tools, thinking=thinking,
+                               add_generation_prompt=add_generation_prompt)
         if not getattr(self.impl, "chat_template", None):
             raise UsageError("this model's checkpoint has no chat template; use 'deltafin run -p' with plain text")
         if not messages:
             return []
+        extra = {"tools": tools} if tools else {}
         return list(self.impl.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=True, return_dict=False))
+                                                  tokenize=True, return_dict=False, **extra))
 
 
 def load_codec(model_dir: str, config: dict) -> TextCodec | None:
