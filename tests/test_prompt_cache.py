@@ -27,8 +27,12 @@ def eng(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pc-{request.param}")
     if request.param == "kimi_k3":
         write_tiny_k3(root / "src")
-        pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
-             PackOptions(progress=False))
+        pack(
+            str(root / "src"),
+            str(root / "model"),
+            parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
+            PackOptions(progress=False),
+        )
         path = str(root / "model")
     else:
         path = pack_tiny(root, request.param)
@@ -100,6 +104,7 @@ def test_cut_back_only_for_per_position_state(eng):
 def test_two_turns_through_the_batch_decoder(eng):
     """Turn 2 (turn 1's prompt + reply + a new turn) prefills only what turn 1 did not feed; greedy tokens
     equal a decoder without a cache."""
+
     def run(dec, prompt, n=6):
         (s,) = new_seqs([GenSpec(tuple(prompt), n)])
         dec.prefill([s])

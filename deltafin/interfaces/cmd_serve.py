@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import socket
 import sys
 
 from deltafin.errors import UsageError
@@ -18,11 +20,16 @@ def add_serve_args(p) -> None:
     p.add_argument("--api-key", default=os.environ.get("DELTAFIN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every /v1 route and /metrics "
                         "(default: $DELTAFIN_API_KEY)")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="read the API key from the first line of PATH (keeps it out of the process list)")
     p.add_argument("--served-model-name", help="model name clients send (default: the packed model's id)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most (then 429)")
+    p.add_argument("--prompt-cache-gb", type=float, default=2.0,
+                   help="host memory for the states of earlier requests, so a prompt that starts like one of "
+                        "them prefills only the rest (default 2 GB; 0 turns the prompt cache off)")
 
 
 def _loopback(host: str) -> bool:
@@ -32,6 +39,46 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def api_key(args) -> str | None:
+    if not args.api_key_file:
+        return args.api_key
+    try:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise UsageError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror}); "
+                         f"give a readable file holding the key") from None
+    if not key:
+        raise UsageError(f"--api-key-file {args.api_key_file}: the first line is empty; write the key there")
+    return key
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the model loads so a busy port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port "
+                         f"(or stop what is using it)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def prompt_cache(args):
+    if args.prompt_cache_gb < 0:
+        raise UsageError(f"--prompt-cache-gb must be >= 0, got {args.prompt_cache_gb}")
+    if not args.prompt_cache_gb:
+        return None
+    from deltafin.runtime.prompt_cache import PromptCache
+
+    return PromptCache(int(args.prompt_cache_gb * 1e9))
 
 
 def run(args) -> int:
@@ -48,18 +95,28 @@ def run(args) -> int:
     if args.max_batch < 1 or args.max_queue < 1:
         raise UsageError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
     limits = Limits(args.max_tokens_limit, args.max_request_bytes)
-    if not _loopback(args.host) and not args.api_key:
+    key = api_key(args)
+    cache = prompt_cache(args)
+    if not _loopback(args.host) and not key:
         print(f"[deltafin] warning: listening on {args.host} without --api-key; anyone who can reach this "
               f"port can use the model", file=sys.stderr)
-    eng = open_engine(args)
-    worker = Worker(eng, args.max_batch, args.max_queue).start()
+    logging.getLogger("deltafin.serve.access").setLevel(logging.INFO)  # one line per request
+    sock = bind(args.host, args.port)
+    try:
+        eng = open_engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    worker = Worker(eng, args.max_batch, args.max_queue, prompt_cache=cache).start()
     name = args.served_model_name or eng.packed.model_id
     try:
-        app = create_app(worker, name, args.api_key, limits)
+        app = create_app(worker, name, key, limits)
         print(f"[deltafin] serving {name!r} on http://{args.host}:{args.port}/v1"
-              f"{' (API key required)' if args.api_key else ''}", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+              f"{' (API key required)' if key else ''}; prompt cache "
+              f"{f'{args.prompt_cache_gb:g} GB' if cache else 'off'}", file=sys.stderr)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         worker.stop()
         eng.close()
+        sock.close()
     return 0

@@ -29,8 +29,8 @@ from deltafin.models.base import SequenceState
 from deltafin.models.kda import KDAState
 from deltafin.models.layers import GrowingCache, KVCache
 
-
 # -- one layer's state: frozen copy (host memory), size, cut, restore
+
 
 def _rows(cache: GrowingCache, n: int) -> torch.Tensor:
     return cache.buf.narrow(cache.axis, 0, n).to("cpu", copy=True)
@@ -60,7 +60,11 @@ def thaw_layer(frozen, layer, n: int) -> None:
     kind = frozen[0]
     if kind == "kv":
         _, k, v = frozen
-        layer.update(k.narrow(1, 0, n).movedim(1, 0).to(layer.k.device), v.narrow(1, 0, n).movedim(1, 0).to(layer.v.device), 0)
+        layer.update(
+            k.narrow(1, 0, n).movedim(1, 0).to(layer.k.device),
+            v.narrow(1, 0, n).movedim(1, 0).to(layer.v.device),
+            0,
+        )
     elif kind == "rows":
         _, rows, axis = frozen
         layer.write(0, rows.narrow(axis, 0, n).movedim(axis, 0).to(layer.buf.device))

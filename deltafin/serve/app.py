@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +27,7 @@ from deltafin.serve.responses import Choice, Formatter, TokenPieces
 from deltafin.serve.worker import Failure, Job, QueueFull, Worker
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("deltafin.serve.access")  # one line per request
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -34,15 +35,34 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class Gate:
-    """ASGI middleware: refuses bodies over the limit (413, before they are read in full) and counts
-    responses by path and status for /metrics."""
+    """ASGI middleware: refuses bodies over the limit (413, before they are read in full), counts
+    responses by path and status for /metrics, times each request and logs one line for it."""
 
-    def __init__(self, app, max_bytes: int, counts: Counter):
-        self.app, self.max_bytes, self.counts = app, max_bytes, counts
+    def __init__(self, app, max_bytes: int, counts: Counter, metrics=None):
+        self.app, self.max_bytes, self.counts, self.metrics = app, max_bytes, counts, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        t0 = time.monotonic()
+        scope.setdefault("state", {})["t0"] = t0  # routes time the first token from here
+        try:
+            await self._gated(scope, receive, send)
+        finally:
+            self._done(scope, t0)
+
+    def _done(self, scope, t0: float) -> None:
+        seconds = time.monotonic() - t0
+        path = scope.get("path", "")
+        status = scope["state"].get("status", 499)
+        if self.metrics is not None:
+            self.metrics.latency.labels(path if path in KNOWN_PATHS else "other").observe(seconds)
+        tally = scope["state"].get("tally")
+        tokens = (f" prompt={tally['prompt']} cached={tally['cached']} completion={tally['completion']}"
+                  if tally else "")
+        access.info("%s %s %s%s %.3fs", scope.get("method", "?"), path, status, tokens, seconds)
+
+    async def _gated(self, scope, receive, send):
         started, seen = [False], [0]
         path = scope.get("path", "")
         path = path if path in KNOWN_PATHS else "other"
@@ -50,6 +70,7 @@ class Gate:
         async def counted_send(msg):
             if msg["type"] == "http.response.start":
                 started[0] = True
+                scope["state"]["status"] = msg["status"]
                 self.counts[(path, msg["status"])] += 1
             await send(msg)
 
@@ -111,6 +132,14 @@ class Server:
         self.pieces = TokenPieces(eng.codec, worker.codec_lock)
         self.http: Counter = Counter()
         self.started = int(time.time())
+        from deltafin.serve.metrics import Metrics
+
+        self.metrics = Metrics(worker, self.http)
+
+    def first_token(self, request: Request, kind: str) -> None:
+        t0 = getattr(request.state, "t0", None)
+        if t0 is not None:
+            self.metrics.ttft.labels(kind).observe(time.monotonic() - t0)
 
     def check_key(self, request: Request) -> None:
         if not self.api_key:
@@ -204,6 +233,7 @@ async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter)
     choices = {j.index: Choice(j.index, len(j.spec.prompt)) for j in jobs}
     pending = set(choices)
     waiter = Waiter(request, q)
+    tally = request.state.tally
     try:
         while pending:
             try:
@@ -212,7 +242,11 @@ async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter)
                 return Response(status_code=499)  # nobody is listening; the finally cancels
             if isinstance(ev, Failure):
                 return error_response(failure_error(ev))
+            if not tally["completion"]:
+                srv.first_token(request, fmt.kind)
             choices[i].add(ev, fmt.stop_ids)
+            tally["completion"] += 1
+            tally["cached"] = sum(c.cached_tokens for c in choices.values())
             if ev.finish_reason:
                 pending.discard(i)
     finally:
@@ -233,15 +267,16 @@ async def stream(request: Request, srv: Server, parsed: Parsed, fmt: Formatter) 
     if isinstance(first[1], Failure):
         cancel(jobs)
         return error_response(failure_error(first[1]))
-    return CancellingStream(_events(parsed, fmt, jobs, q, first), lambda: cancel(jobs),
+    srv.first_token(request, fmt.kind)
+    return CancellingStream(_events(parsed, fmt, jobs, q, first, request.state.tally), lambda: cancel(jobs),
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Queue,
-                  first: tuple[int, object]) -> AsyncIterator[str]:
+                  first: tuple[int, object], tally: dict) -> AsyncIterator[str]:
     pending = {j.index for j in jobs}
     offsets = dict.fromkeys(pending, 0)
-    completion = 0
+    completion, cached = 0, {}
     if fmt.kind == "chat":
         for j in jobs:
             yield sse(fmt.role_chunk(j.index))
@@ -253,6 +288,8 @@ async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Qu
             return
         assert isinstance(ev, TokenOut)
         completion += 1
+        cached[i] = ev.seq.cached
+        tally["completion"], tally["cached"] = completion, sum(cached.values())
         chunk = fmt.chunk(i, ev, parsed.logprobs, offsets[i])
         offsets[i] += len(ev.text)
         if chunk is not None:
@@ -263,7 +300,7 @@ async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Qu
             break
         item = await q.get()
     if parsed.include_usage:
-        yield sse(fmt.usage_chunk(sum(len(j.spec.prompt) for j in jobs), completion))
+        yield sse(fmt.usage_chunk(sum(len(j.spec.prompt) for j in jobs), completion, sum(cached.values())))
     yield sse("[DONE]")
 
 
@@ -272,7 +309,7 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
     srv = Server(worker, model_name, api_key, limits)
     app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
-    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http)
+    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http, metrics=srv.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -314,6 +351,7 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
 
     async def respond(request: Request, parsed: Parsed) -> Response:
         fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids)
+        request.state.tally = {"prompt": sum(len(sp.prompt) for sp in parsed.specs), "cached": 0, "completion": 0}
         return await (stream(request, srv, parsed, fmt) if parsed.stream else collect(request, srv, parsed, fmt))
 
     async def models(request: Request):
@@ -321,9 +359,9 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
                                                          "created": srv.started, "owned_by": "deltafin"}]})
 
     async def metrics(request: Request):
-        from deltafin.serve.metrics import render
+        from deltafin.serve.metrics import CONTENT_TYPE
 
-        return PlainTextResponse(render(worker, srv.http), media_type="text/plain; version=0.0.4")
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_api_route("/v1/completions", guarded(completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(chat_completions), methods=["POST"])

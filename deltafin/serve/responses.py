@@ -53,8 +53,10 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; ``cached``: prompt tokens restored from the prompt cache."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclass
@@ -67,8 +69,10 @@ class Choice:
     tokens: list[TokenOut] = field(default_factory=list)  # with log-probabilities, stop tokens left out
     completion_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def add(self, out: TokenOut, stop_ids: tuple[int, ...]) -> None:
+        self.cached_tokens = out.seq.cached
         self.completion_tokens += 1
         self.text.append(out.text)
         if out.logprob is not None and out.token not in stop_ids:
@@ -126,7 +130,8 @@ class Formatter:
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         body["choices"] = out
-        body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices))
+        body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices),
+                              sum(c.cached_tokens for c in choices))
         return body
 
     # -- stream chunks
@@ -147,6 +152,6 @@ class Formatter:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def usage_chunk(self, prompt: int, completion: int) -> dict:
+    def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(prompt, completion)}
+        return {**self._head(obj), "choices": [], "usage": usage(prompt, completion, cached)}
