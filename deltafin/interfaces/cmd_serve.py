@@ -12,9 +12,10 @@ from deltafin.errors import UsageError
 
 
 def add_serve_args(p) -> None:
-    from deltafin.interfaces.cmd_run import add_engine_args
+    from deltafin.interfaces.cmd_run import add_engine_args, add_thinking_args
 
     add_engine_args(p)
+    add_thinking_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("DELTAFIN_API_KEY"),
@@ -81,6 +82,16 @@ def prompt_cache(args):
     return PromptCache(int(args.prompt_cache_gb * 1e9))
 
 
+def thinking_defaults(eng, args):
+    from deltafin.interfaces.cmd_run import chat_kwargs
+    from deltafin.serve.thinking import ThinkingOptions
+
+    if eng.codec is None or (args.think is None and args.effort is None):
+        return ThinkingOptions()
+    kw = chat_kwargs(eng, args)
+    return ThinkingOptions(kw["thinking"], kw["effort"])
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -110,7 +121,7 @@ def run(args) -> int:
     worker = Worker(eng, args.max_batch, args.max_queue, prompt_cache=cache).start()
     name = args.served_model_name or eng.packed.model_id
     try:
-        app = create_app(worker, name, key, limits)
+        app = create_app(worker, name, key, limits, thinking_defaults(eng, args))
         print(f"[deltafin] serving {name!r} on http://{args.host}:{args.port}/v1"
               f"{' (API key required)' if key else ''}; prompt cache "
               f"{f'{args.prompt_cache_gb:g} GB' if cache else 'off'}", file=sys.stderr)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deltafin.runtime.batched import TokenOut
 from deltafin.serve.protocol import APIError, Limits, ModelInfo, Parsed, parse_chat, parse_completion
 from deltafin.serve.responses import Choice, Formatter, TokenPieces
+from deltafin.serve.thinking import ThinkingOptions, take_thinking
 from deltafin.serve.worker import Failure, Job, QueueFull, Worker
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,11 @@ def sse(obj: dict | str) -> str:
 class Server:
     """State shared by the routes: the worker, the served model's facts, limits and counters."""
 
-    def __init__(self, worker: Worker, name: str, api_key: str | None, limits: Limits):
+    def __init__(self, worker: Worker, name: str, api_key: str | None, limits: Limits,
+                 thinking: ThinkingOptions | None = None):
         eng = worker.engine
         self.worker, self.api_key, self.limits = worker, api_key, limits
+        self.thinking = thinking or ThinkingOptions()
         embed = getattr(eng.model, "embed_w", None)
         vocab = int(eng.packed.text_config.get("vocab_size") or getattr(embed, "shape", (0,))[0])
         self.info = ModelInfo(name, eng.opts.max_len, vocab)
@@ -160,7 +163,7 @@ class Server:
         with self.worker.codec_lock:
             return codec.encode(text)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], opts: ThinkingOptions | None = None) -> list[int]:
         codec = self.worker.engine.codec
         if codec is None:
             from deltafin.errors import UsageError
@@ -168,7 +171,17 @@ class Server:
             raise UsageError("this model has no tokenizer files, so chat is not possible; use /v1/completions "
                              "with token ids")
         with self.worker.codec_lock:
-            return codec.chat(messages)
+            return codec.chat(messages, **(opts or self.thinking).chat_kwargs())
+
+    def splitters(self, parsed: Parsed) -> list | None:
+        """Chat replies: reasoning apart from content, markup and special tokens dropped."""
+        codec = self.worker.engine.codec
+        if parsed.kind != "chat" or codec is None:
+            return None
+        from deltafin.runtime.reasoning import splitter_for
+
+        with self.worker.codec_lock:
+            return [splitter_for(codec, spec.prompt, chat=True) for spec in parsed.specs]
 
 
 async def read_json(request: Request) -> object:
@@ -304,9 +317,11 @@ async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Qu
     yield sse("[DONE]")
 
 
-def create_app(worker: Worker, model_name: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
+def create_app(worker: Worker, model_name: str, api_key: str | None = None, limits: Limits | None = None,
+               thinking: ThinkingOptions | None = None) -> FastAPI:
+    """``thinking``: the chat requests' defaults (``--think/--no-think``, ``--effort``)."""
     limits = limits or Limits()
-    srv = Server(worker, model_name, api_key, limits)
+    srv = Server(worker, model_name, api_key, limits, thinking)
     app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
     app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http, metrics=srv.metrics)
@@ -346,11 +361,15 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
         return await respond(request, parsed)
 
     async def chat_completions(request: Request):
-        parsed = await run_in_threadpool(parse_chat, await read_json(request), srv.info, srv.limits, srv.chat)
+        body = await read_json(request)
+        codec = worker.engine.codec
+        opts = take_thinking(body, srv.thinking, kimi=codec is not None and codec.kind == "kimi")
+        parsed = await run_in_threadpool(parse_chat, body, srv.info, srv.limits, lambda m: srv.chat(m, opts))
         return await respond(request, parsed)
 
     async def respond(request: Request, parsed: Parsed) -> Response:
-        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids)
+        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids,
+                        srv.splitters(parsed))
         request.state.tally = {"prompt": sum(len(sp.prompt) for sp in parsed.specs), "cached": 0, "completion": 0}
         return await (stream(request, srv, parsed, fmt) if parsed.stream else collect(request, srv, parsed, fmt))
 

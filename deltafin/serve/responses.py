@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deltafin.runtime.batched import TokenOut
+from deltafin.runtime.reasoning import split_all
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -83,8 +84,12 @@ class Choice:
 class Formatter:
     """Bodies and chunks for one request."""
 
-    def __init__(self, kind: str, model: str, pieces: TokenPieces, stop_ids: tuple[int, ...], token_ids: bool = False):
+    def __init__(self, kind: str, model: str, pieces: TokenPieces, stop_ids: tuple[int, ...], token_ids: bool = False,
+                 splitters: list | None = None):
+        """``splitters``: one ``deltafin.runtime.reasoning`` splitter per chat choice (reasoning apart from
+        content, markup dropped); None sends the text as it is."""
         self.kind, self.model, self.stop_ids = kind, model, stop_ids
+        self.splitters = splitters
         self.pieces = pieces if not token_ids else lambda t: (f"token_id:{t}", list(f"token_id:{t}".encode()))
         self.id, self.created = new_id(kind), int(time.time())
 
@@ -125,7 +130,7 @@ class Formatter:
             lp = self.logprobs(c.tokens) if want_logprobs else None
             text = "".join(c.text)
             if self.kind == "chat":
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                out.append({"index": c.index, "message": self._message(c.index, text), "logprobs": lp,
                             "finish_reason": c.finish_reason})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
@@ -133,6 +138,26 @@ class Formatter:
         body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices),
                               sum(c.cached_tokens for c in choices))
         return body
+
+    def _message(self, index: int, text: str) -> dict:
+        if not self.splitters:
+            return {"role": "assistant", "content": text}
+        sp = self.splitters[index]
+        parts = split_all(sp, text)
+        msg = {"role": "assistant", "content": parts.content}
+        if sp.reasons:
+            msg["reasoning_content"] = parts.reasoning
+        return msg
+
+    def _delta(self, index: int, out: TokenOut) -> dict:
+        if not self.splitters:
+            return {"content": out.text} if out.text else {}
+        sp = self.splitters[index]
+        parts = sp.feed(out.text)
+        if out.finish_reason:
+            parts += sp.flush()
+        delta = {"reasoning_content": parts.reasoning} if parts.reasoning else {}
+        return delta | ({"content": parts.content} if parts.content else {})
 
     # -- stream chunks
     def chunk(self, index: int, out: TokenOut, want_logprobs: bool, offset: int = 0) -> dict | None:
@@ -142,7 +167,9 @@ class Formatter:
             return None
         lp = self.logprobs(lp_outs, offset) if lp_outs else None
         if self.kind == "chat":
-            delta = {"content": out.text} if out.text else {}
+            delta = self._delta(index, out)
+            if not delta and not lp_outs and not out.finish_reason:
+                return None
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
