@@ -41,6 +41,53 @@ def add_sampling_args(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_thinking_args(p)
+
+
+def add_thinking_args(p) -> None:
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn the model's thinking on or off in chat prompts (Kimi K3; templates with "
+                        "enable_thinking, such as Qwen3's); default: the template's own (Kimi K3: on)")
+    p.add_argument("--effort", choices=("low", "medium", "high", "max"), default=None,
+                   help="how much to think: Kimi K3's thinking_effort, or reasoning_effort where the template "
+                        "has it (gpt-oss); default: the model's own")
+
+
+def chat_kwargs(eng, args) -> dict:
+    """codec.chat keyword arguments from --think/--no-think and --effort (checked against the template)."""
+    think, effort = getattr(args, "think", None), getattr(args, "effort", None)
+    if think is not None or effort is not None:
+        eng.codec.check_thinking(think, effort)
+    return {"thinking": think, "effort": effort}
+
+
+class Printer:
+    """Writes a reply as it streams: the answer to stdout, the model's reasoning to stderr (not with --quiet),
+    markup and special tokens never."""
+
+    def __init__(self, eng, prompt: list[int], chat: bool, quiet: bool):
+        from deltafin.runtime.reasoning import Parts, splitter_for
+
+        self.split = splitter_for(eng.codec, prompt, chat)
+        self.quiet, self.parts, self.thinking = quiet, Parts(), False
+
+    def write(self, delta: str, last: bool = False) -> None:
+        parts = self.split.feed(delta)
+        if last:
+            parts += self.split.flush()
+        self.parts += parts
+        if parts.reasoning and not self.quiet:
+            if not self.thinking:
+                sys.stderr.write("[thinking] ")
+            self.thinking = True
+            sys.stderr.write(parts.reasoning)
+            sys.stderr.flush()
+        if parts.content:
+            if self.thinking:
+                sys.stderr.write("\n")
+                self.thinking = False
+            sys.stdout.write(parts.content)
+            sys.stdout.flush()
 
 
 def open_engine(args):
@@ -82,7 +129,7 @@ def _prompt_ids(eng, args) -> list[int]:
     if eng.codec is None:
         raise UsageError(f"{eng.packed.path} has no tokenizer files; give the prompt as --prompt-ids")
     if args.chat_template:
-        return eng.codec.chat([{"role": "user", "content": args.prompt}])
+        return eng.codec.chat([{"role": "user", "content": args.prompt}], **chat_kwargs(eng, args))
     return eng.codec.encode(args.prompt)
 
 
@@ -90,9 +137,10 @@ def _run(args) -> int:
     eng = open_engine(args)
     try:
         prompt = _prompt_ids(eng, args)
+        out = Printer(eng, prompt, bool(args.chat_template), args.quiet)
         for tok, delta in eng.generate(prompt, args.max_tokens, sampling_params(args), stop_strings=tuple(args.stop)):
-            sys.stdout.write(delta if eng.codec else f"{tok} ")
-            sys.stdout.flush()
+            out.write(delta if eng.codec else f"{tok} ")
+        out.write("", last=True)
         sys.stdout.write("\n")
         _report(eng, args)
     finally:
@@ -119,6 +167,7 @@ def _chat(args) -> int:
         raise UsageError(f"{eng.packed.path} has no tokenizer files, so chat is not possible")
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     state, pending = eng.new_state(), None
+    opts = chat_kwargs(eng, args)
     try:
         while True:
             try:
@@ -127,35 +176,37 @@ def _chat(args) -> int:
                 break
             if not line or line.strip() in ("/exit", "/quit"):
                 break
-            new = _turn_tokens(eng, messages, line.rstrip("\n"), pending)
+            new = _turn_tokens(eng, messages, line.rstrip("\n"), pending, opts)
             if new is None:  # the template cannot extend the history: replay the conversation
                 state = eng.new_state()
-                new = eng.codec.chat(messages)
+                new = eng.codec.chat(messages, **opts)
             sys.stdout.write("assistant> ")
+            out = Printer(eng, new, True, args.quiet)
             for _, delta in eng.generate(new, args.max_tokens, sampling_params(args), state=state,
                                          stop_strings=tuple(args.stop)):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+                out.write(delta)
+            out.write("", last=True)
             sys.stdout.write("\n")
             st = eng.last_stats
             # A stop token ends the reply but was not fed to the model yet; it starts the next turn.
             pending = st.tokens[-1] if st.tokens and st.stop_reason == "stop token" else None
-            messages.append({"role": "assistant", "content": st.text})
+            messages.append({"role": "assistant", "content": out.parts.content,
+                             "reasoning_content": out.parts.reasoning})
             _report(eng, args)
     finally:
         eng.close()
     return 0
 
 
-def _turn_tokens(eng, messages: list[dict], user: str, pending: int | None) -> list[int] | None:
+def _turn_tokens(eng, messages: list[dict], user: str, pending: int | None, opts: dict) -> list[int] | None:
     """Tokens that extend the conversation already in the model state by one user turn.
 
     The template renders the history (without a generation prompt) and the history plus the new turn
     (with one); the new tokens are the difference. None when the second does not extend the first.
     """
-    before = eng.codec.chat(messages, add_generation_prompt=False) if messages else []
+    before = eng.codec.chat(messages, add_generation_prompt=False, **opts) if messages else []
     messages.append({"role": "user", "content": user})
-    after = eng.codec.chat(messages)
+    after = eng.codec.chat(messages, **opts)
     if after[: len(before)] != before:
         return None
     head: list[int] = []

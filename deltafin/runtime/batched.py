@@ -89,6 +89,7 @@ class Seq:
     sampler: Sampler | None = None
     stop: StopText | None = None
     content: list[int] = field(default_factory=list)  # emitted minus stop tokens
+    cached: int = 0  # prompt tokens restored from the prompt cache instead of prefilled
 
     @property
     def done(self) -> bool:
@@ -97,7 +98,8 @@ class Seq:
 
 @dataclass
 class DecodeCounters:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled (prompt tokens restored from the prompt cache are not counted)
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -105,11 +107,14 @@ class DecodeCounters:
 
 
 class BatchDecoder:
-    """Prefill, sample and advance lists of ``Seq`` on one engine (call from the thread that owns it)."""
+    """Prefill, sample and advance lists of ``Seq`` on one engine (call from the thread that owns it).
+    With a ``PromptCache``, each prompt resumes the longest cached state it may and finished sequences
+    are stored (``deltafin.runtime.prompt_cache``)."""
 
-    def __init__(self, engine, codec_lock=None):
+    def __init__(self, engine, codec_lock=None, prompt_cache=None):
         self.engine = engine
         self.codec_lock = codec_lock
+        self.prompt_cache = prompt_cache
         self.counters = DecodeCounters()
 
     def prefill(self, seqs: list[Seq]) -> list[tuple[Seq, Exception]]:
@@ -134,13 +139,27 @@ class BatchDecoder:
     def _prefill(self, seqs: list[Seq]) -> None:
         t0 = time.perf_counter()
         states = [self.engine.new_state() for _ in seqs]
-        logits, _ = self.engine.prefill([list(s.spec.prompt) for s in seqs], states)
-        for s, st, lg in zip(seqs, states, logits, strict=True):
-            s.state, s.logits = st, lg
+        ready: dict[int, torch.Tensor] = {}
+        for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
+            s.cached, lg = self.prompt_cache.resume(s.spec.prompt, st) if self.prompt_cache else (0, None)
+            if lg is not None:
+                ready[j] = lg.to(self.engine.device)
+        todo = [j for j in range(len(seqs)) if j not in ready]
+        if todo:
+            logits, _ = self.engine.prefill([list(seqs[j].spec.prompt[seqs[j].cached:]) for j in todo],
+                                            [states[j] for j in todo])
+            ready.update(zip(todo, logits, strict=True))
+        for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
+            s.state, s.logits = st, ready[j]
             constraint = s.spec.grammar.constraint() if s.spec.grammar is not None else None
             s.sampler = Sampler(s.spec.sampling, s.spec.prompt, constraint)
             s.stop = StopText(s.spec.stop_strings)
-        self.counters.prompt_tokens += sum(len(s.spec.prompt) for s in seqs)
+        pc = self.prompt_cache
+        if pc is not None and not pc.cuttable_state(states[0]):  # recurrent state: keep each prompt's end too
+            for j in todo:
+                pc.store(seqs[j].spec.prompt, states[j], ready[j])
+        self.counters.prompt_tokens += sum(len(s.spec.prompt) - s.cached for s in seqs)
+        self.counters.cached_tokens += sum(s.cached for s in seqs)
         self.counters.prefill_s += time.perf_counter() - t0
 
     def sample(self, seqs: list[Seq]) -> list[TokenOut]:
@@ -173,6 +192,8 @@ class BatchDecoder:
                 s.finish_reason = "length"
         if s.done:
             out.text += s.stop.flush()
+            if self.prompt_cache is not None:  # the state has consumed the prompt and all but the last token
+                self.prompt_cache.store(s.spec.prompt + tuple(s.emitted[:-1]), s.state, s.logits)
         out.finish_reason = s.finish_reason
         return out
 

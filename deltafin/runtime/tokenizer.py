@@ -26,22 +26,55 @@ class TextCodec:
             return self.impl.decode(ids)
         return self.impl.decode(ids, skip_special_tokens=False)
 
-    def chat(self, messages: list[dict], thinking: bool = True, add_generation_prompt: bool = True,
+    def chat(self, messages: list[dict], thinking: bool | None = None, add_generation_prompt: bool = True,
+             effort: str | None = None, template_kwargs: dict | None = None,
              tools: list[dict] | None = None) -> list[int]:
-        """Prompt ids for a conversation from the checkpoint's chat template (``tools``: OpenAI tool
-        declarations, written where the template puts them)."""
+        """Prompt ids for a conversation from the checkpoint's chat template. ``thinking`` None keeps the
+        template's default; ``effort`` is Kimi K3's thinking_effort, or a template's ``reasoning_effort``
+        (gpt-oss); ``template_kwargs`` go to a Jinja template as variables (Qwen3: enable_thinking);
+        ``tools``: OpenAI tool declarations, written where the template puts them."""
         if self.kind == "kimi":
             from deltafin.tokenizers.xtml import encode_chat
 
-            return encode_chat(self.impl, messages, tools=tools, thinking=thinking,
-                               add_generation_prompt=add_generation_prompt)
-        if not getattr(self.impl, "chat_template", None):
+            kw = template_kwargs or {}
+            think = kw.get("thinking", kw.get("enable_thinking", True)) if thinking is None else thinking
+            return encode_chat(self.impl, messages, tools=tools, thinking=bool(think),
+                               add_generation_prompt=add_generation_prompt,
+                               thinking_effort=effort or kw.get("thinking_effort") or kw.get("reasoning_effort"))
+        template = getattr(self.impl, "chat_template", None)
+        if not template:
             raise UsageError("this model's checkpoint has no chat template; use 'deltafin run -p' with plain text")
         if not messages:
             return []
-        extra = {"tools": tools} if tools else {}
+        kw = dict(template_kwargs or {})
+        if thinking is not None:
+            kw.setdefault("enable_thinking", thinking)
+            kw.setdefault("thinking", thinking)
+        if effort is not None:
+            kw.setdefault("reasoning_effort", effort)
+        if tools:
+            kw["tools"] = tools
         return list(self.impl.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=True, return_dict=False, **extra))
+                                                  tokenize=True, return_dict=False, **kw))
+
+    def check_thinking(self, thinking: bool | None, effort: str | None) -> None:
+        """Refuse --think/--no-think or --effort where the chat template has no such switch."""
+        if self.kind == "kimi":
+            from deltafin.tokenizers.xtml import check_thinking_effort
+
+            check_thinking_effort(effort)
+            return
+        template = str(getattr(self.impl, "chat_template", "") or "")
+        if thinking is not None and "thinking" not in template:  # enable_thinking (Qwen3), thinking
+            raise UsageError("this model's chat template has no thinking switch; leave out --think/--no-think")
+        if effort is not None and "reasoning_effort" not in template:
+            raise UsageError("this model's chat template has no effort levels; leave out --effort")
+
+    def special_names(self) -> tuple[str, ...]:
+        """Text of the tokenizer's special tokens (never shown to a reader)."""
+        if self.kind == "kimi":
+            return tuple(self.impl.special_tokens)
+        return tuple(getattr(self.impl, "all_special_tokens", ()) or ())
 
 
 def load_codec(model_dir: str, config: dict) -> TextCodec | None:

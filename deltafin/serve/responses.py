@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from deltafin.runtime.batched import TokenOut
+from deltafin.runtime.reasoning import split_all
 from deltafin.serve import tools
 
 
@@ -54,8 +55,10 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; ``cached``: prompt tokens restored from the prompt cache."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclass
@@ -68,8 +71,10 @@ class Choice:
     tokens: list[TokenOut] = field(default_factory=list)  # with log-probabilities, stop tokens left out
     completion_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def add(self, out: TokenOut, stop_ids: tuple[int, ...]) -> None:
+        self.cached_tokens = out.seq.cached
         self.completion_tokens += 1
         self.text.append(out.text)
         if out.logprob is not None and out.token not in stop_ids:
@@ -81,8 +86,11 @@ class Formatter:
     """Bodies and chunks for one request."""
 
     def __init__(self, kind: str, model: str, pieces: TokenPieces, stop_ids: tuple[int, ...], token_ids: bool = False,
-                 tool_format: str | None = None):
+                 tool_format: str | None = None, splitters: list | None = None):
+        """``splitters``: one ``deltafin.runtime.reasoning`` splitter per chat choice (reasoning apart from
+        content, markup dropped); None sends the text as it is."""
         self.kind, self.model, self.stop_ids, self.tool_format = kind, model, stop_ids, tool_format
+        self.splitters = splitters
         self.pieces = pieces if not token_ids else lambda t: (f"token_id:{t}", list(f"token_id:{t}".encode()))
         self.id, self.created = new_id(kind), int(time.time())
 
@@ -123,20 +131,41 @@ class Formatter:
             lp = self.logprobs(c.tokens) if want_logprobs else None
             text = "".join(c.text)
             if self.kind == "chat":
-                message, finish = {"role": "assistant", "content": text}, c.finish_reason
+                message, finish = self._message(c.index, text), c.finish_reason
                 calls = []
                 if self.tool_format:
-                    content, calls = tools.split(self.tool_format, text)
+                    content, calls = tools.split(self.tool_format, message["content"] or "")
                 if calls:
-                    message = {"role": "assistant", "content": content or None,
+                    message = {**message, "content": content or None,
                                "tool_calls": [call.openai() for call in calls]}
                     finish = "tool_calls"
                 out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         body["choices"] = out
-        body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices))
+        body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices),
+                              sum(c.cached_tokens for c in choices))
         return body
+
+    def _message(self, index: int, text: str) -> dict:
+        if not self.splitters:
+            return {"role": "assistant", "content": text}
+        sp = self.splitters[index]
+        parts = split_all(sp, text)
+        msg = {"role": "assistant", "content": parts.content}
+        if sp.reasons:
+            msg["reasoning_content"] = parts.reasoning
+        return msg
+
+    def _delta(self, index: int, out: TokenOut) -> dict:
+        if not self.splitters:
+            return {"content": out.text} if out.text else {}
+        sp = self.splitters[index]
+        parts = sp.feed(out.text)
+        if out.finish_reason:
+            parts += sp.flush()
+        delta = {"reasoning_content": parts.reasoning} if parts.reasoning else {}
+        return delta | ({"content": parts.content} if parts.content else {})
 
     # -- stream chunks
     def chunk(self, index: int, out: TokenOut, want_logprobs: bool, offset: int = 0) -> dict | None:
@@ -146,7 +175,9 @@ class Formatter:
             return None
         lp = self.logprobs(lp_outs, offset) if lp_outs else None
         if self.kind == "chat":
-            delta = {"content": out.text} if out.text else {}
+            delta = self._delta(index, out)
+            if not delta and not lp_outs and not out.finish_reason:
+                return None
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
@@ -162,9 +193,9 @@ class Formatter:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def usage_chunk(self, prompt: int, completion: int) -> dict:
+    def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(prompt, completion)}
+        return {**self._head(obj), "choices": [], "usage": usage(prompt, completion, cached)}
 
 
 class ToolStream:
