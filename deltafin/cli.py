@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand -> (module under deltafin.interfaces, help line)
@@ -129,16 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# commands that run under torchrun: rank 0 runs them, the other ranks follow its steps (interfaces/cmd_dist.py)
+CLUSTER_COMMANDS = ("run", "chat", "serve", "batch", "classify")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    module = importlib.import_module(f"deltafin.interfaces.{getattr(args, 'module', None) or COMMANDS[args.command][0]}")
+    world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
+    name = getattr(args, "module", None) or COMMANDS[args.command][0]
+    if world > 1 and args.command in CLUSTER_COMMANDS and rank != 0:
+        name = "cmd_dist"
+    module = importlib.import_module(f"deltafin.interfaces.{name}")
     from deltafin.errors import DeltafinError
 
+    where = f"deltafin {args.command}" + (f" (rank {rank} of {world})" if world > 1 else "")
     try:
         return int(module.run(args) or 0)
     except DeltafinError as e:
-        print(f"deltafin {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{where}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"deltafin {args.command}: interrupted", file=sys.stderr)
@@ -146,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early
         sys.stderr.close()
         return 0
+    finally:
+        if world > 1 and args.command in CLUSTER_COMMANDS:
+            from deltafin.runtime.cluster import shutdown
+
+            shutdown()
 
 
 if __name__ == "__main__":

@@ -15,11 +15,15 @@ POLICIES = ("bandwidth", "coactivation", "replicas", "roundrobin", "stripe-bandw
 
 def add_place_args(p) -> None:
     p.add_argument("model", help="packed model folder")
-    p.add_argument("--policy", required=True, choices=POLICIES,
+    p.add_argument("--policy", choices=POLICIES,
                    help="bandwidth: whole files balanced by read rate per layer; coactivation: also keep experts "
                         "routed together apart (needs --trace); replicas: coactivation plus copies of the most-used "
                         "experts on spare space (needs --trace); roundrobin: equal counts; stripe-bandwidth: every "
                         "expert cut into one piece per drive sized by read rate; stripe-equal: equal pieces (RAID-0)")
+    p.add_argument("--ranks", metavar="SPEC",
+                   help="own the experts over the ranks of a cluster (torchrun): 'd0,d1@64;d2,d3@64' gives rank 0 drives "
+                        "d0,d1 and 64 GB of memory for cached experts, rank 1 d2,d3 and 64 GB ('2@64': drives dealt "
+                        "out in order); ownership follows memory first, then drive read rate")
     p.add_argument("--trace", metavar="ROUTES.jsonl", help="routing trace from 'deltafin run --record-routes'")
     p.add_argument("--spare-gb", type=float, default=None,
                    help="replicas: GB per drive the extra copies may use (default: a tenth of the drive's share)")
@@ -91,20 +95,35 @@ def _place(args) -> int:
     from deltafin.store.manifest import parse_drive_map
     from deltafin.store.place import place_model
 
+    if (args.policy is None) == (args.ranks is None):
+        raise UsageError("give one of --policy P (placement over drives) or --ranks SPEC (ownership over ranks)")
     rep = place_model(args.model, args.policy, trace_path=args.trace, spare_gb=args.spare_gb,
-                      drive_map=parse_drive_map(args.drive_map), progress=not args.no_progress)
+                      drive_map=parse_drive_map(args.drive_map), progress=not args.no_progress, ranks=args.ranks)
+    if args.ranks is not None:
+        _print_ranks(args.model)
     if rep.resumed:
         print("finished an interrupted placement change first")
     if not rep.experts_changed:
-        print(f"{args.model}: already placed by {args.policy}; nothing moved")
+        print(f"{args.model}: already placed by {rep.policy}; nothing moved")
     else:
-        print(f"placed {args.model} by {args.policy}: {rep.experts_changed:,} experts changed; copied "
+        print(f"placed {args.model} by {rep.policy}: {rep.experts_changed:,} experts changed; copied "
               f"{rep.files_copied:,} files ({rep.bytes_copied / 1e9:.3f} GB), kept {rep.files_kept:,} already there, "
               f"deleted {rep.files_deleted:,} ({rep.bytes_deleted / 1e9:.3f} GB) in {rep.seconds:.1f} s")
     for label, d in rep.per_drive.items():
         print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
     _write_json(args.json, {k: getattr(rep, k) for k in rep.__dataclass_fields__})
     return 0
+
+
+def _print_ranks(model: str) -> None:
+    from deltafin.store.manifest import load
+
+    ex = load(model)["experts"]
+    rk = ex["ranks"]
+    for r, ent in enumerate(rk["ranks"]):
+        n = sum(o == r for own in rk["owner"].values() for o in own)
+        print(f"  rank {r}: drives {','.join(ent['drives'])}  {ent['cache_gb']:g} GB for experts  owns {n:,} experts "
+              f"({n / max(len(rk['owner']), 1):.1f} per layer)")
 
 
 def _simulate(args) -> int:
