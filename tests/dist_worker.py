@@ -1,7 +1,7 @@
 """One rank of a test launch over several processes (spawned by tests/test_distributed.py).
 
 Rank 0 runs the same passes as the single-process reference and writes what it got; the other ranks
-follow. ``fail`` makes rank 1 die (``exit``) or raise (``raise``) in its second step.
+follow. ``fail = (rank, "exit" | "raise")`` makes that rank die or raise in its second step of the last model.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def passes(eng, prompt: list[int], n: int) -> dict:
     return {"tokens": toks, "logits": [lg.tolist() for lg in logits] + [lg.tolist() for lg in out]}
 
 
-def worker(rank: int, world: int, port: int, models: list[str], out_path: str, fail: str = "") -> None:
+def worker(rank: int, world: int, port: int, models: list[str], out_path: str, fail: tuple | None = None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -38,14 +38,14 @@ def worker(rank: int, world: int, port: int, models: list[str], out_path: str, f
 
     got, error = {}, None
     try:
-        for m in models:
+        for i, m in enumerate(models):
             eng = Engine(m, EngineOptions(cache_gb=0.001, threads=2, dist_timeout_s=30, max_len=64))
             try:
                 if rank == 0:
                     got[m] = passes(eng, [5, 17, 99, 3, 42, 7, 250, 11], 8)
                 else:
-                    if fail:
-                        _arm(eng, fail)
+                    if fail and fail[0] == rank and i == len(models) - 1:
+                        _arm(eng, fail[1])
                     eng.follow()
             finally:
                 eng.close()

@@ -67,6 +67,7 @@ class Cluster:
 
     def diagnose(self, exc: BaseException, what: str) -> DistributedError:
         """The error to raise after collective ``what`` failed with ``exc``: names the rank when it can."""
+        exc = str(exc).splitlines()[0][:240] if str(exc) else type(exc).__name__
         others = [r for r in range(self.world) if r != self.rank]
         deadline = time.monotonic() + 3 * BEAT_S
         while True:  # a rank that raised writes its error before it leaves; give it a moment
