@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand -> (module under deltafin.interfaces, help line)
@@ -90,6 +91,28 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--inputs", type=int, default=16, help="inputs to classify")
     b.add_argument("--tokens", type=int, default=128, help="tokens per input")
     b.add_argument("--batch", type=int, default=8, help="inputs prefilled together (one pass each)")
+    b = sub.add_parser("distributed", help="expert-parallel decode over local processes (gloo; NCCL with --device "
+                                           "cuda) beside the slower rank's read bound, with the collective time")
+    b.add_argument("--worlds", default="2", help="rank counts to run, comma-separated (e.g. 1,2: N ranks vs one)")
+    b.add_argument("--spec", default="report4", help="emulated drives, split between the ranks in order")
+    b.add_argument("--scale", type=float, default=0.016,
+                   help="rate scale of the emulated drives (default 0.016: report4's 25 GB/s becomes 0.4 GB/s, what "
+                        "this machine's disk serves to two readers)")
+    b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic K3-expert-size model")
+    b.add_argument("--experts", type=int, default=32, help="experts per layer")
+    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--tokens", type=int, default=4, help="decoded tokens measured")
+    b.add_argument("--warmup", type=int, default=1, help="tokens decoded before measuring")
+    b.add_argument("--threads", type=int, default=4, help="reader threads per drive")
+    b.add_argument("--io-only", action="store_true", help="skip the expert math: the reads and the collectives")
+    b.add_argument("--resident", action="store_true",
+                   help="cache every owned expert first (one pass), then decode from memory: N ranks vs one "
+                        "without drives in the way (the GPU comparison)")
+    b.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    b.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dir", default=None, help="scratch folder")
+    b.add_argument("--json", metavar="PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,16 +156,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# commands that run under torchrun: rank 0 runs them, the other ranks follow its steps (interfaces/cmd_dist.py)
+CLUSTER_COMMANDS = ("run", "chat", "serve", "batch", "classify")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    module = importlib.import_module(f"deltafin.interfaces.{getattr(args, 'module', None) or COMMANDS[args.command][0]}")
+    world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
+    name = getattr(args, "module", None) or COMMANDS[args.command][0]
+    if world > 1 and args.command in CLUSTER_COMMANDS and rank != 0:
+        name = "cmd_dist"
+    module = importlib.import_module(f"deltafin.interfaces.{name}")
     from deltafin.errors import DeltafinError
 
+    where = f"deltafin {args.command}" + (f" (rank {rank} of {world})" if world > 1 else "")
     try:
         return int(module.run(args) or 0)
     except DeltafinError as e:
-        print(f"deltafin {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{where}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"deltafin {args.command}: interrupted", file=sys.stderr)
@@ -150,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early
         sys.stderr.close()
         return 0
+    finally:
+        if world > 1 and args.command in CLUSTER_COMMANDS:
+            from deltafin.runtime.cluster import shutdown
+
+            shutdown()
 
 
 if __name__ == "__main__":

@@ -53,3 +53,7 @@ class CodecError(DeltafinError):
 
 class UsageError(DeltafinError):
     """Bad command-line or request input."""
+
+
+class DistributedError(DeltafinError):
+    """A run over several ranks failed: a rank died, a collective timed out, or the ranks disagree."""

@@ -31,6 +31,12 @@ def add_engine_args(p) -> None:
                    help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
                         "'deltafin place --policy coactivation|replicas --trace PATH'")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    p.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
+                   help="under torchrun: a collective, or rank 0's silence, longer than S seconds stops the job "
+                        "naming the rank (default 120)")
+    p.add_argument("--dist-routing", default="check", choices=["check", "broadcast"],
+                   help="under torchrun: every rank routes by the same trunk math, checked at each layer (check), or "
+                        "takes rank 0's routing (broadcast: one more collective per layer, for mixed hardware)")
 
 
 def add_sampling_args(p) -> None:
@@ -96,8 +102,12 @@ def open_engine(args):
 
     opts = EngineOptions(args.device, args.cache_gb, args.threads, args.verify_reads,
                          parse_drive_map(args.drive_map), args.emulate_drives, args.max_len,
-                         record_routes=getattr(args, "record_routes", None), read_deadline_s=args.read_deadline)
+                         record_routes=getattr(args, "record_routes", None), read_deadline_s=args.read_deadline,
+                         dist_timeout_s=args.dist_timeout, dist_routing=args.dist_routing)
     eng = Engine(args.model, opts)
+    if not args.quiet and eng.cluster is not None:
+        print(f"[deltafin] rank 0 of {eng.cluster.world}: computes the experts it owns; every layer's partial "
+              f"outputs are summed over the ranks", file=sys.stderr)
     if not args.quiet:
         print(f"[deltafin] {eng.packed.model_id} ({eng.packed.family}) on {eng.device}; trunk "
               f"{eng.packed.doc['trunk']['bytes'] / 1e9:.2f} GB resident; expert cache {eng.cache_bytes / 1e9:.2f} GB"
@@ -152,6 +162,11 @@ def _report(eng, args) -> None:
     st = eng.last_stats
     if not args.quiet:
         print(st.summary(), file=sys.stderr)
+        if eng.cluster is not None:
+            for r in eng.cluster_stats():
+                print(f"[deltafin] rank {r['rank']}: {r['bytes_read'] / 1e9:.3f} GB of experts read, "
+                      f"{r['io_wait_s']:.2f} s waiting on reads, {r['collective_s']:.2f} s in {r['collectives']} "
+                      f"all-reduces (cumulative)", file=sys.stderr)
         if eng.routes is not None:
             print(f"[deltafin] routes of {eng.routes.tokens} decoded tokens in {eng.routes.path}", file=sys.stderr)
     if args.stats_json:

@@ -33,7 +33,8 @@ class PackedModel:
     _folders: dict = field(default_factory=dict, repr=False)  # (drive, layer) -> resolved expert folder
 
     @classmethod
-    def open(cls, path: str, drive_map: dict[str, str] | None = None) -> PackedModel:
+    def open(cls, path: str, drive_map: dict[str, str] | None = None, only: set[str] | None = None) -> PackedModel:
+        """Open a packed model; ``only``: the drive labels that must be mounted here (a cluster rank's own)."""
         path = os.path.abspath(path)
         doc = mf.load(path)
         cfg_path = mf.resolve_under(path, doc["config"])
@@ -51,6 +52,8 @@ class PackedModel:
         drives = [mf.DriveEntry(d.label, os.path.abspath(drive_map.get(d.label, d.path)), d.gbps, d.measured)
                   for d in drives]
         for d in drives:
+            if only is not None and d.label not in only:
+                continue
             if not os.path.isdir(os.path.join(d.path, doc["model_id"])):
                 raise DriveError(
                     f"drive {d.label}: {d.path} holds no {doc['model_id']}/ folder; is the drive mounted? If it "

@@ -60,16 +60,20 @@ class Layout:
     policy: str
     locations: dict[int, list[list[int]]]
     stripe: dict[int, dict] = field(default_factory=dict)  # layer -> {"mode", "pieces": [{drive, offset, nbytes}]}
+    ranks: dict | None = None  # expert ownership over a cluster's ranks (store/ranks.py), or None
 
     @classmethod
     def from_doc(cls, experts: dict) -> Layout:
         stripe = {int(L): st for L, st in (experts.get("stripe") or {}).items()}
-        return cls(experts.get("placement", "bandwidth"), {int(L): v for L, v in experts["locations"].items()}, stripe)
+        return cls(experts.get("placement", "bandwidth"), {int(L): v for L, v in experts["locations"].items()}, stripe,
+                   experts.get("ranks"))
 
     def to_doc(self) -> dict:
         doc = {"placement": self.policy, "locations": {str(L): v for L, v in sorted(self.locations.items())}}
         if self.stripe:
             doc["stripe"] = {str(L): v for L, v in sorted(self.stripe.items())}
+        if self.ranks is not None:
+            doc["ranks"] = self.ranks
         return doc
 
     def same_files(self, other: Layout) -> bool:
@@ -168,13 +172,34 @@ class PlaceReport:
     per_drive: dict[str, dict] = field(default_factory=dict)
 
 
-def place_model(model_dir: str, policy: str, *, trace_path: str | None = None, spare_gb: float | None = None,
-                drive_map: dict[str, str] | None = None, progress: bool = False) -> PlaceReport:
-    """Change a packed model's placement to ``policy``, moving only what must move (crash-safe)."""
+def rank_layout(pm: PackedModel, spec: str) -> Layout:
+    """The layout giving each rank of ``spec`` (store/ranks.py grammar) its experts on its own drives."""
+    from deltafin.store import ranks as rk
+
+    labels = [d.label for d in pm.drives]
+    specs = rk.parse_ranks(spec, labels)
+    rank_drives = [[labels.index(x) for x in r.drives] for r in specs]
+    rate = [d.gbps for d in pm.drives]
+    per_layer = sum(pm.file_bytes(L) for L in pm.moe_layers)
+    counts = rk.quotas(pm.num_experts, per_layer, specs, [sum(rate[d] for d in ds) for ds in rank_drives])
+    old = Layout.from_doc(pm.doc["experts"])
+    owners, locs = rk.plan_owners(old.locations, {L: pm.file_bytes(L) for L in pm.moe_layers}, rate, rank_drives,
+                                  counts)
+    return Layout("ranks", locs, {}, rk.ranks_doc(specs, owners))
+
+
+def place_model(model_dir: str, policy: str | None, *, trace_path: str | None = None, spare_gb: float | None = None,
+                drive_map: dict[str, str] | None = None, progress: bool = False,
+                ranks: str | None = None) -> PlaceReport:
+    """Change a packed model's placement to ``policy`` (or to the ownership of ``ranks``), moving only
+    what must move (crash-safe)."""
     t0 = time.perf_counter()
     resumed = resume(model_dir, drive_map, progress)
     pm = PackedModel.open(model_dir, drive_map)
-    new = model_layout(pm, policy, trace_path=trace_path, spare_gb=spare_gb)
+    if ranks is not None:
+        new = rank_layout(pm, ranks)
+    else:
+        new = model_layout(pm, policy, trace_path=trace_path, spare_gb=spare_gb)
     rep = apply_layout(pm, new, progress=progress)
     rep.resumed = resumed
     rep.seconds = time.perf_counter() - t0
@@ -208,7 +233,7 @@ def apply_layout(pm: PackedModel, new: Layout, *, progress: bool = False) -> Pla
     old = Layout.from_doc(pm.doc["experts"])
     rep = PlaceReport(new.policy)
     if old.same_files(new):
-        if old.policy != new.policy:
+        if old.policy != new.policy or old.ranks != new.ranks:
             _commit(pm, new)
         rep.per_drive = _per_drive(pm, new)
         return rep
@@ -375,7 +400,7 @@ def _install(final: str, data: memoryview) -> bool:
 
 def _commit(pm: PackedModel, new: Layout) -> None:
     doc = dict(pm.doc)
-    experts = {k: v for k, v in doc["experts"].items() if k not in ("stripe", "locations", "placement")}
+    experts = {k: v for k, v in doc["experts"].items() if k not in ("stripe", "locations", "placement", "ranks")}
     doc["experts"] = experts | new.to_doc()
     mf.validate(doc, os.path.join(pm.path, mf.MANIFEST))
     mf.write_json_atomic(os.path.join(pm.path, mf.MANIFEST), doc)
