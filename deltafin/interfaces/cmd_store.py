@@ -20,8 +20,10 @@ def _write_json(path: str | None, doc: dict) -> None:
 
 
 def _pack(args) -> int:
+    from deltafin.interfaces.paths import resolve_checkpoint
     from deltafin.store.drives import parse_drives
 
+    args.src = resolve_checkpoint(args.src)
     drives = parse_drives(args.drive)
     if args.plan:
         return _plan(args, drives)
@@ -32,6 +34,9 @@ def _pack(args) -> int:
     opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
                        args.trace, args.spare_gb)
     s = pack(args.src, args.out, drives, opts)
+    from deltafin.store.catalog import record
+
+    record(s.out, s.model_id)
     print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
           + (f", {s.repaired} repaired" if s.repaired else "") + f"), {s.expert_bytes / 1e9:.3f} GB experts, "
           f"{s.trunk_bytes / 1e9:.3f} GB trunk")
@@ -54,10 +59,11 @@ def _plan(args, drives) -> int:
 
 
 def _open(args):
+    from deltafin.interfaces.paths import resolve_packed
     from deltafin.store.manifest import parse_drive_map
     from deltafin.store.model_dir import PackedModel
 
-    return PackedModel.open(args.model, parse_drive_map(args.drive_map))
+    return PackedModel.open(resolve_packed(args.model), parse_drive_map(args.drive_map))
 
 
 def _verify(args) -> int:
@@ -68,7 +74,7 @@ def _verify(args) -> int:
     model = _open(args)
     total = sum(model.file_bytes(L) * model.num_experts for L in model.moe_layers)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", dynamic_ncols=True) as bar:
-        rep = verify(model, args.threads, bar.update)
+        rep = verify(model, args.io_threads, bar.update)
     print(f"verified {rep.files:,} expert files, {rep.bytes / 1e9:.3f} GB in {rep.seconds:.1f} s "
           f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s): "
           + ("all good" if rep.ok else f"{len(rep.bad)} bad"))
@@ -82,8 +88,13 @@ def _verify(args) -> int:
 
 
 def _inspect(args) -> int:
+    from deltafin.interfaces.paths import resolve_checkpoint
+    from deltafin.store.catalog import find
     from deltafin.store.inspect import format_summary, model_summary, plan_summary
     from deltafin.store.manifest import MANIFEST
+
+    if not os.path.exists(args.model) and find(args.model) is None:
+        args.model = resolve_checkpoint(args.model)
 
     if not os.path.exists(os.path.join(args.model, MANIFEST)) and os.path.exists(
             os.path.join(args.model, "config.json")):
