@@ -163,40 +163,13 @@ def _report(eng, args) -> None:
 
 
 def _chat(args) -> int:
-    from deltafin.interfaces.prompt import stop_strings
+    from deltafin.interfaces.repl import run_chat
 
-    """Multi-turn: the model state is kept between turns; each turn feeds only its new tokens."""
     eng = open_engine(args)
-    if eng.codec is None:
-        raise UsageError(f"{eng.packed.path} has no tokenizer files, so chat is not possible")
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    state, pending = eng.new_state(), None
     try:
-        while True:
-            try:
-                line = input("you> ") if sys.stdin.isatty() else sys.stdin.readline()
-            except EOFError:
-                break
-            if not line or line.strip() in ("/exit", "/quit"):
-                break
-            new = _turn_tokens(eng, messages, line.rstrip("\n"), pending)
-            if new is None:  # the template cannot extend the history: replay the conversation
-                state = eng.new_state()
-                new = eng.codec.chat(messages)
-            sys.stdout.write("assistant> ")
-            for _, delta in eng.generate(new, args.max_tokens, sampling_params(args), state=state,
-                                         stop_strings=stop_strings(args)):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            st = eng.last_stats
-            # A stop token ends the reply but was not fed to the model yet; it starts the next turn.
-            pending = st.tokens[-1] if st.tokens and st.stop_reason == "stop token" else None
-            messages.append({"role": "assistant", "content": st.text})
-            _report(eng, args)
+        return run_chat(eng, args)
     finally:
         eng.close()
-    return 0
 
 
 def _turn_tokens(eng, messages: list[dict], user: str, pending: int | None) -> list[int] | None:
