@@ -42,6 +42,9 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spare-gb", type=float, default=None, help="replicas: GB per drive for extra copies")
     p.add_argument("--model-id", help="folder name of this model on the drives (default: OUT's name)")
     p.add_argument("--plan", action="store_true", help="print what the pack would write; read no weights")
+    p.add_argument("--create", action="store_true",
+                   help="create --drive folders that do not exist (by default a missing folder is an error: an "
+                        "unmounted drive's path would fill the disk that holds it)")
     p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
     p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
     p.add_argument("--no-progress", action="store_true")

@@ -167,7 +167,7 @@ def packed(tmp_path_factory):
     build_tiny("qwen3_moe", root / "src", vocab_size=320)
     save_byte_tokenizer(root / "src", 320)
     assert cli.main(["pack", str(root / "src"), str(root / "tiny-qwen"), "--drive", f"a:{root / 'da'}=2",
-                     "--drive", f"b:{root / 'db'}=1", "--no-progress"]) == 0
+                     "--drive", f"b:{root / 'db'}=1", "--create", "--no-progress"]) == 0
     return root
 
 
@@ -211,7 +211,7 @@ def test_list_and_rm(packed, tmp_path, capsys, monkeypatch):
 
     build_tiny("olmoe", tmp_path / "src")
     assert cli.main(["pack", str(tmp_path / "src"), str(tmp_path / "gone"), "--drive", f"{tmp_path / 'x'}=1",
-                     "--drive", f"{tmp_path / 'y'}=1", "--no-progress"]) == 0
+                     "--drive", f"{tmp_path / 'y'}=1", "--create", "--no-progress"]) == 0
     assert (tmp_path / "x" / "gone").is_dir() and (tmp_path / "y" / "gone").is_dir()
     assert cli.main(["rm", "gone", "--yes"]) == 0
     assert not (tmp_path / "x" / "gone").exists() and not (tmp_path / "y" / "gone").exists()

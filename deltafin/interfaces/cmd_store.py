@@ -21,10 +21,13 @@ def _write_json(path: str | None, doc: dict) -> None:
 
 def _pack(args) -> int:
     from deltafin.interfaces.paths import resolve_checkpoint
-    from deltafin.store.drives import parse_drives
+    from deltafin.store.drives import parse_drives, require_drives, shared_filesystems, shared_warning
 
     args.src = resolve_checkpoint(args.src)
     drives = parse_drives(args.drive)
+    require_drives(drives, args.create, plan=args.plan)
+    for group in shared_filesystems(drives):
+        print(f"[deltafin] warning: {shared_warning(group)}", file=sys.stderr)
     if args.plan:
         return _plan(args, drives)
     if not args.out:

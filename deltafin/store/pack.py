@@ -31,7 +31,7 @@ from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
 from deltafin.store.convert import check_expert_sources, expert_tensors, passthrough_sections, trunk_tensor
-from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
+from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -90,16 +90,19 @@ class PackSummary:
 
 def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None = None) -> list[mf.DriveEntry]:
     """Drive entries with rates; no --drive means one drive at OUT/experts. ``known`` holds the rates
-    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured."""
+    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured.
+    Folders on one filesystem are probed once and share its measured rate equally."""
     if not args:
         args = [DriveArg("d0", os.path.join(os.path.abspath(out), "experts"), None)]
-    entries = []
     for a in args:
         ensure_writable(a.path, a.label)
+    rates = measured_rates([a for a in args if a.gbps is None and not (known and a.label in known)])
+    entries = []
+    for a in args:
         if known and a.label in known:
             gbps, measured = float(known[a.label][0]), bool(known[a.label][1])
         else:
-            gbps, measured = (a.gbps, False) if a.gbps is not None else (probe_read_gbps(a.path, a.label), True)
+            gbps, measured = (a.gbps, False) if a.gbps is not None else (rates[a.label], True)
         entries.append(mf.DriveEntry(a.label, a.path, gbps, measured))
     return entries
 
