@@ -88,3 +88,36 @@ def test_one_probe_per_filesystem(tmp_path, monkeypatch):
         (tmp_path / n).mkdir()
     rates = measured_rates(parse_drives([f"a:{tmp_path / 'a'}", f"b:{tmp_path / 'b'}"]))
     assert calls == ["a"] and rates == {"a": 1.5, "b": 1.5}
+
+
+def test_repack_with_new_rates_moves_only_what_must_move(src, tmp_path, capsys):
+    from deltafin.store.model_dir import PackedModel
+    from deltafin.store.verify import verify
+
+    out, a, b = tmp_path / "m", tmp_path / "a", tmp_path / "b"
+    base = ["pack", str(src), str(out), "--create", "--no-progress", "--json", str(tmp_path / "s.json")]
+    assert cli.main([*base, "--drive", f"a:{a}=3", "--drive", f"b:{b}=1"]) == 0
+    before = PackedModel.open(str(out))
+    old = {(L, e): before.locations(L, e) for L in before.moe_layers for e in range(before.num_experts)}
+    capsys.readouterr()
+    assert cli.main([*base, "--drive", f"a:{a}=1", "--drive", f"b:{b}=1"]) == 0
+    text = capsys.readouterr().out
+    s = json.loads((tmp_path / "s.json").read_text())
+    after = PackedModel.open(str(out))
+    changed = sum(after.locations(L, e) != loc for (L, e), loc in old.items())
+    assert "moved only what the new drive rates or placement need" in text
+    assert s["moved"] == [changed, changed] and 0 < changed < len(old) and s["written"] == changed
+    assert [d.gbps for d in after.drives] == [1.0, 1.0]
+    assert verify(after).ok
+    files = {L: sum(after.locations(L, e) == [0] for e in range(after.num_experts)) for L in after.moe_layers}
+    assert all(n == after.num_experts // 2 for n in files.values())  # equal rates: equal shares
+    # the same command again: nothing to do
+    assert cli.main([*base, "--drive", f"a:{a}=1", "--drive", f"b:{b}=1"]) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["written"] == 0 and s["moved"] is None
+    # a new placement is a move too (the files stay valid: verify reassembles striped experts)
+    assert cli.main([*base, "--drive", f"a:{a}=1", "--drive", f"b:{b}=1", "--placement", "stripe-equal"]) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["moved"] is not None and s["moved"][0] > 0
+    striped = PackedModel.open(str(out))
+    assert striped.stripe(striped.moe_layers[0]) is not None and verify(striped).ok

@@ -40,13 +40,20 @@ def _pack(args) -> int:
     from deltafin.store.catalog import record
 
     record(s.out, s.model_id)
-    print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
-          + (f", {s.repaired} repaired" if s.repaired else "") + f"), {s.expert_bytes / 1e9:.3f} GB experts, "
-          f"{s.trunk_bytes / 1e9:.3f} GB trunk")
-    print(f"  wrote {s.bytes_written / 1e9:.3f} GB in {s.seconds:.1f} s ({s.write_gbps:.2f} GB/s); "
-          f"peak RSS {s.peak_rss_bytes / 2**20:,.0f} MiB")
+    from deltafin import fmt
+
+    if s.moved is not None:
+        print(f"{s.out}: already packed; moved only what the new drive rates or placement need: copied "
+              f"{s.moved[0]:,} expert files ({fmt.size(s.bytes_written)}), deleted {s.moved[1]:,}, kept "
+              f"{s.skipped:,} in place, in {fmt.duration(s.seconds)}")
+    else:
+        print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
+              + (f", {s.repaired} repaired" if s.repaired else "") + f"), {fmt.size(s.expert_bytes)} experts, "
+              f"{fmt.size(s.trunk_bytes)} trunk")
+        print(f"  wrote {fmt.size(s.bytes_written)} in {fmt.duration(s.seconds)} ({fmt.gbps(s.write_gbps)}); "
+              f"peak RSS {fmt.size(s.peak_rss_bytes)}")
     for label, d in s.per_drive.items():
-        print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
+        print(f"  {label:<8} {d['path']}  {fmt.gbps(d['gbps'])}  {d['files']:,} files  {fmt.size(d['bytes'])}")
     _write_json(args.json, {k: getattr(s, k) for k in s.__dataclass_fields__} | {"write_gbps": s.write_gbps})
     return 0
 

@@ -82,6 +82,7 @@ class PackSummary:
     seconds: float
     peak_rss_bytes: int
     per_drive: dict[str, dict]
+    moved: tuple[int, int] | None = None  # a re-run with new rates or placement: (files copied, files deleted)
 
     @property
     def write_gbps(self) -> float:
@@ -125,6 +126,10 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         drive_args = [DriveArg("d0", os.path.join(out, "experts"), None)]
     model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
     digest = fingerprint(plan, drive_args, model_id, opts)
+    from deltafin.store.repack import move_to_new_rates, same_files_other_rates
+
+    if same_files_other_rates(out, prior, plan, drive_args, model_id, opts, digest):
+        return move_to_new_rates(out, plan, drive_args, opts, digest)
     state = load_state(out, digest) or state_from_manifest(prior, digest) or new_state(digest)
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
