@@ -22,6 +22,8 @@ COMMANDS = {
     "classify": ("cmd_jobs", "probability of each label as the next tokens, for many inputs; resumable"),
     "place": ("cmd_drives", "change where expert files live (placement policy), moving only what must move"),
     "simulate": ("cmd_drives", "what-ifs for Kimi K3 over drive sets: tok/s, time to first token, scaling plots"),
+    "list": ("cmd_models", "list packed models: size, drives, where their files are"),
+    "rm": ("cmd_models", "remove a packed model: its expert folders on every drive and its model folder"),
 }
 
 
@@ -41,6 +43,9 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spare-gb", type=float, default=None, help="replicas: GB per drive for extra copies")
     p.add_argument("--model-id", help="folder name of this model on the drives (default: OUT's name)")
     p.add_argument("--plan", action="store_true", help="print what the pack would write; read no weights")
+    p.add_argument("--create", action="store_true",
+                   help="create --drive folders that do not exist (by default a missing folder is an error: an "
+                        "unmounted drive's path would fill the disk that holds it)")
     p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
     p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
     p.add_argument("--allow-nonfinite", action="store_true",
@@ -115,10 +120,49 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--json", metavar="PATH")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default where it has a meaningful one (not None, off or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        h = action.help or ""
+        d = action.default
+        if (not action.option_strings or d is None or isinstance(d, bool) or d == argparse.SUPPRESS or d == []
+                or "default" in h.lower() or h == argparse.SUPPRESS):
+            return action.help
+        return f"{h} (default: %(default)s)" if h else "(default: %(default)s)"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_logging(p: argparse.ArgumentParser, top: bool) -> None:
+    """-v and --log-level on the top parser and on every subcommand, so they work before or after it."""
+    keep = {} if top else {"default": argparse.SUPPRESS}  # a subcommand's absent flag keeps the top's value
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details (--log-level info)", **keep)
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)} (default: warning; info with -v)", **keep)
+
+
+def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [c for a in p._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+
+
+def _finish(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """Every parser in the tree: defaults in help, and the logging flags anywhere on the line."""
+    p.formatter_class = HelpFormatter
+    if not top:
+        _add_logging(p, top=False)
+    for child in _subparsers(p):
+        _finish(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from deltafin import __version__
+
     ap = argparse.ArgumentParser(prog="deltafin", description="Run MoE models far larger than memory by "
                                  "streaming routed experts from SSDs.")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--version", action="version", version=f"deltafin {__version__}")
+    _add_logging(ap, top=True)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -127,23 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
         elif name in ("verify", "inspect"):
             _add_model(p)
             if name == "verify":
-                p.add_argument("--threads", type=int, default=4)
+                p.add_argument("--io-threads", "--threads", dest="io_threads", type=int, default=4,
+                               help="reader threads (reads in flight)")
         elif name == "demo":
             p.add_argument("--dir", help="work folder (default: a new temp dir)")
             p.add_argument("--keep", action="store_true", help="keep the work folder")
         elif name == "bench":
             _add_bench(p)
         elif name in ("run", "chat"):
-            from deltafin.interfaces.cmd_run import add_engine_args, add_sampling_args
+            from deltafin.interfaces.cmd_run import add_engine_args, add_prompt_args, add_sampling_args
 
             add_engine_args(p)
             add_sampling_args(p)
-            if name == "run":
-                p.add_argument("-p", "--prompt", help="prompt text")
-                p.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-                p.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user turn")
-            else:
-                p.add_argument("--system", help="system message")
+            add_prompt_args(p, name)
         elif name in ("serve", "batch", "classify"):
             from deltafin.interfaces import cmd_jobs, cmd_serve
 
@@ -153,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
             from deltafin.interfaces import cmd_drives
 
             (cmd_drives.add_place_args if name == "place" else cmd_drives.add_simulate_args)(p)
+        elif name in ("list", "rm"):
+            from deltafin.interfaces import cmd_models
+
+            (cmd_models.add_list_args if name == "list" else cmd_models.add_rm_args)(p)
+    _finish(ap, top=True)
     return ap
 
 
@@ -160,9 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
 CLUSTER_COMMANDS = ("run", "chat", "serve", "batch", "classify")
 
 
+def _log_level(args: argparse.Namespace) -> int:
+    if getattr(args, "log_level", None):
+        return getattr(logging, args.log_level.upper())
+    return logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=_log_level(args), format="%(levelname)s %(message)s")
     world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
     name = getattr(args, "module", None) or COMMANDS[args.command][0]
     if world > 1 and args.command in CLUSTER_COMMANDS and rank != 0:

@@ -7,7 +7,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ from deltafin.models import registry
 from deltafin.models.base import SequenceState
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
-from deltafin.runtime.prefill_plan import plan_prefill
+from deltafin.runtime.prefill_plan import default_context, plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
 from deltafin.runtime.stats import RunStats
@@ -37,7 +37,7 @@ class EngineOptions:
     verify_reads: bool = True  # every expert read checked against its checksum (in the reader threads)
     drive_map: dict | None = None
     emulate_drives: str | None = None
-    max_len: int = 4096
+    max_len: int | None = 4096  # None: the model's max_position_embeddings, lowered to what free memory holds
     prefill_gb: float | None = None  # None: a quarter of available memory, at least 1 GB
     record_routes: str | None = None  # write the routing trace (JSONL, deltafin.io.routes) of decoded tokens here
     read_deadline_s: float | None = None  # least seconds a read may take before it is retried (ReadDeadline)
@@ -110,12 +110,15 @@ class ForeignDrive:
 
 
 def resolve_device(name: str) -> torch.device:
+    if name == "auto":  # as the other local runners do: the GPU when there is one
+        return torch.device("cuda" if torch.cuda.is_available() else
+                            "mps" if torch.backends.mps.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
     if name == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--device mps: the Apple GPU is not available to torch here; use --device cpu")
     if name not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose cpu, cuda or mps")
+        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose auto, cpu, cuda or mps")
     return torch.device(name)
 
 
@@ -161,6 +164,10 @@ class Engine:
 
         self.codec = load_codec(self.packed.path, self.packed.config)
         self.prefill_bytes = int(opts.prefill_gb * GB) if opts.prefill_gb is not None else default_prefill_bytes()
+        self.context_reason = "given"
+        if opts.max_len is None:
+            n, self.context_reason = default_context(self.packed.text_config, self._state_budget())
+            self.opts = opts = replace(opts, max_len=n)
         self.routes = None
         if opts.record_routes:
             self.record_routes(opts.record_routes)
@@ -208,6 +215,15 @@ class Engine:
     def cluster_stats(self) -> list[dict]:
         """Every rank's ``rank_stats`` (the leader asks the followers); one entry without a cluster."""
         return [self.rank_stats()] if self.dist is None else self.dist.stats(self.rank_stats())
+    def _state_budget(self) -> int:
+        """Half of the memory left for sequence state once the expert cache is full, on the state's device."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return max(int((free - self.cache_bytes) * 0.5), 0)
 
     def record_routes(self, path: str | None):
         """Write the routes of every one-token forward pass (decode steps) to ``path`` as JSONL, or stop (None).

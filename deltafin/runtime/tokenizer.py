@@ -15,6 +15,16 @@ class TextCodec:
     impl: object
     kind: str  # "hf" | "kimi"
     eos_ids: tuple[int, ...]
+    bos_id: int | None = None  # put before a plain prompt: set only where the tokenizer config asks for it
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.kind == "kimi" or bool(getattr(self.impl, "chat_template", None))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A plain-text prompt as the model saw text in training: BOS first where the tokenizer config says so."""
+        ids = self.encode(text)
+        return [self.bos_id] + ids if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "kimi":
@@ -92,5 +102,17 @@ def load_codec(model_dir: str, config: dict) -> TextCodec | None:
 
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         extra = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        return TextCodec(tok, "hf", tuple(sorted(set(eos_ids) | set(extra))))
+        bos = tok.bos_token_id if _asks_for_bos(model_dir) else None
+        return TextCodec(tok, "hf", tuple(sorted(set(eos_ids) | set(extra))), bos)
     return None
+
+
+def _asks_for_bos(model_dir: str) -> bool:
+    """tokenizer_config.json's add_bos_token (Llama-style tokenizers set it; most MoE checkpoints do not)."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("add_bos_token", False))
+    except (OSError, ValueError):
+        return False

@@ -30,7 +30,7 @@ from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
 from deltafin.store.convert import TrunkStream, check_expert_sources, expert_tensors, passthrough_sections
-from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
+from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -84,6 +84,7 @@ class PackSummary:
     seconds: float
     peak_rss_bytes: int
     per_drive: dict[str, dict]
+    moved: tuple[int, int] | None = None  # a re-run with new rates or placement: (files copied, files deleted)
 
     @property
     def write_gbps(self) -> float:
@@ -92,16 +93,19 @@ class PackSummary:
 
 def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None = None) -> list[mf.DriveEntry]:
     """Drive entries with rates; no --drive means one drive at OUT/experts. ``known`` holds the rates
-    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured."""
+    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured.
+    Folders on one filesystem are probed once and share its measured rate equally."""
     if not args:
         args = [DriveArg("d0", os.path.join(os.path.abspath(out), "experts"), None)]
-    entries = []
     for a in args:
         ensure_writable(a.path, a.label)
+    rates = measured_rates([a for a in args if a.gbps is None and not (known and a.label in known)])
+    entries = []
+    for a in args:
         if known and a.label in known:
             gbps, measured = float(known[a.label][0]), bool(known[a.label][1])
         else:
-            gbps, measured = (a.gbps, False) if a.gbps is not None else (probe_read_gbps(a.path, a.label), True)
+            gbps, measured = (a.gbps, False) if a.gbps is not None else (rates[a.label], True)
         entries.append(mf.DriveEntry(a.label, a.path, gbps, measured))
     return entries
 
@@ -124,6 +128,10 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         drive_args = [DriveArg("d0", os.path.join(out, "experts"), None)]
     model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
     digest = fingerprint(plan, drive_args, model_id, opts)
+    from deltafin.store.repack import move_to_new_rates, same_files_other_rates
+
+    if same_files_other_rates(out, prior, plan, drive_args, model_id, opts, digest):
+        return move_to_new_rates(out, plan, drive_args, opts, digest)
     state = load_state(out, digest) or state_from_manifest(prior, digest) or new_state(digest)
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
