@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from deltafin.errors import UsageError
+
+SEED_MAX = 2**64 - 1  # torch generators take 64-bit seeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,12 +20,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UsageError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p}")
         if self.top_k < 0:
             raise UsageError(f"top_k must be >= 0 (0 means no limit), got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed <= SEED_MAX:
+            raise UsageError(f"seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
