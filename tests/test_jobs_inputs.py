@@ -161,3 +161,16 @@ def test_classify_jsonl_with_a_lone_surrogate_is_refused(tmp_path):
     p.write_text('{"id": "a", "text": "x\\udfff"}\n')
     with pytest.raises(UsageError, match="line 1: field 'text' holds a lone surrogate"):
         gather_inputs(str(p))
+
+
+def test_ids_that_collide_in_csv_and_a_fifo_output_are_refused(tmp_path):
+    from deltafin.jobs.classify import Item, _check_written_ids
+    from deltafin.jobs.results import ResultLog
+
+    out = ResultLog(str(tmp_path / "o.csv"), "csv", ["id", "label"])
+    with pytest.raises(UsageError, match="same once written"):  # ClassifyRun.run checks this before any work
+        _check_written_ids([Item("a\nb", "a\nb", "x"), Item("a b", "a b", "y")], out)
+    out.close()
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="is a FIFO"):
+        _bounded(lambda: ResultLog(str(tmp_path / "fifo")), 30)

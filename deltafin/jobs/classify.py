@@ -265,6 +265,17 @@ class ClassifySummary:
                 f"read {size(self.bytes_read)} ({size(self.bytes_read / max(self.scored, 1))} per input)")
 
 
+def _check_written_ids(items: list[Item], out: ResultLog) -> None:
+    """Two ids that read back the same from the output (CSV turns newlines into spaces) would make a re-run
+    skip one of them: refused before any work."""
+    seen: dict[str, str] = {}
+    for it in items:
+        k = out.key_of(it.key)
+        if seen.setdefault(k, it.key) != it.key:
+            raise UsageError(f"ids {seen[k]!r} and {it.key!r} are the same once written to {out.path} (a CSV cell "
+                             f"holds no line breaks); give them ids that differ, or write JSONL")
+
+
 class ClassifyRun:
     def __init__(self, clf: Classifier, out: ResultLog, batch_size: int, progress=None):
         if batch_size < 1:
@@ -278,6 +289,7 @@ class ClassifyRun:
             self.progress.update(1)
 
     def run(self, items: list[Item]) -> ClassifySummary:
+        _check_written_ids(items, self.out)
         s = self.summary
         todo = [it for it in items if not self.out.has(it.key)]
         s.inputs, s.skipped = len(items), len(items) - len(todo)
