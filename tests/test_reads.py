@@ -297,3 +297,27 @@ def test_bench_decode_reports_the_checksum_cost_beside_the_drive(tmp_path, capsy
 
     _print({**rec, "verify_reads": False})  # what --no-verify-reads prints
     assert "reads not verified (--no-verify-reads)" in capsys.readouterr().out
+
+
+def test_a_late_piece_of_a_striped_expert_is_retried_then_reported(k3, tmp_path):
+    model = str(tmp_path / "model")
+    pack(str(k3[0] / "src"), model, parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
+         PackOptions(placement="stripe-bandwidth", progress=False))
+    pm = PackedModel.open(model)
+    readers = _readers(pm, 0, "/L0", hangs=1)  # one piece read hangs; the drive's other thread serves its retry
+    got, source = _forward(pm, readers)
+    assert torch.equal(got, k3[1]) and source.stats.late_reads == 1
+    assert not source.pool.buffers._retired  # the buffer the late read holds was dropped, not reused
+    readers = _readers(pm, 1, "/L0")  # every piece on d1 hangs: no other copy
+    with pytest.raises(ReadError, match=r"did not complete in .*twice \(the piece at byte \d+ of layer \d+ expert"):
+        _forward(pm, readers)
+
+
+def test_read_deadline_option():
+    from deltafin.errors import UsageError
+    from deltafin.runtime.engine import _deadline
+
+    assert _deadline(None) == ReadDeadline() and _deadline(2.5).min_s == 2.5
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="--read-deadline"):
+            _deadline(bad)

@@ -97,6 +97,7 @@ def _classify(args) -> int:
         Classifier,
         ClassifyRun,
         check_template,
+        check_text,
         csv_columns,
         gather_inputs,
         parse_labels,
@@ -105,7 +106,12 @@ def _classify(args) -> int:
 
     labels = parse_labels(args.labels)
     check_template(args.template)  # before the model loads
-    items = gather_inputs(args.inputs)
+    check_text(args.label_prefix, "--label-prefix")
+    skipped: list[str] = []
+    items = gather_inputs(args.inputs, skipped)
+    if skipped and not args.quiet:
+        print(f"[deltafin] skipped {len(skipped)} special file(s) in {args.inputs}: " + "; ".join(skipped),
+              file=sys.stderr)
     fmt = args.format or ("csv" if args.out.endswith(".csv") else "jsonl")
     eng = open_engine(args)
     try:

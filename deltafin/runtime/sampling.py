@@ -8,11 +8,14 @@ them set, the choice is made from the model's logits untouched (greedy stays ``a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from deltafin.errors import UsageError
+
+SEED_MAX = 2**64 - 1  # torch generators take 64-bit seeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +31,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UsageError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1] (1 keeps every token), got {self.top_p}")
         if self.top_k < 0:
@@ -38,6 +41,8 @@ class SamplingParams:
             raise UsageError(f"min_p must be in [0, 1] (0 keeps every token), got {self.min_p}")
         if not self.repetition_penalty > 0:
             raise UsageError(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}")
+        if self.seed is not None and not -(2**63) <= self.seed <= SEED_MAX:
+            raise UsageError(f"seed must fit in 64 bits (-2^63 to 2^64 - 1), got {self.seed}")
 
     @property
     def processed(self) -> bool:
