@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from deltafin import cli
 from deltafin.errors import CheckpointError, ExpertChecksumError
@@ -200,3 +199,111 @@ def test_resumed_delete_checks_the_new_copies_first(k3src, tmp_path, monkeypatch
         place_model(str(model), "bandwidth")
     other = pm.expert_path(L, 4, 1 - before[str(L)][4][0])
     assert os.path.exists(other)  # the only copy left was not deleted
+
+
+# ---------------------------------------------------------------- the door: checkpoints, configs, arguments
+
+
+@pytest.fixture(scope="module")
+def qsrc(tmp_path_factory) -> Path:
+    from deltafin.tiny import build_tiny, save_byte_tokenizer
+
+    src = tmp_path_factory.mktemp("qwen") / "src"
+    build_tiny("qwen3_moe", src, vocab_size=320)
+    save_byte_tokenizer(src, 320)
+    return src
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(src: Path, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for f in src.glob("*.safetensors"):
+        t = load_file(str(f))
+        fn(t)
+        save_file(t, str(f), metadata={"format": "pt"})
+
+
+def _pack_cli(src: Path, root: Path, *extra: str) -> list[str]:
+    return ["pack", str(src), str(root / "model"), "--drive", f"{root}/d0=2", "--no-progress", *extra]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: [c], "a JSON list, not an object"),
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "hidden_size"),
+    (lambda c: c | {"hidden_size": "64"}, 'hidden_size = "64" must be a positive integer'),
+    (lambda c: c | {"num_experts_per_tok": 9}, "num_experts_per_tok = 9 is more than the 8 experts"),
+    (lambda c: c | {"num_hidden_layers": -3}, "num_hidden_layers = -3 must be a positive integer"),
+    (lambda c: c | {"rms_norm_eps": float("nan")}, "rms_norm_eps = NaN must be a finite number"),
+    (lambda c: c | {"vocab_size": 512}, "vocab_size x hidden_size = 512 x 64"),
+])
+def test_bad_config_is_refused_by_plan_and_pack(qsrc, tmp_path, capsys, edit, needle):
+    src = _copy(qsrc, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(edit(cfg)))
+    _expect_error(capsys, ["pack", "--plan", str(src), "--drive", f"{tmp_path}/d0=2"], needle)
+    _expect_error(capsys, _pack_cli(src, tmp_path), needle)
+    assert not (tmp_path / "model" / mf.MANIFEST).exists()
+
+
+def test_garbage_tokenizer_and_foreign_vocab_are_refused(qsrc, tmp_path, capsys):
+    src = _copy(qsrc, tmp_path / "src")
+    (src / "tokenizer.json").write_bytes(b"\x00garbage{")
+    _expect_error(capsys, _pack_cli(src, tmp_path), "tokenizer.json: not a valid tokenizer")
+    (src / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 400}}}))
+    _expect_error(capsys, _pack_cli(src, tmp_path), "token id 400 does not fit the model's vocab_size 320")
+
+
+def test_hostile_safetensors_header_and_index(qsrc, tmp_path, capsys):
+    src = _copy(qsrc, tmp_path / "src")
+    shard = next(src.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.write((1 << 62).to_bytes(8, "little"))
+    _expect_error(capsys, ["pack", "--plan", str(src), "--drive", f"{tmp_path}/d0=2"],
+                  f"{shard}: safetensors header length {1 << 62:,} does not fit")
+    src2 = _copy(qsrc, tmp_path / "src2")
+    outside = tmp_path / "x.safetensors"
+    os.replace(next(src2.glob("*.safetensors")), outside)
+    from safetensors import safe_open
+
+    with safe_open(str(outside), "pt") as f:
+        names = list(f.keys())
+    (src2 / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "../../x.safetensors" for n in names}}))
+    _expect_error(capsys, ["pack", "--plan", str(src2)], "names shard '../../x.safetensors', which is not a file "
+                  "inside")
+
+
+def test_transposed_expert_names_the_file(tmp_path, capsys):
+    from deltafin.tiny import build_tiny
+
+    for every in (False, True):
+        src = tmp_path / f"src{every}"
+        build_tiny("qwen3_moe", src, moe_intermediate_size=96)  # [64, 96]: a transposed one cannot pass
+
+        def transpose(t, every=every):
+            for k in [k for k in t if k.endswith("down_proj.weight") and ".experts." in k]:
+                if every or ".experts.3." in k:
+                    t[k] = t[k].T.contiguous()
+        _edit_tensors(src, transpose)
+        capsys.readouterr()
+        needle = "(the tensor is transposed)" if every else "expected BF16 [64, 96] as"
+        err = _expect_error(capsys, ["pack", "--plan", str(src)], "model.safetensors: model.layers.", needle)
+        assert "transposed" in err
+
+
+@pytest.mark.parametrize("arg", ["nan", "inf", "-1", "0"])
+def test_drive_rate_must_be_finite_and_positive(qsrc, tmp_path, capsys, arg):
+    _expect_error(capsys, ["pack", "--plan", str(qsrc), "--drive", f"{tmp_path}/d0={arg}"],
+                  "must be a finite, positive number of GB/s")
+
+
+def test_out_an_existing_file(qsrc, tmp_path, capsys):
+    (tmp_path / "model").write_text("not a folder")
+    _expect_error(capsys, _pack_cli(qsrc, tmp_path), "exists and is not a folder")

@@ -13,7 +13,6 @@ from deltafin.errors import DeltafinError, DriveError, NotEnoughSpaceError
 from deltafin.io.direct import MAX_IO
 
 
-
 def pread_full(fd: int, buf: memoryview, offset: int, path: str, error: type[DeltafinError]) -> int:
     """Fill ``buf`` from ``fd`` at ``offset``; returns the bytes read (fewer only at the end of the file).
     An OS error becomes ``error`` naming ``path``, the offset and the bytes asked for."""
