@@ -293,7 +293,7 @@ def test_transposed_expert_names_the_file(tmp_path, capsys):
                     t[k] = t[k].T.contiguous()
         _edit_tensors(src, transpose)
         capsys.readouterr()
-        needle = "(the tensor is transposed)" if every else "expected BF16 [64, 96] as"
+        needle = "(the tensor is transposed)" if every else "expected F32 [64, 96] as"
         err = _expect_error(capsys, ["pack", "--plan", str(src)], "model.safetensors: model.layers.", needle)
         assert "transposed" in err
 
