@@ -307,3 +307,104 @@ def test_drive_rate_must_be_finite_and_positive(qsrc, tmp_path, capsys, arg):
 def test_out_an_existing_file(qsrc, tmp_path, capsys):
     (tmp_path / "model").write_text("not a folder")
     _expect_error(capsys, _pack_cli(qsrc, tmp_path), "exists and is not a folder")
+
+
+def test_disk_full_mid_pack_is_one_line_then_resumes(qsrc, tmp_path, capsys, monkeypatch):
+    import errno
+
+    real_write = os.write
+    calls = [0]
+
+    def full_after(fd, data):
+        calls[0] += 1
+        if calls[0] > 12:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", full_after)
+        _expect_error(capsys, _pack_cli(qsrc, tmp_path), "NotEnoughSpaceError", "disk full", "re-run the same command")
+    leftovers = [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+    assert not leftovers  # nothing half-written stays
+    assert cli.main(_pack_cli(qsrc, tmp_path)) == 0
+    assert verify(PackedModel.open(str(tmp_path / "model"))).ok
+
+
+def test_repair_when_an_expert_path_is_a_folder(qsrc, tmp_path, capsys):
+    assert cli.main(_pack_cli(qsrc, tmp_path)) == 0
+    pm = PackedModel.open(str(tmp_path / "model"))
+    p = pm.expert_path(pm.moe_layers[0], 2)
+    os.unlink(p)
+    os.mkdir(p)
+    capsys.readouterr()
+    _expect_error(capsys, _pack_cli(qsrc, tmp_path, "--repair"), f"{p}: is a folder or special file")
+    assert os.path.isdir(p)
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    (("experts", "layouts", "1", "file_bytes"), 10 ** 15, "field experts.layouts.1.file_bytes = 1000000000000000"),
+    (("experts", "layouts", "1", "file_bytes"), "4096", 'experts.layouts.1.file_bytes = "4096" must be an integer'),
+    (("experts", "num_experts"), -8, "field experts.num_experts = -8 must be an integer >= 1"),
+    (("experts", "layers"), [1, "x"], "field experts.layers[1]"),
+    (("drives", 0, "gbps"), float("inf"), "read rate gbps > 0"),
+    (("trunk", "tensors", "model.norm.weight", "shape"), [-64], "trunk.tensors.model.norm.weight.shape[0] = -64"),
+])
+def test_manifest_fields_are_validated_by_one_schema(qsrc, tmp_path, capsys, path, value, needle):
+    assert cli.main(_pack_cli(qsrc, tmp_path)) == 0
+    p = tmp_path / "model" / mf.MANIFEST
+    doc = json.loads(p.read_text())
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    p.write_text(json.dumps(doc))
+    capsys.readouterr()
+    for cmd in ("verify", "inspect", "run"):
+        extra = ["--prompt-ids", "1,2", "-n", "1"] if cmd == "run" else []
+        _expect_error(capsys, [cmd, str(tmp_path / "model"), *extra], "ManifestError", needle)
+
+
+def test_verify_covers_the_trunk_and_run_names_a_damaged_trunk(qsrc, tmp_path, capsys):
+    assert cli.main(_pack_cli(qsrc, tmp_path)) == 0
+    model = tmp_path / "model"
+    trunk = sorted((model / "trunk").glob("*.safetensors"))
+    cut, flip = trunk[0], trunk[-1]
+    with open(cut, "r+b") as f:
+        f.truncate(os.path.getsize(cut) - 100)
+    with open(flip, "r+b") as f:
+        f.seek(os.path.getsize(flip) - 10)
+        f.write(b"\xff")
+    capsys.readouterr()
+    assert cli.main(["verify", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert f"BAD {cut}: " in err and "(truncated)" in err and f"BAD {flip}: checksum mismatch" in err, err
+    _expect_error(capsys, ["run", str(model), "--prompt-ids", "1,2", "-n", "1"], "TrunkFileError", str(cut),
+                  "truncated", "--repair")
+    assert cli.main(_pack_cli(qsrc, tmp_path, "--repair")) == 0
+    assert "2 repaired" in capsys.readouterr().out
+    assert cli.main(["verify", str(model)]) == 0
+
+
+def test_nonfinite_weights_are_refused_unless_allowed(qsrc, tmp_path, capsys):
+    for which, name in (("trunk", "model.layers.1.self_attn.q_proj.weight"),
+                        ("expert", "model.layers.2.mlp.experts.5.up_proj.weight")):
+        src = _copy(qsrc, tmp_path / f"src-{which}")
+
+        def poison(t, name=name):
+            t[name][3, 7] = float("nan")
+            t[name][4, 1] = float("inf")
+        _edit_tensors(src, poison)
+        _expect_error(capsys, _pack_cli(src, tmp_path / which, "--experts", "bf16"), name, "2 NaN/inf values",
+                      "--allow-nonfinite")
+        assert cli.main(_pack_cli(src, tmp_path / which, "--experts", "bf16", "--allow-nonfinite")) == 0
+
+
+def test_nan_mxfp4_scales_are_refused(k3src, tmp_path, capsys):
+    src = _copy(k3src, tmp_path / "src")
+    name = "language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight_scale"
+
+    def poison(t):
+        if name in t:
+            t[name][0, 0] = 0xFF
+    _edit_tensors(src, poison)
+    _expect_error(capsys, _pack_cli(src, tmp_path), name, "MXFP4 scales are NaN (0xFF)")
