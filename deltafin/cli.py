@@ -80,6 +80,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b = sub.add_parser("pack", help="pack throughput beside the disk's raw write rate")
     b.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
     b.add_argument("--gb", type=float, default=4.0, help="GB of expert bytes to pack (default 4)")
+    b.add_argument("--k3-slice", action="store_true",
+                   help="instead: pack and run a Kimi K3 slice at the real widths (vocab 163840, hidden 7168); "
+                        "reports pack's peak memory beside the largest tensor (writes ~10 GB of source)")
+    b.add_argument("--slice-layers", type=int, default=3, help="--k3-slice: layers (layer 0 dense, then MoE)")
+    b.add_argument("--slice-experts", type=int, default=32, help="--k3-slice: experts per MoE layer (real size)")
     b.add_argument("--json", metavar="PATH")
     b = _synthetic_bench(sub, "decode", "expert streaming at Kimi K3's expert size beside the raw read rate", 4, 64)
     b.add_argument("--synthetic", default="k3", choices=["k3"], help="synthetic model shape (K3 expert sizes)")

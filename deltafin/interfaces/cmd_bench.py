@@ -4,6 +4,11 @@ from __future__ import annotations
 
 
 def run(args) -> int:
+    if args.bench == "pack" and args.k3_slice:
+        from deltafin.bench.k3_slice import run as bench_slice
+
+        bench_slice(args.dir, args.slice_layers, args.slice_experts, json_path=args.json)
+        return 0
     if args.bench == "pack":
         from deltafin.bench.pack import run as bench_pack
 

@@ -13,11 +13,22 @@ from deltafin.store.checkpoint import Checkpoint, read_row, read_rows
 from deltafin.store.plan import PackPlan, RoleSource, TrunkEntry
 
 
-def expert_tensors(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int) -> dict[str, QTensor]:
-    """All tensors of one routed expert, in file order, in their output formats."""
+def expert_tensors(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int,
+                   allow_nonfinite: bool = False) -> dict[str, QTensor]:
+    """All tensors of one routed expert, in file order, in their output formats (NaN/inf refused unless
+    ``allow_nonfinite``)."""
     key = (layer, None) if plan.family.name == "gpt_oss" else (layer, expert)
     names = plan.expert_names[key]
-    return {r.role: _role(ckpt, r, names[r.role], expert) for r in plan.roles[layer]}
+    return {r.role: _role(ckpt, r, names[r.role], expert, allow_nonfinite) for r in plan.roles[layer]}
+
+
+def check_mxfp4_scales(scales: memoryview, name: str, row: int | None = None) -> None:
+    """An E8M0 scale of 0xFF is NaN (OCP MX v1.0): released MXFP4 bytes carrying one are damaged."""
+    t = torch.frombuffer(scales, dtype=torch.uint8) if len(scales) else torch.empty(0, dtype=torch.uint8)
+    if bool((t == 0xFF).any()):
+        what = name if row is None else f"{name}[{row}]"
+        raise CheckpointError(f"{what}: {int((t == 0xFF).sum()):,} MXFP4 scales are NaN (0xFF); the checkpoint is "
+                              f"damaged: re-download it, or pack with --allow-nonfinite to keep them as they are")
 
 
 def check_expert_sources(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: int) -> None:
@@ -53,7 +64,19 @@ def passthrough_sections(plan: PackPlan, layer: int, expert: int) -> list[tuple[
     return out
 
 
-def _role(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> QTensor:
+def _role(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int, allow: bool) -> QTensor:
+    q = _role_record(ckpt, r, kinds, expert)
+    if not allow:
+        name = next(iter(kinds.values()))
+        where = f" (expert {expert})" if r.src.startswith("oss") or r.src == "bias" else ""
+        if q.format == "mxfp4":
+            check_mxfp4_scales(memoryview(q.scale.contiguous().reshape(-1).numpy()), name)
+        else:
+            check_finite(q.data, name, where)
+    return q
+
+
+def _role_record(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> QTensor:
     if r.src == "ct_mxfp4" and r.out == "mxfp4":  # released QAT bytes: copied unchanged
         return QTensor("mxfp4", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
     if r.src == "ct_int4" and r.out == "int4g32":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -37,8 +38,8 @@ def parse_drive(arg: str, index: int) -> DriveArg:
             gbps = float(rate)
         except ValueError:
             raise UsageError(f"--drive {arg!r}: read rate {rate!r} is not a number of GB/s (e.g. =6.5)") from None
-        if gbps <= 0:
-            raise UsageError(f"--drive {arg!r}: read rate must be positive GB/s")
+        if not math.isfinite(gbps) or gbps <= 0:
+            raise UsageError(f"--drive {arg!r}: read rate {rate!r} must be a finite, positive number of GB/s (e.g. =6.5)")
     return DriveArg(label, os.path.abspath(spec), gbps)
 
 

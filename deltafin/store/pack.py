@@ -24,12 +24,18 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deltafin.errors import CheckpointError, ManifestError, UsageError
+from deltafin.errors import CheckpointError, ExpertFileError, ManifestError, UsageError
 from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
-from deltafin.store.convert import TrunkStream, check_expert_sources, expert_tensors, passthrough_sections
+from deltafin.store.convert import (
+    TrunkStream,
+    check_expert_sources,
+    check_mxfp4_scales,
+    expert_tensors,
+    passthrough_sections,
+)
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
 from deltafin.store.pack_state import (
     STATE,
@@ -120,6 +126,9 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
                               f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
     out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"{out}: exists and is not a folder; OUT is the model folder to write: pass a new or "
+                         f"existing folder")
     os.makedirs(out, exist_ok=True)
     prior = _prior_manifest(out)
     if not drive_args and prior is not None:  # a re-run (e.g. --repair) keeps the packed drives
@@ -326,7 +335,9 @@ class _Job:
 
     def _intact(self, L: int, e: int, digest: str) -> bool:
         files = [f[1] for f in self.files(L, e)]
-        if not all(os.path.exists(p) for p in files):
+        for p in files:
+            _check_not_folder(p)
+        if not all(os.path.isfile(p) for p in files):
             return False
         # a striped expert's pieces are checked together: only the whole expert has a checksum
         for group in ([files] if L in self.layout.stripe else [[p] for p in files]):
@@ -344,16 +355,19 @@ class _Job:
         try:
             sources = passthrough_sections(self.plan, L, e)
             if sources is None:
-                data = ef.encode_into(expert_tensors(self.ckpt, self.plan, L, e), L, e, buf)
+                data = ef.encode_into(expert_tensors(self.ckpt, self.plan, L, e, self.opts.allow_nonfinite), L, e, buf)
             else:  # released bytes: read straight into place, one copy
                 data = buf[: layout.file_bytes]
                 ef.header_into(layout, L, e, data)
                 secs = [sec for t in layout.tensors for sec in t.sections]
                 for sec, (name, row) in zip(secs, sources, strict=True):
                     read_into(self.ckpt, name, data[sec.offset : sec.offset + sec.nbytes], row)
+                    if sec.kind == "scale" and not self.opts.allow_nonfinite and layout_format(layout, sec) == "mxfp4":
+                        check_mxfp4_scales(data[sec.offset : sec.offset + sec.nbytes], name, row)
             assert len(data) == layout.file_bytes
             moves = []
             for _d, final, off, nbytes in self.files(L, e):
+                _check_not_folder(final)
                 moves.append((ef.write_tmp(final, data[off : off + nbytes], direct=True, sync=False), final))
                 with self._lock:
                     self.bytes_written += nbytes
@@ -406,6 +420,17 @@ class _Job:
                        for d in self.drives],
             "skipped": len(plan.skipped),
         }
+
+
+def layout_format(layout: ef.ExpertLayout, sec: ef.Section) -> str:
+    return next(t.format for t in layout.tensors if sec in t.sections)
+
+
+def _check_not_folder(path: str) -> None:
+    """Something other than a file under an expert's name is never replaced: it may be someone's data."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ExpertFileError(f"{path}: is a folder or special file, not an expert file; move it out of the way "
+                              f"and re-run the same command")
 
 
 def _read(path: str) -> bytes:
