@@ -86,6 +86,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--inputs", type=int, default=16, help="inputs to classify")
     b.add_argument("--tokens", type=int, default=128, help="tokens per input")
     b.add_argument("--batch", type=int, default=8, help="inputs prefilled together (one pass each)")
+    b = sub.add_parser("grammar", help="constrained decoding's token mask per token beside the lm_head's cost")
+    b.add_argument("--vocab", type=int, default=65_536, help="tokenizer vocabulary to train (default 65,536)")
+    b.add_argument("--tokens", type=int, default=200, help="tokens to choose under each grammar")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", metavar="PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -348,3 +348,20 @@ def test_tool_stream_holds_back_only_what_may_be_a_call():
     ts = ToolStream("hermes")
     shown = "".join(ts.feed(p) for p in ["a <t", "able>"])
     assert shown + ts.finish()[0] == "a <table>"
+
+
+def test_cli_run_takes_the_same_sampling_fields(model_dir, ref, capsys):
+    """`deltafin run` and the server share the sampler: the CLI's tokens equal Engine.generate's."""
+    from deltafin.cli import build_parser, main
+    from deltafin.interfaces.cmd_run import sampling_params
+
+    flags = ["--greedy", "--repetition-penalty", "3", "--presence-penalty", "0.5", "--frequency-penalty", "0.25",
+             "--min-p", "0.1"]
+    args = build_parser().parse_args(["run", model_dir, "-p", "aaaa aaaa", "-n", "12", *flags])
+    want = SamplingParams(0.0, 0.95, 0, None, 0.1, 0.5, 0.25, 3.0)
+    assert sampling_params(args) == want
+    capsys.readouterr()
+    assert main(["run", model_dir, "-p", "aaaa aaaa", "-n", "12", "--quiet", "--cache-gb", "0.05", *flags]) == 0
+    shown = "".join(d for _, d in ref.generate(ref.codec.encode("aaaa aaaa"), 12, want))
+    plain = "".join(d for _, d in ref.generate(ref.codec.encode("aaaa aaaa"), 12, SamplingParams()))
+    assert capsys.readouterr().out.rstrip("\n") == shown != plain

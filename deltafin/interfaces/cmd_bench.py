@@ -24,4 +24,9 @@ def run(args) -> int:
 
         bench_classify(args)
         return 0
+    if args.bench == "grammar":
+        from deltafin.bench.grammar import run as bench_grammar
+
+        bench_grammar(args)
+        return 0
     raise AssertionError(args.bench)
