@@ -402,3 +402,15 @@ def test_k3_tools_are_rendered_and_json_mode_keeps_to_the_schema(k3_served):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny-k3", messages=USER, tools=[WEATHER], tool_choice="required")
     assert e.value.body["param"] == "tool_choice" and "xtml" in e.value.body["message"]
+
+
+def test_server_starts_without_xgrammar(monkeypatch):
+    import sys
+
+    from deltafin.runtime.grammar import Grammars
+    from deltafin.serve.app import _grammars
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    assert _grammars(None, 10) is None
+    with pytest.raises(Exception, match="pip install 'deltafin\\[grammar\\]'"):
+        Grammars(None, 10).json_object()
