@@ -348,3 +348,69 @@ def test_tool_stream_holds_back_only_what_may_be_a_call():
     ts = ToolStream("hermes")
     shown = "".join(ts.feed(p) for p in ["a <t", "able>"])
     assert shown + ts.finish()[0] == "a <table>"
+
+
+def test_cli_run_takes_the_same_sampling_fields(model_dir, ref, capsys):
+    """`deltafin run` and the server share the sampler: the CLI's tokens equal Engine.generate's."""
+    from deltafin.cli import build_parser, main
+    from deltafin.interfaces.cmd_run import sampling_params
+
+    flags = ["--greedy", "--repetition-penalty", "3", "--presence-penalty", "0.5", "--frequency-penalty", "0.25",
+             "--min-p", "0.1"]
+    args = build_parser().parse_args(["run", model_dir, "-p", "aaaa aaaa", "-n", "12", *flags])
+    want = SamplingParams(0.0, 0.95, 0, None, 0.1, 0.5, 0.25, 3.0)
+    assert sampling_params(args) == want
+    capsys.readouterr()
+    assert main(["run", model_dir, "-p", "aaaa aaaa", "-n", "12", "--quiet", "--cache-gb", "0.05", *flags]) == 0
+    shown = "".join(d for _, d in ref.generate(ref.codec.encode("aaaa aaaa"), 12, want))
+    plain = "".join(d for _, d in ref.generate(ref.codec.encode("aaaa aaaa"), 12, SamplingParams()))
+    assert capsys.readouterr().out.rstrip("\n") == shown != plain
+
+
+@pytest.fixture(scope="module")
+def k3_served(tmp_path_factory):
+    from deltafin.k3_tiny import TINY_TOKENIZER_VOCAB, write_tiny_k3, write_tiny_k3_tokenizer
+    from deltafin.store.drives import parse_drives
+    from deltafin.store.pack import PackOptions, pack
+
+    root = tmp_path_factory.mktemp("k3serve")
+    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
+    write_tiny_k3_tokenizer(root / "src")
+    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=1"]), PackOptions(progress=False))
+    eng = Engine(str(root / "model"), EngineOptions(cache_gb=0.05, max_len=1024, threads=2))
+    worker = Worker(eng, max_batch=4).start()
+    with live(create_app(worker, "tiny-k3", limits=Limits(max_tokens=120))) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=T, max_retries=0)
+        yield c, eng
+        c.close()
+    worker.stop()
+    eng.close()
+
+
+def test_k3_tools_are_rendered_and_json_mode_keeps_to_the_schema(k3_served):
+    """Kimi K3's own tokenizer (tiktoken ranks, XTML template): tools in its tool-declare message, and the
+    grammar built from its raw byte vocabulary."""
+    c, eng = k3_served
+    a = {"65": 100}  # a byte token: the random model may otherwise pick an id the tokenizer leaves unused
+    plain = c.chat.completions.create(model="tiny-k3", messages=USER, max_tokens=2, temperature=0, logit_bias=a)
+    auto = c.chat.completions.create(model="tiny-k3", messages=USER, tools=[WEATHER], max_tokens=2, temperature=0,
+                                     logit_bias=a)
+    assert auto.usage.prompt_tokens == len(eng.codec.chat(USER, tools=[WEATHER])) > plain.usage.prompt_tokens
+    r = c.chat.completions.create(model="tiny-k3", messages=USER, max_tokens=100, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop" and set(json.loads(r.choices[0].message.content)) == {"ok", "color"}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-k3", messages=USER, tools=[WEATHER], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "xtml" in e.value.body["message"]
+
+
+def test_server_starts_without_xgrammar(monkeypatch):
+    import sys
+
+    from deltafin.runtime.grammar import Grammars
+    from deltafin.serve.app import _grammars
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    assert _grammars(None, 10) is None
+    with pytest.raises(Exception, match="pip install 'deltafin\\[grammar\\]'"):
+        Grammars(None, 10).json_object()

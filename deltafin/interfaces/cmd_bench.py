@@ -41,4 +41,9 @@ def run(args) -> int:
 
             write_json_atomic(args.json, rec)
         return 0
+    if args.bench == "grammar":
+        from deltafin.bench.grammar import run as bench_grammar
+
+        bench_grammar(args)
+        return 0
     raise AssertionError(args.bench)

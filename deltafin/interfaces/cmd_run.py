@@ -54,10 +54,16 @@ def add_sampling_args(p) -> None:
                                                              "whose probability reaches this")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this x the top token's probability")
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens already seen (1: none)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from seen tokens' logits")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from seen tokens' logits once per time they were generated")
     p.add_argument("--stop", action="append", default=[],
                    help="stop string, repeatable; backslash escapes are read (\\n\\n: a blank line)")
-
     add_thinking_args(p)
+
 
 def add_thinking_args(p) -> None:
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
@@ -170,7 +176,8 @@ def sampling_params(args):
     from deltafin.runtime.sampling import SamplingParams
 
     temp = 0.0 if args.greedy else args.temperature
-    return SamplingParams(temp, args.top_p, args.top_k, args.seed)
+    return SamplingParams(temp, args.top_p, args.top_k, args.seed, args.min_p, args.presence_penalty,
+                          args.frequency_penalty, args.repetition_penalty)
 
 
 def run(args) -> int:

@@ -97,9 +97,11 @@ def tokenizer_info(xgr, codec, vocab_size: int):
     eos = list(codec.eos_ids)
     if codec.kind == "hf":
         return xgr.TokenizerInfo.from_huggingface(codec.impl, vocab_size=vocab_size, stop_token_ids=eos)
-    tok = codec.impl  # Kimi's tiktoken ranks: raw bytes per id, specials empty (never matched as text)
-    vocab = [b"" if tok.is_special(i) else tok.id_to_bytes(i) for i in range(tok.vocab_size)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=eos)
+    tok = codec.impl  # Kimi's tiktoken ranks: raw bytes per id; specials and unused ids empty (never text)
+    # (only ids the model can emit: a small test model may have fewer logits than the tokenizer has ids)
+    vocab = [tok.id_to_bytes(i) if i < tok.num_base_tokens else b"" for i in range(min(tok.vocab_size, vocab_size))]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=[t for t in eos if t < vocab_size])
 
 
 @dataclass

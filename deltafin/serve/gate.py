@@ -84,7 +84,8 @@ class GuardedH11(H11Protocol):
 
     def _arm_headers_deadline(self) -> None:
         self._disarm_headers_deadline()
-        self._headers_deadline = self.loop.call_later(self.headers_timeout_s, self._headers_late)
+        if not self.transport.is_closing():
+            self._headers_deadline = self.loop.call_later(self.headers_timeout_s, self._headers_late)
 
     def _disarm_headers_deadline(self) -> None:
         timer = getattr(self, "_headers_deadline", None)
