@@ -164,15 +164,15 @@ class BatchDecoder:
         self.counters.prefill_s += time.perf_counter() - t0
 
     def _stops(self, s: Seq, state) -> list[int]:
-        """Where a prefill pauses: recurrent state (no cut-back) is stored at the last two turn boundaries of
-        the prompt (just after an end-of-message token), so a conversation whose last turn changes resumes
-        there; then the prompt's end."""
+        """Where a prefill pauses: recurrent state (no cut-back) is stored at the turn boundary before the
+        prompt's last message (just after the next-to-last end-of-message token), so a conversation whose
+        last message changes, or a shared system prompt, resumes there; then the prompt's end."""
         P = len(s.spec.prompt)
         if self.prompt_cache is None or self.prompt_cache.cuttable_state(state):
             return [P]
         eos = set(self.engine.eos_ids)
         marks = [i + 1 for i in range(s.cached, P - 1) if s.spec.prompt[i] in eos]
-        return [*marks[-2:], P]
+        return [*marks[-2:-1], P]
 
     def sample(self, seqs: list[Seq]) -> list[TokenOut]:
         """One token per sequence from its current logits; sets ``finish_reason`` on those that end."""
