@@ -138,8 +138,9 @@ class BatchDecoder:
         t0 = time.perf_counter()
         states = [self.engine.new_state() for _ in seqs]
         ready: dict[int, torch.Tensor] = {}
+        pc = self.prompt_cache
         for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
-            s.cached, lg = self.prompt_cache.resume(s.spec.prompt, st) if self.prompt_cache else (0, None)
+            s.cached, lg = pc.resume(s.spec.prompt, st) if pc is not None else (0, None)
             if lg is not None:
                 ready[j] = lg.to(self.engine.device)
         todo = [j for j in range(len(seqs)) if j not in ready]
@@ -149,13 +150,12 @@ class BatchDecoder:
                                             [states[j] for j in live])
             for j, lg in zip(live, logits, strict=True):
                 if stops[j].pop(0) < len(seqs[j].spec.prompt):
-                    self.prompt_cache.store(seqs[j].spec.prompt[: states[j].pos], states[j], lg)
+                    pc.store(seqs[j].spec.prompt[: states[j].pos], states[j], lg)
                 else:
                     ready[j] = lg
         for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
             s.state, s.logits = st, ready[j]
             s.sampler, s.stop = Sampler(s.spec.sampling), StopText(s.spec.stop_strings)
-        pc = self.prompt_cache
         if pc is not None and not pc.cuttable_state(states[0]):  # recurrent state: keep each prompt's end too
             for j in todo:
                 pc.store(seqs[j].spec.prompt, states[j], ready[j])
