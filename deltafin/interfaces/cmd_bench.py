@@ -24,4 +24,16 @@ def run(args) -> int:
 
         bench_classify(args)
         return 0
+    if args.bench == "distributed":
+        from deltafin.bench.distributed import run as bench_distributed
+        from deltafin.errors import UsageError
+
+        if args.layers < 1 or args.experts < args.k or args.tokens < 1 or args.warmup < 0:
+            raise UsageError("bench distributed: need --layers >= 1, --experts >= --k, --tokens >= 1, --warmup >= 0")
+        rec = bench_distributed(args)
+        if args.json:
+            from deltafin.store.manifest import write_json_atomic
+
+            write_json_atomic(args.json, rec)
+        return 0
     raise AssertionError(args.bench)

@@ -26,6 +26,11 @@ def add_serve_args(p) -> None:
     p.add_argument("--served-model-name", help="model name clients send (default: the packed model's id)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (then 408; default 30)")
+    p.add_argument("--idle-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5); request headers are due "
+                        "within twice this (at least 10 s)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most (then 429)")
     p.add_argument("--prompt-cache-gb", type=float, default=2.0,
@@ -93,6 +98,9 @@ def thinking_defaults(eng, args):
 def run(args) -> int:
     if args.max_batch < 1 or args.max_queue < 1:
         raise UsageError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
+    if not (args.body_timeout > 0 and args.idle_timeout > 0):
+        raise UsageError(f"--body-timeout and --idle-timeout must be > 0 s, got {args.body_timeout} and "
+                         f"{args.idle_timeout}")
     if args.prompt_cache_gb < 0:
         raise UsageError(f"--prompt-cache-gb must be >= 0, got {args.prompt_cache_gb}")
     key = api_key(args)
@@ -114,7 +122,7 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
     from deltafin.serve.protocol import Limits
     from deltafin.serve.worker import Worker
 
-    limits = Limits(args.max_tokens_limit, args.max_request_bytes)
+    limits = Limits(args.max_tokens_limit, args.max_request_bytes, body_timeout_s=args.body_timeout)
     cache = prompt_cache(args)
     if not _loopback(args.host) and not key:
         print(f"[deltafin] warning: listening on {args.host} without --api-key; anyone who can reach this "
@@ -128,7 +136,10 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
         print(f"[deltafin] serving {name!r} on http://{args.host}:{args.port}/v1"
               f"{' (API key required)' if key else ''}; prompt cache "
               f"{f'{args.prompt_cache_gb:g} GB' if cache is not None else 'off'}", file=sys.stderr)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        from deltafin.serve.gate import uvicorn_config
+
+        uvicorn.Server(uvicorn_config(app, args.host, args.port, args.idle_timeout,
+                                      max(2 * args.idle_timeout, 10.0))).run(sockets=[sock])
     finally:
         worker.stop()
         eng.close()

@@ -10,7 +10,6 @@ than the context, unreadable, empty) gets an "error" entry and the job goes on.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import time
@@ -22,7 +21,6 @@ from deltafin.errors import UsageError
 from deltafin.jobs.batch import size
 from deltafin.jobs.records import read_jsonl
 from deltafin.jobs.results import ResultLog
-from deltafin.runtime.batch import forward_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +133,8 @@ class Classifier:
         multi = [(i, j) for i in range(len(prompts)) for j, ids in enumerate(self.label_ids) if len(ids) > 1]
         if multi:
             seqs = [(torch.tensor(self.label_ids[j][:-1], dtype=torch.long, device=eng.device),
-                     copy.deepcopy(states[i])) for i, j in multi]
-            for (i, j), lg in zip(multi, forward_batch(eng.model, seqs, eng.source, all_logits=True), strict=True):
+                     eng.copy_state(states[i])) for i, j in multi]
+            for (i, j), lg in zip(multi, eng.step(seqs, all_logits=True), strict=True):
                 lp = torch.log_softmax(lg.float(), -1)  # [m-1, V]: position t predicts label token t+1
                 nxt = torch.tensor(self.label_ids[j][1:], device=lp.device)
                 out[i][j] += float(lp.gather(1, nxt[:, None]).sum())

@@ -16,18 +16,21 @@ import torch
 
 from deltafin.models.base import SequenceState
 from deltafin.runtime.sampling import Sampler, SamplingParams
+from deltafin.runtime.stops import StopMatcher
 
 
 @dataclass(frozen=True, slots=True)
 class GenSpec:
     """What one sequence asks for. ``top_logprobs``: None for no log-probabilities, else how many
-    alternatives to report per token (0: only the chosen token's)."""
+    alternatives to report per token (0: only the chosen token's). ``grammar``: a compiled constraint
+    (``runtime.grammar.Compiled``) the tokens must keep to, or None."""
 
     prompt: tuple[int, ...]
     max_new: int
     sampling: SamplingParams = SamplingParams()
     stop_strings: tuple[str, ...] = ()
     top_logprobs: int | None = None
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt, "a prompt needs at least one token"
@@ -36,27 +39,26 @@ class GenSpec:
 
 class StopText:
     """Text released to the reader: stop strings cut it, and a tail that could begin a stop string is held
-    back until it cannot (so a streamed reply never shows part of a stop string)."""
+    back until it cannot (so a streamed reply never shows part of a stop string). Per token it costs time
+    linear in the new characters (``StopMatcher``)."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(s for s in stops if s)
+        self.match = StopMatcher(stops)
+        self.stops = self.match.stops
         self.text = ""
         self.sent = 0
 
     def update(self, text: str) -> tuple[str, bool]:
         """``text``: everything decoded so far -> (new text to release, whether a stop string was hit)."""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = text[: min(hits)]
+        hit = self.match.feed(text)
+        if hit is not None:
+            self.text = text[:hit]
             return self._release(len(self.text)), True
         self.text = text
-        return self._release(len(text) - self._held(text)), False
+        return self._release(len(text) - self.match.held), False
 
     def flush(self) -> str:
         return self._release(len(self.text))
-
-    def _held(self, text: str) -> int:
-        return max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
     def _release(self, upto: int) -> str:
         out = self.text[self.sent : upto] if upto > self.sent else ""
@@ -155,7 +157,9 @@ class BatchDecoder:
                     ready[j] = lg
         for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
             s.state, s.logits = st, ready[j]
-            s.sampler, s.stop = Sampler(s.spec.sampling), StopText(s.spec.stop_strings)
+            constraint = s.spec.grammar.constraint() if s.spec.grammar is not None else None
+            s.sampler = Sampler(s.spec.sampling, s.spec.prompt, constraint)
+            s.stop = StopText(s.spec.stop_strings)
         if pc is not None and not pc.cuttable_state(states[0]):  # recurrent state: keep each prompt's end too
             for j in todo:
                 pc.store(seqs[j].spec.prompt, states[j], ready[j])

@@ -7,24 +7,24 @@ time between yields is expert math.
 The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
 replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
 drive's queue. A striped expert's pieces are read in parallel, each by its drive's reader threads, into
-one aligned buffer at their offsets; the expert is delivered when its last piece lands.
+one aligned buffer at their offsets; the expert is delivered when its last piece lands. Every read is
+checked against the expert's checksum (``verify``, on by default) and has a deadline; failures and late
+reads are retried or served by a replica (``deltafin.runtime.layer_reads``).
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.errors import ReadError
 from deltafin.io.direct import DriveReader, FileDriveReader
-from deltafin.io.pool import BufferPool, Completion, ReaderPool
-from deltafin.io.schedule import Piece, ReadRequest, ScheduledRead, schedule_layer
+from deltafin.io.pool import BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
 from deltafin.runtime.cache import ExpertCache
+from deltafin.runtime.layer_reads import LayerReads
 from deltafin.store import expert_file as ef
 from deltafin.store.model_dir import PackedModel
 
@@ -37,34 +37,14 @@ class SourceStats:
     reads: int = 0
     hits: int = 0
     misses: int = 0
+    failed_reads: int = 0  # reads that failed (I/O error, short, checksum) and went to another copy or raised
+    late_reads: int = 0  # reads that missed their deadline
     unique_bytes: set = field(default_factory=set)  # (layer, expert) keys read in the current window
 
     @property
     def hit_rate(self) -> float:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Whole:
-    """Tag of a whole-file read: the expert and the drives tried so far (the last one is this read)."""
-
-    expert: int
-    tried: tuple[int, ...]
-
-
-class _Striped:
-    """A striped expert being read: its pieces fill one buffer; delivered when the last one lands."""
-
-    __slots__ = ("expert", "buf", "left")
-
-    def __init__(self, expert: int, buf: memoryview, pieces: int):
-        self.expert, self.buf, self.left = expert, buf, pieces
-
-
-def _rank_order(queues) -> list[ScheduledRead]:
-    """Every drive's first read, then every drive's second, ...: all drives start at once."""
-    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
 class StreamingExperts:
@@ -77,8 +57,9 @@ class StreamingExperts:
         threads: int = 4,
         device: torch.device | str = "cpu",
         readers: list[DriveReader] | None = None,
-        verify: bool = False,
+        verify: bool = True,
         cache_policy: str = "lru",
+        deadline: ReadDeadline | None = None,
     ):
         self.model = model
         self.device = torch.device(device)
@@ -92,6 +73,10 @@ class StreamingExperts:
         self.pool = ReaderPool(self.readers, threads, BufferPool(pin=pin))
         self.cache = ExpertCache(cache_bytes, cache_policy)
         self.verify = verify
+        self.deadline = deadline or ReadDeadline()
+        from deltafin.store.verify import repair_hint
+
+        self.repair_fix = f"re-run '{repair_hint(model)}' to rewrite the bad expert files"
         self.stats = SourceStats()
         self.record: list[tuple[int, list[int]]] | None = None  # (layer, ids) per fetch when a list
         self.routes: list[tuple[int, list[int]]] | None = None  # the same, for the routing-trace recorder
@@ -111,81 +96,20 @@ class StreamingExperts:
             (hits.append((e, got)) if got is not None else misses.append(e))
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        if misses:
-            self._submit_layer(layer, misses, done)
+        reads = LayerReads(self, layer, misses) if misses else None
         for e, tensors in hits:  # cached experts are computed while the misses are read
             yield from self._timed(e, tensors)
-        pending = len(misses)
-        while pending:
+        for _ in misses:
             t0 = time.perf_counter()
-            c = done.get()
+            landed = reads.next()
             self.stats.io_wait_s += time.perf_counter() - t0
-            if c.error is not None:
-                self._retry_or_raise(c, layer, done)
-                continue
-            landed = self._landed(layer, c)
-            if landed is not None:
-                pending -= 1
-                yield from self._deliver(layer, *landed)
-
-    def _submit_layer(self, layer: int, misses: list[int], done: queue.SimpleQueue) -> None:
-        """Schedule the layer's reads over the drives and submit them, every drive's queue in order."""
-        nbytes = self.model.file_bytes(layer)
-        pieces = self.model.stripe(layer)
-        if pieces is None:
-            reqs = [ReadRequest(e, nbytes, replicas=tuple(self.model.locations(layer, e))) for e in misses]
-        else:
-            reqs = [ReadRequest(e, nbytes, pieces=pieces) for e in misses]
-            striped = {e: _Striped(e, self.pool.buffers.get(nbytes), len(pieces)) for e in misses}
-        sched = schedule_layer(reqs, self._rates, self.pool.pending_bytes(), self._latency)
-        for r in _rank_order(sched.queues):
-            if pieces is None:
-                self._submit_whole(layer, r.expert, (r.drive,), done)
-                continue
-            st, piece = striped[r.expert], Piece(r.drive, r.offset, r.nbytes)
-            path = self.model.piece_path(layer, r.expert, piece)
-            self.pool.submit(r.drive, path, r.nbytes, (st, piece), done, st.buf[r.offset : r.offset + r.nbytes])
-
-    def _submit_whole(self, layer: int, e: int, tried: tuple[int, ...], done: queue.SimpleQueue) -> None:
-        drive = tried[-1]
-        path = self.model.expert_path(layer, e, drive)
-        self.pool.submit(drive, path, self.model.file_bytes(layer), _Whole(e, tried), done)
-
-    def _landed(self, layer: int, c: Completion) -> tuple[int, memoryview, int, str] | None:
-        """(expert, buffer, bytes, name) once a whole expert is in memory; None while pieces are missing."""
-        if isinstance(c.tag, _Whole):
-            return c.tag.expert, c.buf, c.nbytes, c.path
-        st, _piece = c.tag
-        st.left -= 1
-        if st.left:
-            return None
-        labels = ", ".join(self.readers[p.drive].label for p in self.model.stripe(layer))
-        return st.expert, st.buf, self.model.file_bytes(layer), f"layer {layer} expert {st.expert} (pieces on {labels})"
-
-    def _retry_or_raise(self, c: Completion, layer: int, done: queue.SimpleQueue) -> None:
-        label = self.readers[c.drive].label
-        what = c.error if isinstance(c.error, ReadError) else f"drive {label}: read of {c.path} failed: {c.error}"
-        if not isinstance(c.tag, _Whole):
-            st, piece = c.tag
-            raise ReadError(f"{what} (the piece at byte {piece.offset} of layer {layer} expert {st.expert}, striped "
-                            f"with no other copy; run 'deltafin verify')") from c.error
-        e, tried = c.tag.expert, c.tag.tried
-        left = [d for d in self.model.locations(layer, e) if d not in tried]
-        if left:
-            self._submit_whole(layer, e, tried + (left[0],), done)  # a replica on another drive serves the read
-            return
-        if isinstance(c.error, ReadError):
-            raise c.error
-        raise ReadError(what) from c.error
+            yield from self._deliver(layer, *landed)
 
     def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
                  ) -> Iterator[tuple[int, ExpertTensors]]:
         data = buf[:nbytes]
         self.stats.bytes_read += nbytes
         self.stats.reads += 1
-        if self.verify:
-            ef.check(data, self.model.checksum(layer, e), where, "run 'deltafin verify' and repack the bad experts")
         tensors = ef.decode(data, where=where)
         if self.device.type != "cpu":
             tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
@@ -221,5 +145,5 @@ class StreamingExperts:
     def close(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.pool.close()
+        self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()

@@ -15,6 +15,16 @@ class TextCodec:
     impl: object
     kind: str  # "hf" | "kimi"
     eos_ids: tuple[int, ...]
+    bos_id: int | None = None  # put before a plain prompt: set only where the tokenizer config asks for it
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.kind == "kimi" or bool(getattr(self.impl, "chat_template", None))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A plain-text prompt as the model saw text in training: BOS first where the tokenizer config says so."""
+        ids = self.encode(text)
+        return [self.bos_id] + ids if self.bos_id is not None and ids[:1] != [self.bos_id] else ids
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "kimi":
@@ -27,16 +37,19 @@ class TextCodec:
         return self.impl.decode(ids, skip_special_tokens=False)
 
     def chat(self, messages: list[dict], thinking: bool | None = None, add_generation_prompt: bool = True,
-             effort: str | None = None, template_kwargs: dict | None = None) -> list[int]:
+             effort: str | None = None, template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[int]:
         """Prompt ids for a conversation from the checkpoint's chat template. ``thinking`` None keeps the
         template's default; ``effort`` is Kimi K3's thinking_effort, or a template's ``reasoning_effort``
-        (gpt-oss); ``template_kwargs`` go to a Jinja template as variables (Qwen3: enable_thinking)."""
+        (gpt-oss); ``template_kwargs`` go to a Jinja template as variables (Qwen3: enable_thinking);
+        ``tools``: OpenAI tool declarations, written where the template puts them."""
         if self.kind == "kimi":
             from deltafin.tokenizers.xtml import encode_chat
 
             kw = template_kwargs or {}
             think = kw.get("thinking", kw.get("enable_thinking", True)) if thinking is None else thinking
-            return encode_chat(self.impl, messages, thinking=bool(think), add_generation_prompt=add_generation_prompt,
+            return encode_chat(self.impl, messages, tools=tools, thinking=bool(think),
+                               add_generation_prompt=add_generation_prompt,
                                thinking_effort=effort or kw.get("thinking_effort") or kw.get("reasoning_effort"))
         template = getattr(self.impl, "chat_template", None)
         if not template:
@@ -49,6 +62,8 @@ class TextCodec:
             kw.setdefault("thinking", thinking)
         if effort is not None:
             kw.setdefault("reasoning_effort", effort)
+        if tools:
+            kw["tools"] = tools
         return list(self.impl.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=True, return_dict=False, **kw))
 
@@ -87,5 +102,17 @@ def load_codec(model_dir: str, config: dict) -> TextCodec | None:
 
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         extra = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        return TextCodec(tok, "hf", tuple(sorted(set(eos_ids) | set(extra))))
+        bos = tok.bos_token_id if _asks_for_bos(model_dir) else None
+        return TextCodec(tok, "hf", tuple(sorted(set(eos_ids) | set(extra))), bos)
     return None
+
+
+def _asks_for_bos(model_dir: str) -> bool:
+    """tokenizer_config.json's add_bos_token (Llama-style tokenizers set it; most MoE checkpoints do not)."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("add_bos_token", False))
+    except (OSError, ValueError):
+        return False

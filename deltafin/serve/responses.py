@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from deltafin.runtime.batched import TokenOut
 from deltafin.runtime.reasoning import split_all
+from deltafin.serve import tools
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -85,10 +86,10 @@ class Formatter:
     """Bodies and chunks for one request."""
 
     def __init__(self, kind: str, model: str, pieces: TokenPieces, stop_ids: tuple[int, ...], token_ids: bool = False,
-                 splitters: list | None = None):
+                 tool_format: str | None = None, splitters: list | None = None):
         """``splitters``: one ``deltafin.runtime.reasoning`` splitter per chat choice (reasoning apart from
         content, markup dropped); None sends the text as it is."""
-        self.kind, self.model, self.stop_ids = kind, model, stop_ids
+        self.kind, self.model, self.stop_ids, self.tool_format = kind, model, stop_ids, tool_format
         self.splitters = splitters
         self.pieces = pieces if not token_ids else lambda t: (f"token_id:{t}", list(f"token_id:{t}".encode()))
         self.id, self.created = new_id(kind), int(time.time())
@@ -130,8 +131,15 @@ class Formatter:
             lp = self.logprobs(c.tokens) if want_logprobs else None
             text = "".join(c.text)
             if self.kind == "chat":
-                out.append({"index": c.index, "message": self._message(c.index, text), "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                message, finish = self._message(c.index, text), c.finish_reason
+                calls = []
+                if self.tool_format:
+                    content, calls = tools.split(self.tool_format, message["content"] or "")
+                if calls:
+                    message = {**message, "content": content or None,
+                               "tool_calls": [call.openai() for call in calls]}
+                    finish = "tool_calls"
+                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         body["choices"] = out
@@ -175,6 +183,12 @@ class Formatter:
         choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def tool_chunk(self, index: int, calls: list[tools.Call]) -> dict:
+        """The calls of one choice, whole, in one delta (the stream's last for that choice)."""
+        delta = {"tool_calls": [{"index": k, **call.openai()} for k, call in enumerate(calls)]}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def role_chunk(self, index: int) -> dict:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
@@ -182,3 +196,34 @@ class Formatter:
     def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage(prompt, completion, cached)}
+
+
+class ToolStream:
+    """A streamed choice that may call tools: its text passes as content until the format's start marker;
+    from there it is held to the end, then sent as tool calls (or as text, if it parses as none)."""
+
+    def __init__(self, fmt: str):
+        self.fmt, self.mark = fmt, tools.START[fmt]
+        self.held, self.open = "", False
+
+    def feed(self, text: str) -> str:
+        """New text -> the part that can be shown now."""
+        if self.open:
+            self.held += text
+            return ""
+        buf = self.held + text
+        at = buf.find(self.mark)
+        if at >= 0:
+            self.open, self.held = True, buf[at:]
+            return buf[:at]
+        k = max((k for k in range(1, len(self.mark)) if buf.endswith(self.mark[:k])), default=0)
+        self.held = buf[len(buf) - k:] if k else ""
+        return buf[: len(buf) - k]
+
+    def finish(self) -> tuple[str, list[tools.Call]]:
+        """(text still to show, the calls) at the end of the choice."""
+        held, self.held = self.held, ""
+        if not self.open:
+            return held, []
+        _, calls = tools.split(self.fmt, held)
+        return ("", calls) if calls else (held, [])

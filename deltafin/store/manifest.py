@@ -103,6 +103,10 @@ def validate(doc: dict, where: str) -> dict:
             raise ManifestError(f"{where}: manifest experts.stripe is not an object; repack the model")
         for L, st in stripe.items():
             _check_stripe(ex, L, st, n, where)
+    if ex.get("ranks") is not None:  # optional: expert ownership over the ranks of a cluster
+        from deltafin.store.ranks import check_ranks
+
+        check_ranks(ex, labels, where)
     return doc
 
 

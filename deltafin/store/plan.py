@@ -13,6 +13,7 @@ from deltafin.errors import CheckpointError, UsageError
 from deltafin.quant import fp8
 from deltafin.store import shapes
 from deltafin.store.checkpoint import Checkpoint
+from deltafin.store.config_check import check_config, check_embedding, check_tokenizer
 from deltafin.store.expert_file import ExpertLayout, layout_for
 from deltafin.store.families import ExpertPart, Family, Skip, resolve
 
@@ -132,6 +133,9 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
     if trunk not in TRUNK_FORMATS:
         raise UsageError(f"--trunk {trunk!r}: choose one of {', '.join(TRUNK_FORMATS)}")
     family, tc = resolve(ckpt.config)
+    where = f"{ckpt.path}/config.json"
+    cfg = check_config(family.name, tc, where)
+    check_tokenizer(ckpt.path, getattr(cfg, "vocab_size", None))
     shape_of = _Shapes(ckpt, family, tc)
     n_layers = tc.get("num_hidden_layers")
     trunk_names, skipped = [], []
@@ -147,6 +151,8 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
         else:
             trunk_names.append((name, part))
     trunk_entries = _plan_trunk(trunk_names, family, shape_of, trunk)
+    embed = next((t.source for t in trunk_entries if t.name == "model.embed_tokens.weight"), None)
+    check_embedding(shape_of, embed, cfg, where)
     moe_layers = sorted({L for L, _ in grouped})
     num_experts = _num_experts(grouped, moe_layers, shape_of, family)
     roles = {L: _plan_roles(L, grouped, shape_of, experts, family) for L in moe_layers}
