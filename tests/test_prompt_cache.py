@@ -26,7 +26,7 @@ MB = 1 << 20
 def eng(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pc-{request.param}")
     if request.param == "kimi_k3":
-        write_tiny_k3(root / "src")
+        write_tiny_k3(root / "src", num_hidden_layers=6)  # KDA and MLA layers, two AttnRes blocks
         pack(
             str(root / "src"),
             str(root / "model"),

@@ -33,7 +33,7 @@ OPTS = EngineOptions(cache_gb=0.05, max_len=512, threads=2)
 
 
 def _k3(root) -> str:
-    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
+    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB, num_hidden_layers=6)
     write_tiny_k3_tokenizer(root / "src")
     pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
          PackOptions(progress=False))

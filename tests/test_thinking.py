@@ -24,7 +24,7 @@ SCRIPT = ["Two", " and two", "<|close|>", "think", "<|sep|>", "<|open|>", "respo
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("k3think")
-    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
+    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB, num_hidden_layers=6)
     write_tiny_k3_tokenizer(root / "src")
     assert main(["pack", str(root / "src"), str(root / "model"), "--drive", f"{root}/d0=2",
                  "--drive", f"{root}/d1=1", "--no-progress", "--create"]) == 0
