@@ -127,7 +127,8 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
     if not _loopback(args.host) and not key:
         print(f"[deltafin] warning: listening on {args.host} without --api-key; anyone who can reach this "
               f"port can use the model", file=sys.stderr)
-    logging.getLogger("deltafin.serve.access").setLevel(logging.INFO)  # one line per request
+    if not getattr(args, "log_level", None):  # one line per request, unless --log-level says otherwise
+        logging.getLogger("deltafin.serve.access").setLevel(logging.INFO)
     eng = open_engine(args)
     worker = Worker(eng, args.max_batch, args.max_queue, prompt_cache=cache).start()
     name = args.served_model_name or eng.packed.model_id
