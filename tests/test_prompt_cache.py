@@ -26,7 +26,7 @@ MB = 1 << 20
 def eng(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pc-{request.param}")
     if request.param == "kimi_k3":
-        write_tiny_k3(root / "src")
+        write_tiny_k3(root / "src", num_hidden_layers=6)  # KDA and MLA layers, two AttnRes blocks
         pack(
             str(root / "src"),
             str(root / "model"),
@@ -122,6 +122,24 @@ def test_two_turns_through_the_batch_decoder(eng):
     assert t2.cached == len(A) + len(t1.emitted) - 1  # all but the reply's last token, never fed
     assert cached.counters.prompt_tokens == len(A) + len(B) + 1
     assert cached.counters.cached_tokens == t2.cached
+
+
+def test_recurrent_state_is_kept_at_turn_boundaries(eng, monkeypatch):
+    """A conversation whose last message changes resumes after the message before it: cuttable state by
+    cutting back, recurrent state from the snapshot taken at that turn boundary."""
+    EOS = 251
+    monkeypatch.setattr(Engine, "eos_ids", property(lambda self: (EOS,)))
+    dec, plain = BatchDecoder(eng, prompt_cache=PromptCache(64 * MB)), BatchDecoder(eng)
+    (s1,) = new_seqs([GenSpec(tuple(A + [EOS] + B + [EOS] + [1, 2]), 2)])
+    edited = A + [EOS] + [33, 34, 35]
+    (s2,), (ref,) = new_seqs([GenSpec(tuple(edited), 4)]), new_seqs([GenSpec(tuple(edited), 4)])
+    for s, d in ((s1, dec), (s2, dec), (ref, plain)):
+        d.prefill([s])
+        while not s.done:
+            d.sample([s])
+            d.advance([s])
+    assert s2.cached == len(A) + 1
+    assert s2.emitted == ref.emitted
 
 
 def _fake_state(n: int, width: int = 1024):

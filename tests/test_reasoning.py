@@ -97,3 +97,13 @@ def test_hf_template_gets_enable_thinking(tmp_path):
     codec.check_thinking(False, None)
     with pytest.raises(UsageError, match="no effort levels"):
         codec.check_thinking(None, "high")
+
+
+def test_partial_tail():
+    from deltafin.runtime.reasoning import partial_tail
+
+    assert partial_tail("abc<|op", ("<|open|>",)) == 4
+    assert partial_tail("abc<|open|>", ("<|open|>",)) == 0  # a whole marker is not a partial one
+    assert partial_tail("ab</thi", ("<think>", "</think>")) == 5
+    assert partial_tail("ab<", ("<|open|>", "<think>")) == 1
+    assert partial_tail("", ("<x>",)) == 0 and partial_tail("abc", ()) == 0

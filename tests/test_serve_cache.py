@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -17,7 +19,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from deltafin.cli import main  # noqa: E402
 from deltafin.k3_tiny import TINY_TOKENIZER_VOCAB, write_tiny_k3, write_tiny_k3_tokenizer  # noqa: E402
 from deltafin.runtime.engine import Engine, EngineOptions  # noqa: E402
 from deltafin.runtime.prompt_cache import PromptCache  # noqa: E402
@@ -32,7 +33,7 @@ OPTS = EngineOptions(cache_gb=0.05, max_len=512, threads=2)
 
 
 def _k3(root) -> str:
-    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
+    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB, num_hidden_layers=6)
     write_tiny_k3_tokenizer(root / "src")
     pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
          PackOptions(progress=False))
@@ -124,18 +125,22 @@ def test_metrics_histograms_stream_usage_and_request_log(qwen, caplog):
                for ln in lines), lines
 
 
-def test_serve_fails_fast_on_a_taken_port(tmp_path, capsys):
+def test_serve_fails_fast_on_a_taken_port(tmp_path):
+    """The port is taken before anything heavy is imported or loaded (the model path does not even exist)."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     port = taken.getsockname()[1]
+    code = ("import sys; from deltafin.cli import main; "
+            f"rc = main(['serve', {str(tmp_path / 'no-model')!r}, '--port', '{port}']); "
+            "print(rc, 'torch' in sys.modules)")
     try:
-        # the model path does not exist: the port must be checked first, before any loading
-        assert main(["serve", str(tmp_path / "no-model"), "--port", str(port)]) != 0
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     finally:
         taken.close()
-    err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err and len(err.strip().splitlines()) == 1
+    assert r.stdout.split() == ["2", "False"], r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_api_key_file(tmp_path):

@@ -24,10 +24,10 @@ SCRIPT = ["Two", " and two", "<|close|>", "think", "<|sep|>", "<|open|>", "respo
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("k3think")
-    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
+    write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB, num_hidden_layers=6)
     write_tiny_k3_tokenizer(root / "src")
     assert main(["pack", str(root / "src"), str(root / "model"), "--drive", f"{root}/d0=2",
-                 "--drive", f"{root}/d1=1", "--no-progress"]) == 0
+                 "--drive", f"{root}/d1=1", "--no-progress", "--create"]) == 0
     return root / "model"
 
 
@@ -108,6 +108,24 @@ def test_api_formatter_splits_reasoning_whole_and_streamed():
     fmt = Formatter("chat", "m", None, (), splitters=[XTMLChannels(thinking=True)])
     msg = fmt.final([ch], False)["choices"][0]["message"]
     assert msg == {"role": "assistant", "content": "Four.", "reasoning_content": "Two and two"}
+
+
+def test_api_k3_tool_calls_come_out_of_the_tools_section():
+    from deltafin.serve.responses import Choice
+
+    tools_section = ['<|open|>tools<|sep|><|open|>call tool="calc" index="1"<|sep|>',
+                     '<|open|>argument key="x" type="number"<|sep|>2<|close|>argument<|sep|>',
+                     "<|close|>call<|sep|><|close|>tools<|sep|>"]
+    ch = Choice(0, 1)
+    for o in _outs(SCRIPT[:13] + tools_section + SCRIPT[13:]):
+        ch.add(o, ())
+    fmt = Formatter("chat", "m", None, (), tool_format="xtml", splitters=[XTMLChannels(thinking=True)])
+    choice = fmt.final([ch], False)["choices"][0]
+    msg = choice["message"]
+    assert (msg["content"], msg["reasoning_content"], choice["finish_reason"]) == ("Four.", "Two and two", "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("calc", '{"x": 2}')]
+    fmt = Formatter("chat", "m", None, (), splitters=[XTMLChannels(thinking=True)])  # no tools asked for
+    assert fmt.final([ch], False)["choices"][0]["message"]["content"] == "Four."
 
 
 def test_api_thinking_fields(k3):

@@ -78,8 +78,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def prompt_cache(args):
-    if args.prompt_cache_gb < 0:
-        raise UsageError(f"--prompt-cache-gb must be >= 0, got {args.prompt_cache_gb}")
     if not args.prompt_cache_gb:
         return None
     from deltafin.runtime.prompt_cache import PromptCache
@@ -98,6 +96,22 @@ def thinking_defaults(eng, args):
 
 
 def run(args) -> int:
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise UsageError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
+    if not (args.body_timeout > 0 and args.idle_timeout > 0):
+        raise UsageError(f"--body-timeout and --idle-timeout must be > 0 s, got {args.body_timeout} and "
+                         f"{args.idle_timeout}")
+    if args.prompt_cache_gb < 0:
+        raise UsageError(f"--prompt-cache-gb must be >= 0, got {args.prompt_cache_gb}")
+    key = api_key(args)
+    sock = bind(args.host, args.port)  # first: a busy port fails before the slow imports and the model load
+    try:
+        return _serve(args, key, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, key: str | None, sock: socket.socket) -> int:
     try:
         import uvicorn
 
@@ -108,31 +122,21 @@ def run(args) -> int:
     from deltafin.serve.protocol import Limits
     from deltafin.serve.worker import Worker
 
-    if args.max_batch < 1 or args.max_queue < 1:
-        raise UsageError(f"--max-batch and --max-queue must be >= 1, got {args.max_batch} and {args.max_queue}")
-    if not (args.body_timeout > 0 and args.idle_timeout > 0):
-        raise UsageError(f"--body-timeout and --idle-timeout must be > 0 s, got {args.body_timeout} and "
-                         f"{args.idle_timeout}")
     limits = Limits(args.max_tokens_limit, args.max_request_bytes, body_timeout_s=args.body_timeout)
-    key = api_key(args)
     cache = prompt_cache(args)
     if not _loopback(args.host) and not key:
         print(f"[deltafin] warning: listening on {args.host} without --api-key; anyone who can reach this "
               f"port can use the model", file=sys.stderr)
-    logging.getLogger("deltafin.serve.access").setLevel(logging.INFO)  # one line per request
-    sock = bind(args.host, args.port)
-    try:
-        eng = open_engine(args)
-    except BaseException:
-        sock.close()
-        raise
+    if not getattr(args, "log_level", None):  # one line per request, unless --log-level says otherwise
+        logging.getLogger("deltafin.serve.access").setLevel(logging.INFO)
+    eng = open_engine(args)
     worker = Worker(eng, args.max_batch, args.max_queue, prompt_cache=cache).start()
     name = args.served_model_name or eng.packed.model_id
     try:
         app = create_app(worker, name, key, limits, thinking_defaults(eng, args))
         print(f"[deltafin] serving {name!r} on http://{args.host}:{args.port}/v1"
               f"{' (API key required)' if key else ''}; prompt cache "
-              f"{f'{args.prompt_cache_gb:g} GB' if cache else 'off'}", file=sys.stderr)
+              f"{f'{args.prompt_cache_gb:g} GB' if cache is not None else 'off'}", file=sys.stderr)
         from deltafin.serve.gate import uvicorn_config
 
         uvicorn.Server(uvicorn_config(app, args.host, args.port, args.idle_timeout,
@@ -140,5 +144,4 @@ def run(args) -> int:
     finally:
         worker.stop()
         eng.close()
-        sock.close()
     return 0

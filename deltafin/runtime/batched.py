@@ -140,27 +140,43 @@ class BatchDecoder:
         t0 = time.perf_counter()
         states = [self.engine.new_state() for _ in seqs]
         ready: dict[int, torch.Tensor] = {}
+        pc = self.prompt_cache
         for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
-            s.cached, lg = self.prompt_cache.resume(s.spec.prompt, st) if self.prompt_cache else (0, None)
+            s.cached, lg = pc.resume(s.spec.prompt, st) if pc is not None else (0, None)
             if lg is not None:
                 ready[j] = lg.to(self.engine.device)
         todo = [j for j in range(len(seqs)) if j not in ready]
-        if todo:
-            logits, _ = self.engine.prefill([list(seqs[j].spec.prompt[seqs[j].cached:]) for j in todo],
-                                            [states[j] for j in todo])
-            ready.update(zip(todo, logits, strict=True))
+        stops = {j: self._stops(seqs[j], states[j]) for j in todo}
+        while live := [j for j in todo if stops[j]]:  # one shared prefill per round; rounds end at turn boundaries
+            logits, _ = self.engine.prefill([list(seqs[j].spec.prompt[states[j].pos : stops[j][0]]) for j in live],
+                                            [states[j] for j in live])
+            for j, lg in zip(live, logits, strict=True):
+                if stops[j].pop(0) < len(seqs[j].spec.prompt):
+                    pc.store(seqs[j].spec.prompt[: states[j].pos], states[j], lg)
+                else:
+                    ready[j] = lg
         for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
             s.state, s.logits = st, ready[j]
             constraint = s.spec.grammar.constraint() if s.spec.grammar is not None else None
             s.sampler = Sampler(s.spec.sampling, s.spec.prompt, constraint)
             s.stop = StopText(s.spec.stop_strings)
-        pc = self.prompt_cache
         if pc is not None and not pc.cuttable_state(states[0]):  # recurrent state: keep each prompt's end too
             for j in todo:
                 pc.store(seqs[j].spec.prompt, states[j], ready[j])
         self.counters.prompt_tokens += sum(len(s.spec.prompt) - s.cached for s in seqs)
         self.counters.cached_tokens += sum(s.cached for s in seqs)
         self.counters.prefill_s += time.perf_counter() - t0
+
+    def _stops(self, s: Seq, state) -> list[int]:
+        """Where a prefill pauses: recurrent state (no cut-back) is stored at the turn boundary before the
+        prompt's last message (just after the next-to-last end-of-message token), so a conversation whose
+        last message changes, or a shared system prompt, resumes there; then the prompt's end."""
+        P = len(s.spec.prompt)
+        if self.prompt_cache is None or self.prompt_cache.cuttable_state(state):
+            return [P]
+        eos = set(self.engine.eos_ids)
+        marks = [i + 1 for i in range(s.cached, P - 1) if s.spec.prompt[i] in eos]
+        return [*marks[-2:-1], P]
 
     def sample(self, seqs: list[Seq]) -> list[TokenOut]:
         """One token per sequence from its current logits; sets ``finish_reason`` on those that end."""

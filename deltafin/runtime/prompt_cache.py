@@ -7,8 +7,10 @@ memory. Which entry a new prompt may reuse depends on what the state is made of:
   so a prompt reuses its longest common prefix with any entry.
 - Recurrent state (Kimi K3's KDA layers: conv history and the matrix S fold every token into a fixed-size
   tensor): an entry cannot be cut back, so it is reused only whole, when its tokens are a prefix of the
-  prompt. Such entries are stored at the end of each prompt (after prefill) and at the end of each reply,
-  the two points where the next turn of a conversation starts from.
+  prompt. Such entries are stored at the end of each prompt (after prefill), at the turn boundary before
+  the prompt's last message (just after an end-of-message token) and at the end of each reply: the points
+  where a next turn, the same conversation with its last message changed, or another conversation with the
+  same system prompt starts from.
 
 Every entry is stored at the end of a reply (prompt + reply tokens fed so far); a later entry that extends
 a cuttable one replaces it. A restored prompt still prefills at least its last token, unless an entry holds

@@ -35,8 +35,13 @@ class Parts:
 
 def partial_tail(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of one of ``markers``."""
-    return max((k for m in markers for k in range(min(len(m) - 1, len(text)), 0, -1) if text.endswith(m[:k])),
-               default=0)
+    longest = max(map(len, markers), default=0)
+    tail = text[len(text) - min(len(text), longest - 1) :] if longest > 1 else ""
+    starts = {m[0] for m in markers}
+    for i, ch in enumerate(tail):  # the earliest start gives the longest candidate
+        if ch in starts and any(len(m) > len(tail) - i and m.startswith(tail[i:]) for m in markers):
+            return len(tail) - i
+    return 0
 
 
 def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:

@@ -131,10 +131,10 @@ class Formatter:
             lp = self.logprobs(c.tokens) if want_logprobs else None
             text = "".join(c.text)
             if self.kind == "chat":
-                message, finish = self._message(c.index, text), c.finish_reason
+                (message, tools_text), finish = self._message(c.index, text), c.finish_reason
                 calls = []
-                if self.tool_format:
-                    content, calls = tools.split(self.tool_format, message["content"] or "")
+                if self.tool_format:  # Kimi K3's tools section comes apart from the content, markup included
+                    content, calls = tools.split(self.tool_format, (message["content"] or "") + tools_text)
                 if calls:
                     message = {**message, "content": content or None,
                                "tool_calls": [call.openai() for call in calls]}
@@ -147,15 +147,16 @@ class Formatter:
                               sum(c.cached_tokens for c in choices))
         return body
 
-    def _message(self, index: int, text: str) -> dict:
+    def _message(self, index: int, text: str) -> tuple[dict, str]:
+        """The assistant message of one choice, and the tools section the splitter took out of it."""
         if not self.splitters:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text}, ""
         sp = self.splitters[index]
         parts = split_all(sp, text)
         msg = {"role": "assistant", "content": parts.content}
         if sp.reasons:
             msg["reasoning_content"] = parts.reasoning
-        return msg
+        return msg, parts.tools
 
     def _delta(self, index: int, out: TokenOut) -> dict:
         if not self.splitters:
