@@ -136,3 +136,42 @@ def test_rank_spec_errors_name_the_problem():
         rk.parse_ranks("d0,d1;d1", labels)
     with pytest.raises(UsageError, match="not a number of GB"):
         rk.parse_ranks("d0@lots", labels)
+
+
+def test_place_ranks_cli_moves_experts_to_their_owners_drives(tmp_path, capsys):
+    from deltafin.cli import main
+    from deltafin.store.model_dir import PackedModel
+
+    model = pack_tiny(tmp_path, "olmoe")
+    before = PackedModel.open(model).read_expert(1, 3)
+    assert main(["place", model, "--ranks", "d1@0;d0@0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: drives d1" in out and "rank 1: drives d0" in out
+    pm = PackedModel.open(model)
+    ex = pm.doc["experts"]
+    for L in pm.moe_layers:
+        for e in range(pm.num_experts):
+            assert pm.locations(L, e) == [1 - ex["ranks"]["owner"][str(L)][e]]  # rank 0 reads d1, rank 1 d0
+    after = pm.read_expert(1, 3)  # the bytes moved intact (checksum checked on read)
+    assert all(torch.equal(before[k].data, after[k].data) for k in before)
+    assert main(["place", model, "--policy", "bandwidth", "--no-progress"]) == 0  # back: the section goes
+    assert "ranks" not in mf.load(model)["experts"]
+    assert main(["place", model]) == 2
+    assert "--policy P" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_distributed_runs_both_modes(tmp_path, capsys):
+    """The benchmark's paths on CPU: emulated drives split over 2 ranks, and the resident N-vs-one comparison
+    (the path the GPU run takes with --device cuda)."""
+    from deltafin.cli import main
+
+    common = ["bench", "distributed", "--layers", "1", "--experts", "16", "--k", "4", "--tokens", "1",
+              "--warmup", "0", "--dir", str(tmp_path)]
+    assert main(common + ["--io-only", "--scale", "0.004", "--json", str(tmp_path / "a.json")]) == 0
+    rec = json.loads((tmp_path / "a.json").read_text())["runs"][0]
+    assert rec["world"] == 2 and 0 < rec["of_read_bound"] <= 1.05 and rec["bare_allreduce_ms"] > 0
+    assert main(common + ["--resident", "--worlds", "1,2", "--json", str(tmp_path / "b.json")]) == 0
+    runs = json.loads((tmp_path / "b.json").read_text())["runs"]
+    assert [r["world"] for r in runs] == [1, 2] and all(r["tok_s"] > 0 for r in runs)
+    assert "x one rank (ideal 2x)" in capsys.readouterr().out
