@@ -67,10 +67,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, models: list[str], out: Path, fail: tuple | None = None) -> dict:
+def _launch(world: int, models: list[str], out: Path, fail: tuple | None = None, routing: str = "check") -> dict:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, models, str(out), fail)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, models, str(out), fail, routing)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -95,7 +95,8 @@ def test_two_ranks_match_one_process_then_a_failing_rank_is_named(models, refere
 
 def test_three_ranks_match_one_process_then_a_dead_rank_is_named(models, reference, tmp_path):
     names = [m for n, m in models.items() if n != "placed"]
-    got = _launch(3, names + [names[0]], tmp_path / "out.json", fail=(2, "exit"))
+    # routing broadcast from rank 0 here (the two-rank launch checks the ranks' own routing)
+    got = _launch(3, names + [names[0]], tmp_path / "out.json", fail=(2, "exit"), routing="broadcast")
     for m in names:
         assert got["results"][m] == reference[m], m
     assert got["error"] and "rank 2" in got["error"] and "stopped answering" in got["error"], got["error"]
@@ -175,3 +176,27 @@ def test_bench_distributed_runs_both_modes(tmp_path, capsys):
     runs = json.loads((tmp_path / "b.json").read_text())["runs"]
     assert [r["world"] for r in runs] == [1, 2] and all(r["tok_s"] > 0 for r in runs)
     assert "x one rank (ideal 2x)" in capsys.readouterr().out
+
+
+def test_ranks_that_route_differently_are_stopped(monkeypatch):
+    """The routing check: the summed ids must be N x each rank's own. A one-process group that claims two
+    ranks sums to 1 x, as if the other rank had routed differently."""
+    import torch.distributed as dist
+
+    from deltafin.errors import DistributedError
+    from deltafin.runtime.cluster import Cluster
+    from deltafin.runtime.distributed import DistributedExperts
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cl = Cluster(0, 2, 2, torch.device("cpu"), 5.0, dist.group.WORLD, dist.HashStore())
+        src = DistributedExperts(None, cl, {0: [0, 1, 0, 1]})
+        ids = torch.tensor([[0, 3]])
+        assert src.local(0, [0, 1, 2, 3]) == [0, 2]
+        with pytest.raises(DistributedError, match="routed layer 0 differently.*--dist-routing broadcast"):
+            src.combine(0, torch.randn(1, 2, 8), ids)
+        cl.world = 1
+        out = torch.randn(1, 2, 8)
+        assert torch.equal(src.combine(0, out, ids), out)  # one rank: the sum is the buffer, bit for bit
+    finally:
+        dist.destroy_process_group()

@@ -262,6 +262,9 @@ def _summary(out: dict) -> None:
         if r["world"] > 1:
             line += (f"; all-reduce {r['collective_ms_per_layer']:.2f} ms per layer in the step (waits for the slower "
                      f"rank) vs {r['bare_allreduce_ms']:.3f} ms alone; {r['collective_ms_per_token']:.1f} ms per token")
-        if r["world"] > 1 and 1 in runs:
+        if r["world"] > 1 and 1 in runs and r["mode"] == "resident":
             line += f"; {r['tok_s'] / runs[1]['tok_s']:.2f}x one rank (ideal {r['world']}x)"
+        elif r["world"] > 1 and 1 in runs and runs[1].get("read_bound_tok_s"):
+            line += (f"; {r['tok_s'] / runs[1]['tok_s']:.2f}x one rank on all the drives (same drives: the split's "
+                     f"read bound is {r['read_bound_tok_s'] / runs[1]['read_bound_tok_s']:.2f}x one rank's)")
         print(line)
