@@ -106,8 +106,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--worlds", default="2", help="rank counts to run, comma-separated (e.g. 1,2: N ranks vs one)")
     b.add_argument("--spec", default="report4", help="emulated drives, split between the ranks in order")
     b.add_argument("--scale", type=float, default=0.016,
-                   help="rate scale of the emulated drives (default 0.016: report4's 25 GB/s becomes 0.4 GB/s, what "
-                        "this machine's disk serves to two readers)")
+                   help="rate scale of the emulated drives (default 0.016: report4's 25 GB/s becomes 0.4 GB/s; "
+                        "the bytes come from memory at that rate)")
     b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic K3-expert-size model")
     b.add_argument("--experts", type=int, default=32, help="experts per layer")
     b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")

@@ -26,7 +26,8 @@ def passes(eng, prompt: list[int], n: int) -> dict:
     return {"tokens": toks, "logits": [lg.tolist() for lg in logits] + [lg.tolist() for lg in out]}
 
 
-def worker(rank: int, world: int, port: int, models: list[str], out_path: str, fail: tuple | None = None) -> None:
+def worker(rank: int, world: int, port: int, models: list[str], out_path: str, fail: tuple | None = None,
+           routing: str = "check") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -39,7 +40,8 @@ def worker(rank: int, world: int, port: int, models: list[str], out_path: str, f
     got, error = {}, None
     try:
         for i, m in enumerate(models):
-            eng = Engine(m, EngineOptions(cache_gb=0.001, threads=2, dist_timeout_s=30, max_len=64))
+            eng = Engine(m, EngineOptions(cache_gb=0.001, threads=2, dist_timeout_s=30, max_len=64,
+                                       dist_routing=routing))
             try:
                 if rank == 0:
                     got[m] = passes(eng, [5, 17, 99, 3, 42, 7, 250, 11], 8)

@@ -67,10 +67,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, models: list[str], out: Path, fail: tuple | None = None) -> dict:
+def _launch(world: int, models: list[str], out: Path, fail: tuple | None = None, routing: str = "check") -> dict:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, models, str(out), fail)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, models, str(out), fail, routing)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -95,7 +95,8 @@ def test_two_ranks_match_one_process_then_a_failing_rank_is_named(models, refere
 
 def test_three_ranks_match_one_process_then_a_dead_rank_is_named(models, reference, tmp_path):
     names = [m for n, m in models.items() if n != "placed"]
-    got = _launch(3, names + [names[0]], tmp_path / "out.json", fail=(2, "exit"))
+    # routing broadcast from rank 0 here (the two-rank launch checks the ranks' own routing)
+    got = _launch(3, names + [names[0]], tmp_path / "out.json", fail=(2, "exit"), routing="broadcast")
     for m in names:
         assert got["results"][m] == reference[m], m
     assert got["error"] and "rank 2" in got["error"] and "stopped answering" in got["error"], got["error"]
@@ -136,3 +137,66 @@ def test_rank_spec_errors_name_the_problem():
         rk.parse_ranks("d0,d1;d1", labels)
     with pytest.raises(UsageError, match="not a number of GB"):
         rk.parse_ranks("d0@lots", labels)
+
+
+def test_place_ranks_cli_moves_experts_to_their_owners_drives(tmp_path, capsys):
+    from deltafin.cli import main
+    from deltafin.store.model_dir import PackedModel
+
+    model = pack_tiny(tmp_path, "olmoe")
+    before = PackedModel.open(model).read_expert(1, 3)
+    assert main(["place", model, "--ranks", "d1@0;d0@0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: drives d1" in out and "rank 1: drives d0" in out
+    pm = PackedModel.open(model)
+    ex = pm.doc["experts"]
+    for L in pm.moe_layers:
+        for e in range(pm.num_experts):
+            assert pm.locations(L, e) == [1 - ex["ranks"]["owner"][str(L)][e]]  # rank 0 reads d1, rank 1 d0
+    after = pm.read_expert(1, 3)  # the bytes moved intact (checksum checked on read)
+    assert all(torch.equal(before[k].data, after[k].data) for k in before)
+    assert main(["place", model, "--policy", "bandwidth", "--no-progress"]) == 0  # back: the section goes
+    assert "ranks" not in mf.load(model)["experts"]
+    assert main(["place", model]) == 2
+    assert "--policy P" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_distributed_runs_both_modes(tmp_path, capsys):
+    """The benchmark's paths on CPU: emulated drives split over 2 ranks, and the resident N-vs-one comparison
+    (the path the GPU run takes with --device cuda)."""
+    from deltafin.cli import main
+
+    common = ["bench", "distributed", "--layers", "1", "--experts", "16", "--k", "4", "--tokens", "1",
+              "--warmup", "0", "--dir", str(tmp_path)]
+    assert main(common + ["--io-only", "--scale", "0.004", "--json", str(tmp_path / "a.json")]) == 0
+    rec = json.loads((tmp_path / "a.json").read_text())["runs"][0]
+    assert rec["world"] == 2 and 0 < rec["of_read_bound"] <= 1.05 and rec["bare_allreduce_ms"] > 0
+    assert main(common + ["--resident", "--worlds", "1,2", "--json", str(tmp_path / "b.json")]) == 0
+    runs = json.loads((tmp_path / "b.json").read_text())["runs"]
+    assert [r["world"] for r in runs] == [1, 2] and all(r["tok_s"] > 0 for r in runs)
+    assert "x one rank (ideal 2x)" in capsys.readouterr().out
+
+
+def test_ranks_that_route_differently_are_stopped(monkeypatch):
+    """The routing check: the summed ids must be N x each rank's own. A one-process group that claims two
+    ranks sums to 1 x, as if the other rank had routed differently."""
+    import torch.distributed as dist
+
+    from deltafin.errors import DistributedError
+    from deltafin.runtime.cluster import Cluster
+    from deltafin.runtime.distributed import DistributedExperts
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cl = Cluster(0, 2, 2, torch.device("cpu"), 5.0, dist.group.WORLD, dist.HashStore())
+        src = DistributedExperts(None, cl, {0: [0, 1, 0, 1]})
+        ids = torch.tensor([[0, 3]])
+        assert src.local(0, [0, 1, 2, 3]) == [0, 2]
+        with pytest.raises(DistributedError, match="routed layer 0 differently.*--dist-routing broadcast"):
+            src.combine(0, torch.randn(1, 2, 8), ids)
+        cl.world = 1
+        out = torch.randn(1, 2, 8)
+        assert torch.equal(src.combine(0, out, ids), out)  # one rank: the sum is the buffer, bit for bit
+    finally:
+        dist.destroy_process_group()

@@ -16,6 +16,7 @@ for a step tell a quiet leader from a dead one.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 import weakref
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from deltafin.errors import DistributedError
 from deltafin.runtime.cluster import Cluster
 
+log = logging.getLogger(__name__)
 ROUTING = ("check", "broadcast")
 
 
@@ -227,6 +229,7 @@ class Leader:
                 if not self._closed.is_set() and self.broken is None:
                     self._send(("ping",))
             except DistributedError as e:
+                log.warning("rank 0 could not reach the followers: %s", e)
                 self.broken = e
             finally:
                 self.lock.release()

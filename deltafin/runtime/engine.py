@@ -138,6 +138,8 @@ class Engine:
         self.device = resolve_device(opts.device)
         self.cluster = self.dist = None
         if world_from_env() > 1:  # launched by torchrun: this rank computes its share of the experts
+            if opts.record_routes:
+                raise UsageError("--record-routes records one process's routes; run it without torchrun")
             from deltafin.runtime import cluster
 
             self.cluster = cluster.init(self.device, opts.dist_timeout_s)
@@ -171,6 +173,8 @@ class Engine:
         self.routes = None
         if opts.record_routes:
             self.record_routes(opts.record_routes)
+        if self.cluster is not None:  # last: every rank is ready to follow once this returns
+            self._join_cluster()
 
     def _cache_bytes(self, trunk_bytes: int) -> int:
         """--cache-gb; on a cluster rank without it, the rank's budget from the manifest's ownership; else
@@ -188,8 +192,6 @@ class Engine:
         from deltafin.runtime import distributed as dd
 
         cl = self.cluster
-        if self.opts.record_routes:
-            raise UsageError("--record-routes records one process's routes; run it without torchrun")
         owners = dd.owners_from_manifest(self.packed.doc, cl.world)
         dd.check_same(cl, "model, expert ownership and routing mode",
                       (self.packed.model_id, hashlib.sha256(repr(sorted(owners.items())).encode()).hexdigest()[:16],
