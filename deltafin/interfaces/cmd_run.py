@@ -79,6 +79,7 @@ def open_engine(args):
         emulate_drives=args.emulate_drives,
         max_len=args.max_len,
         record_routes=getattr(args, "record_routes", None),
+        progress=not args.quiet,
     )
     eng = Engine(resolve_packed(args.model), opts)
     if not args.quiet:

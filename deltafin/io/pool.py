@@ -67,6 +67,7 @@ class DriveCounters:
     bytes: int = 0
     busy_seconds: float = 0.0  # summed over concurrent reads
     errors: int = 0
+    active_seconds: float = 0.0  # wall time with at least one read in flight: the drive's rate is bytes / this
 
 
 @dataclass
@@ -83,6 +84,8 @@ class ReaderPool:
         self._exec = [ThreadPoolExecutor(self.threads, thread_name_prefix=f"read-{r.label}") for r in self.readers]
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
+        self._inflight = [0] * len(self.readers)
+        self._since = [0.0] * len(self.readers)  # when the drive last went from idle to busy
         self._lock = threading.Lock()
 
     def submit(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
@@ -106,6 +109,10 @@ class ReaderPool:
         reader = self.readers[drive]
         buf = into if into is not None else self.buffers.get(nbytes)
         t0 = time.perf_counter()
+        with self._lock:
+            self._inflight[drive] += 1
+            if self._inflight[drive] == 1:
+                self._since[drive] = t0
         try:
             got = reader.read_into(path, 0, buf[: align_up(nbytes)])
             if got < nbytes:
@@ -117,6 +124,7 @@ class ReaderPool:
             with self._lock:
                 self.counters[drive].errors += 1
                 self._pending[drive] -= nbytes
+                self._idle(drive, time.perf_counter())
             done.put(Completion(tag, drive, path, None, nbytes, time.perf_counter() - t0, e))
             return
         dt = time.perf_counter() - t0
@@ -126,7 +134,14 @@ class ReaderPool:
             c.bytes += nbytes
             c.busy_seconds += dt
             self._pending[drive] -= nbytes
+            self._idle(drive, t0 + dt)
         done.put(Completion(tag, drive, path, buf, nbytes, dt))
+
+    def _idle(self, drive: int, now: float) -> None:
+        """One read of ``drive`` ended (called under the lock)."""
+        self._inflight[drive] -= 1
+        if self._inflight[drive] == 0:
+            self.counters[drive].active_seconds += now - self._since[drive]
 
     def close(self) -> None:
         for ex in self._exec:

@@ -141,8 +141,8 @@ class PackedModel:
             ef.check(data, self.checksum(layer, expert), where, "run 'deltafin verify' and repack the bad experts")
         return ef.decode(memoryview(data), where=where)
 
-    def trunk_records(self) -> dict[str, QTensor]:
-        """Every trunk tensor as a record (int8 stays int8 with its scales)."""
+    def trunk_records(self, progress=None) -> dict[str, QTensor]:
+        """Every trunk tensor as a record (int8 stays int8 with its scales); ``progress(nbytes)`` per tensor."""
         from safetensors import safe_open
 
         tensors = self.doc["trunk"]["tensors"]
@@ -156,4 +156,6 @@ class PackedModel:
                     meta = tensors[name]
                     scale = f.get_tensor(name + "#scale") if meta["format"] == "int8" else None
                     out[name] = QTensor(meta["format"], tuple(meta["shape"]), f.get_tensor(name), scale)
+                    if progress is not None:
+                        progress(out[name].data.nbytes + (scale.nbytes if scale is not None else 0))
         return out

@@ -269,14 +269,14 @@ def _remove_tmp(pm: PackedModel) -> None:
 
 
 def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progress: bool) -> None:
-    from tqdm import tqdm
+    from deltafin.progress import bar as progress_bar
 
     jobs = [(L, e, add) for L, e, add, _drop in _changes(pm, old, new) if add]
     rep.experts_changed = sum(1 for _ in _changes(pm, old, new))
     readers = [FileDriveReader(d.label, d.path) for d in pm.drives]
     buffers, lock, stop = BufferPool(), threading.Lock(), threading.Event()
     total = sum(key[2] for _L, _e, add in jobs for key in add)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="place", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total, "place", enabled=progress) as bar:
 
         def one(job) -> None:
             if stop.is_set():
