@@ -89,9 +89,11 @@ def _write_json(path: str | None, doc) -> None:
 
 def _place(args) -> int:
     from deltafin import fmt
+    from deltafin.interfaces.paths import resolve_packed
     from deltafin.store.manifest import parse_drive_map
     from deltafin.store.place import place_model
 
+    args.model = resolve_packed(args.model)
     rep = place_model(args.model, args.policy, trace_path=args.trace, spare_gb=args.spare_gb,
                       drive_map=parse_drive_map(args.drive_map), progress=not args.no_progress)
     if rep.resumed:
