@@ -83,7 +83,7 @@ def test_space_is_checked_per_filesystem(tmp_path):
 
 def test_one_probe_per_filesystem(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(drives_mod, "probe_read_gbps", lambda path, label: calls.append(label) or 3.0)
+    monkeypatch.setattr(drives_mod, "probe_read_gbps", lambda path, label, **kw: calls.append(label) or 3.0)
     for n in "ab":
         (tmp_path / n).mkdir()
     rates = measured_rates(parse_drives([f"a:{tmp_path / 'a'}", f"b:{tmp_path / 'b'}"]))

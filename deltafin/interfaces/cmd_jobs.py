@@ -44,9 +44,9 @@ def run(args) -> int:
 def _bar(args, total: int, unit: str):
     if args.no_progress or args.quiet or total == 0:
         return None
-    from tqdm import tqdm
+    from deltafin.progress import bar
 
-    return tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    return bar(total, args.command, unit)
 
 
 def _write_stats(args, doc: dict) -> None:

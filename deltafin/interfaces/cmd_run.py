@@ -148,6 +148,7 @@ def open_engine(args):
         read_deadline_s=args.read_deadline,
         dist_timeout_s=args.dist_timeout,
         dist_routing=args.dist_routing,
+        progress=not args.quiet,
     )
     eng = Engine(resolve_packed(args.model), opts)
     if not args.quiet and eng.cluster is not None:

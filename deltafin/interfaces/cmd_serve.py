@@ -14,7 +14,7 @@ from deltafin.errors import UsageError
 def add_serve_args(p) -> None:
     from deltafin.interfaces.cmd_run import add_engine_args, add_thinking_args
 
-    add_engine_args(p)
+    add_engine_args(p, stats=False)  # a server has no end-of-run statistics: /metrics has them
     add_thinking_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)

@@ -77,16 +77,17 @@ def _open(args):
 
 
 def _verify(args) -> int:
-    from tqdm import tqdm
-
+    from deltafin.progress import bar as progress_bar
     from deltafin.store.verify import repair_hint, verify
 
     model = _open(args)
     total = sum(model.file_bytes(L) * model.num_experts for L in model.moe_layers)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", dynamic_ncols=True) as bar:
+    with progress_bar(total, "verify") as bar:
         rep = verify(model, args.io_threads, bar.update)
-    print(f"verified {rep.files:,} expert files and {rep.trunk_files} trunk files, {rep.bytes / 1e9:.3f} GB in {rep.seconds:.1f} s "
-          f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s): "
+    from deltafin import fmt
+
+    print(f"verified {rep.files:,} expert files and {rep.trunk_files} trunk files, {fmt.size(rep.bytes)} in "
+          f"{fmt.duration(rep.seconds)} ({fmt.rate(rep.bytes / max(rep.seconds, 1e-9))}): "
           + ("all good" if rep.ok else f"{len(rep.bad)} bad"))
     for path, problem in rep.bad:
         print(f"  BAD {path}: {problem}", file=sys.stderr)

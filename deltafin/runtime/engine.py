@@ -26,6 +26,7 @@ from deltafin.store.model_dir import PackedModel
 
 log = logging.getLogger(__name__)
 GB = 1e9
+PREFILL_PROGRESS_TOKENS = 64  # shorter prompts are prefilled too fast for a progress bar to help
 GREEDY = SamplingParams()
 
 
@@ -43,6 +44,7 @@ class EngineOptions:
     read_deadline_s: float | None = None  # least seconds a read may take before it is retried (ReadDeadline)
     dist_timeout_s: float = 120.0  # a collective or an idle leader's silence longer than this stops a cluster run
     dist_routing: str = "check"  # ranks route alike by the same trunk math (checked), or take rank 0's (broadcast)
+    progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -82,8 +84,9 @@ def _drive_delta(now: dict[str, dict], before: dict[str, dict], wall_s: float) -
     out = {}
     for label, d in now.items():
         b = before.get(label, {})
-        run = {k: d[k] - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors")}
+        run = {k: d.get(k, 0) - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors", "active_s")}
         run["gbps_over_run"] = run["bytes"] / wall_s / 1e9 if wall_s > 0 else 0.0
+        run["gbps_busy"] = run["bytes"] / run["active_s"] / 1e9 if run["active_s"] > 0 else 0.0  # while reading
         out[label] = run
     return out
 
@@ -148,7 +151,10 @@ class Engine:
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
         self.cache_bytes = self._cache_bytes(trunk_bytes)
-        weights = {k: v.to(self.device) for k, v in self.packed.trunk_records().items()}
+        from deltafin.progress import bar
+
+        with bar(trunk_bytes, "loading trunk", enabled=opts.progress) as b:
+            weights = {k: v.to(self.device) for k, v in self.packed.trunk_records(b.update).items()}
         self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device)
         readers = None
         if opts.emulate_drives:
@@ -171,6 +177,7 @@ class Engine:
             n, self.context_reason = default_context(self.packed.text_config, self._state_budget())
             self.opts = opts = replace(opts, max_len=n)
         self.routes = None
+        self._on_layer = None  # prefill progress, called after each layer
         if opts.record_routes:
             self.record_routes(opts.record_routes)
         if self.cluster is not None:  # last: every rank is ready to follow once this returns
@@ -286,7 +293,7 @@ class Engine:
     def local_step(self, batch: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False
                    ) -> list[torch.Tensor]:
         if self.routes is None or sum(int(ids.shape[0]) for ids, _ in batch) != 1:
-            return forward_batch(self.model, batch, self.source, all_logits)
+            return forward_batch(self.model, batch, self.source, all_logits, on_layer=self._on_layer)
         self.source.routes = []  # one token: each fetch is exactly its routed experts
         try:
             out = forward_batch(self.model, batch, self.source, all_logits)
@@ -310,6 +317,11 @@ class Engine:
         before, src.record = src.stats.bytes_read, []
         t0 = time.perf_counter()
         last: list[torch.Tensor | None] = [None] * len(prompts)
+        from deltafin.progress import bar
+
+        show = self.opts.progress and sum(map(len, prompts)) >= PREFILL_PROGRESS_TOKENS
+        progress = bar(plan.chunks * self.model.num_layers, "prefill", unit="layer", enabled=show, leave=False)
+        self._on_layer = progress.update if show else None
         try:
             for start in range(0, longest, plan.chunk):
                 live = [j for j, p in enumerate(prompts) if start < len(p)]
@@ -321,6 +333,8 @@ class Engine:
                 unions.setdefault(layer, set()).update(ids)
         finally:
             src.record = None
+            self._on_layer = None
+            progress.close()
         unique = sum(len(u) * self.packed.file_bytes(L) for L, u in unions.items())
         report = PrefillReport(sum(map(len, prompts)), plan.chunk, time.perf_counter() - t0,
                                src.stats.bytes_read - before, unique, {L: len(u) for L, u in sorted(unions.items())})

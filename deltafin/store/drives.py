@@ -144,8 +144,10 @@ def check_space(needs: dict[str, tuple[str, int]]) -> None:
                                   "faster drives a smaller share")
 
 
-def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int = 8) -> float:
-    """Direct-read rate of the drive holding ``path``: write a probe file, read it back with O_DIRECT."""
+def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int = 8, progress=None) -> float:
+    """Direct-read rate of the drive holding ``path``: write a probe file, read it back with O_DIRECT.
+    ``progress(nbytes)`` is told of every write and read (2 x ``nbytes`` in all)."""
+    progress = progress or (lambda n: None)
     ensure_writable(path, label)
     f = os.path.join(path, f".deltafin-probe-{os.getpid()}")
     chunk = os.urandom(1 << 20) * (PROBE_READ >> 20)
@@ -153,6 +155,7 @@ def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int
         with open(f, "wb") as fh:
             for _ in range(nbytes // len(chunk)):
                 fh.write(chunk)
+                progress(len(chunk))
             fh.flush()
             os.fsync(fh.fileno())
         reader = FileDriveReader(label, path)
@@ -161,7 +164,12 @@ def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int
 
         def work(i: int) -> int:
             buf = bufs[i % depth]
-            return sum(reader.read_into(f, off, buf) for off in offsets[i::depth])
+            got = 0
+            for off in offsets[i::depth]:
+                n = reader.read_into(f, off, buf)
+                progress(n)
+                got += n
+            return got
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(depth) as ex:
@@ -180,8 +188,11 @@ def measured_rates(drives: list[DriveArg]) -> dict[str, float]:
     groups: dict[int, list[DriveArg]] = {}
     for d in drives:
         groups.setdefault(filesystem(d.path), []).append(d)
+    from deltafin.progress import bar
+
     out = {}
     for group in groups.values():
-        gbps = probe_read_gbps(group[0].path, group[0].label)
+        with bar(2 * PROBE_BYTES, f"measuring drive {group[0].label}") as b:
+            gbps = probe_read_gbps(group[0].path, group[0].label, progress=b.update)
         out |= {d.label: gbps / len(group) for d in group}
     return out

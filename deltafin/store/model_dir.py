@@ -144,8 +144,9 @@ class PackedModel:
             ef.check(data, self.checksum(layer, expert), where, "run 'deltafin verify' and repack the bad experts")
         return ef.decode(memoryview(data), where=where)
 
-    def trunk_records(self) -> dict[str, QTensor]:
-        """Every trunk tensor as a record (int8 stays int8 with its scales); a damaged file is named."""
+    def trunk_records(self, progress=None) -> dict[str, QTensor]:
+        """Every trunk tensor as a record (int8 stays int8 with its scales); a damaged file is named;
+        ``progress(nbytes)`` after each file."""
         from deltafin.store.trunk import load_records
 
-        return load_records(self.path, self.doc)
+        return load_records(self.path, self.doc, progress)

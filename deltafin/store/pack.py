@@ -252,7 +252,7 @@ class _Job:
         check_space(need)
 
     def write_all(self) -> None:
-        from tqdm import tqdm
+        from deltafin.progress import bar as progress_bar
 
         groups: dict = {}
         for t in self.plan.trunk:
@@ -261,8 +261,7 @@ class _Job:
         layers = sorted({g for g in groups if g != "global"} | set(self.plan.moe_layers))
         total = self.plan.expert_bytes + self.plan.trunk_bytes
         try:
-            with tqdm(total=total, unit="B", unit_scale=True, desc="pack", disable=not self.opts.progress,
-                      dynamic_ncols=True) as bar:
+            with progress_bar(total, "pack", enabled=self.opts.progress) as bar:
                 for L in layers:
                     if L in groups:
                         self._write_trunk(L, bar)

@@ -299,7 +299,7 @@ def _remove_tmp(pm: PackedModel) -> None:
 
 def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progress: bool) -> set[tuple[int, int]]:
     """Every changed expert's new files, installed and read back; returns the experts checked."""
-    from tqdm import tqdm
+    from deltafin.progress import bar as progress_bar
 
     # every file of the new layout, kept ones too: a kept copy may be the damaged one, and the good copy
     # is about to be deleted (it is rewritten from a good copy instead)
@@ -309,7 +309,7 @@ def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progr
     readers = [FileDriveReader(d.label, d.path) for d in pm.drives]
     buffers, lock, stop = BufferPool(), threading.Lock(), threading.Event()
     total = sum(key[2] for _L, _e, add in jobs for key in add)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="place", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total, "place", enabled=progress) as bar:
 
         def one(job) -> None:
             if stop.is_set():

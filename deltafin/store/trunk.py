@@ -24,8 +24,8 @@ def _files(doc: dict) -> dict[str, list[str]]:
     return by_file
 
 
-def load_records(model_dir: str, doc: dict) -> dict[str, QTensor]:
-    """Every trunk tensor as a record (int8 stays int8 with its scales)."""
+def load_records(model_dir: str, doc: dict, progress=None) -> dict[str, QTensor]:
+    """Every trunk tensor as a record (int8 stays int8 with its scales); ``progress(nbytes)`` per file."""
     tensors, fix, out = doc["trunk"]["tensors"], _fix(model_dir, doc), {}
     for rel, names in _files(doc).items():
         path = mf.resolve_under(model_dir, rel)
@@ -38,6 +38,8 @@ def load_records(model_dir: str, doc: dict) -> dict[str, QTensor]:
                 raise TrunkFileError(f"{path}: tensor {name} is {list(data.shape)}, the manifest says {meta['shape']}; "
                                      f"{fix}")
             out[name] = QTensor(meta["format"], tuple(meta["shape"]), data, got.get(name + "#scale"))
+        if progress is not None:
+            progress(sum(t.nbytes for t in got.values()))
     return out
 
 
