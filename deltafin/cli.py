@@ -86,6 +86,23 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--inputs", type=int, default=16, help="inputs to classify")
     b.add_argument("--tokens", type=int, default=128, help="tokens per input")
     b.add_argument("--batch", type=int, default=8, help="inputs prefilled together (one pass each)")
+    b = sub.add_parser("kernels", help="weight matmuls at Kimi K3's shapes: GB/s of weight bytes beside memory bandwidth")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--seconds", type=float, default=2.0, help="time per case")
+    b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("warm", help="warm decode of a mid-size MoE (all experts in memory) beside the memory roofline")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--tokens", type=int, default=16, help="decoded tokens timed")
+    b.add_argument("--json", metavar="PATH")
+    add_compute_args(b)
+
+
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """The compute path, shared by every command that runs a model: fused kernels by default."""
+    p.add_argument("--exact", action="store_true",
+                   help="the float32 reference path (plain torch matmuls): token-identical to transformers")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f32"],
+                   help="activation dtype of the fast path: auto = bf16 on CUDA, f32 on the CPU (measured fastest)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@
  * The caller passes x split into even and odd columns (xe, xo [T, C/2]), so a nibble lane meets its column.
  * Scales: kind 0 E8M0 bytes (through a 256-entry table), kind 1 bf16, kind 2 float32.
  * int8: one float32 scale per row.
- * Rows are split over threads (OpenMP); each row's weights are decoded once and reused for every token.
+  * Rows are split over threads (OpenMP); each row's weights are decoded once and reused for every token.
  */
 #include <stdint.h>
 #include <string.h>
@@ -192,12 +192,18 @@ static void i8_rows(const int8_t *q, const float *s, const float *x, float *out,
     }
 }
 
-/* Rows split into equal contiguous ranges, one per thread (static: every row costs the same). */
-#define SPLIT(nthreads, R, body)                                                \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")          \
-    for (int p = 0; p < nthreads; p++) {                                        \
-        const int64_t r0 = R * p / nthreads, r1 = R * (p + 1) / nthreads;       \
-        body;                                                                   \
+/* Rows in chunks of even count, handed to threads as they free up: on a shared machine a thread that loses
+ * its core for a while does not hold the whole call back. About 8 chunks per thread. */
+#define SPLIT(nthreads, R, body)                                                          \
+    {                                                                                     \
+        int64_t step_ = R / ((int64_t)nthreads * 8);                                      \
+        step_ = step_ < 16 ? 16 : step_ + (step_ & 1);                                    \
+        const int64_t n_ = (R + step_ - 1) / step_;                                       \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")            \
+        for (int64_t p = 0; p < n_; p++) {                                                \
+            const int64_t r0 = p * step_, r1 = r0 + step_ < R ? r0 + step_ : R;           \
+            body;                                                                         \
+        }                                                                                 \
     }
 
 void df_q4_mm(int kind, const uint8_t *packed, const void *scales, const float *lut, const float *e8m0,
