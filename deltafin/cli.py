@@ -94,15 +94,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     b.add_argument("--tokens", type=int, default=16, help="decoded tokens timed")
     b.add_argument("--json", metavar="PATH")
+    from deltafin.interfaces.cmd_run import add_compute_args
+
     add_compute_args(b)
-
-
-def add_compute_args(p: argparse.ArgumentParser) -> None:
-    """The compute path, shared by every command that runs a model: fused kernels by default."""
-    p.add_argument("--exact", action="store_true",
-                   help="the float32 reference path (plain torch matmuls): token-identical to transformers")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f32"],
-                   help="activation dtype of the fast path: auto = bf16 on CUDA, f32 on the CPU (measured fastest)")
 
 
 def build_parser() -> argparse.ArgumentParser:

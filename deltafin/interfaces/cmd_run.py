@@ -24,6 +24,15 @@ def add_engine_args(p) -> None:
                    help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
                         "'deltafin place --policy coactivation|replicas --trace PATH'")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    add_compute_args(p)
+
+
+def add_compute_args(p) -> None:
+    """The compute path, shared by every command that runs a model: fused kernels unless --exact."""
+    p.add_argument("--exact", action="store_true",
+                   help="the float32 reference path (plain torch matmuls), token-identical to transformers")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f32"],
+                   help="activations on the fast path: auto = bf16 on CUDA, f32 on the CPU (measured faster there)")
 
 
 def add_sampling_args(p) -> None:
@@ -42,14 +51,14 @@ def open_engine(args):
 
     opts = EngineOptions(args.device, args.cache_gb, args.threads, args.verify_reads,
                          parse_drive_map(args.drive_map), args.emulate_drives, args.max_len,
-                         record_routes=getattr(args, "record_routes", None))
+                         record_routes=getattr(args, "record_routes", None), exact=args.exact, dtype=args.dtype)
     eng = Engine(args.model, opts)
     if not args.quiet:
         print(f"[deltafin] {eng.packed.model_id} ({eng.packed.family}) on {eng.device}; trunk "
               f"{eng.packed.doc['trunk']['bytes'] / 1e9:.2f} GB resident; expert cache {eng.cache_bytes / 1e9:.2f} GB"
               f"{' (default: half of free memory after the trunk)' if args.cache_gb is None else ''}; "
               f"{args.threads} reader threads x {len(eng.packed.drives)} drive(s), "
-              f"{'direct' if eng.source.direct else 'buffered'} I/O", file=sys.stderr)
+              f"{'direct' if eng.source.direct else 'buffered'} I/O; math: {eng.math_name}", file=sys.stderr)
     return eng
 
 

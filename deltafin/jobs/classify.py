@@ -136,7 +136,9 @@ class Classifier:
         if multi:
             seqs = [(torch.tensor(self.label_ids[j][:-1], dtype=torch.long, device=eng.device),
                      copy.deepcopy(states[i])) for i, j in multi]
-            for (i, j), lg in zip(multi, forward_batch(eng.model, seqs, eng.source, all_logits=True), strict=True):
+            with eng.math():
+                rest = forward_batch(eng.model, seqs, eng.source, all_logits=True)
+            for (i, j), lg in zip(multi, rest, strict=True):
                 lp = torch.log_softmax(lg.float(), -1)  # [m-1, V]: position t predicts label token t+1
                 nxt = torch.tensor(self.label_ids[j][1:], device=lp.device)
                 out[i][j] += float(lp.gather(1, nxt[:, None]).sum())

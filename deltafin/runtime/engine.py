@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltafin import kernels
 from deltafin.errors import UsageError
 from deltafin.models import registry
 from deltafin.models.base import SequenceState
@@ -35,6 +36,8 @@ class EngineOptions:
     max_len: int = 4096
     prefill_gb: float | None = None  # None: a quarter of available memory, at least 1 GB
     record_routes: str | None = None  # write the routing trace (JSONL, deltafin.io.routes) of decoded tokens here
+    exact: bool = True  # the float32 plain-torch reference path; False: fused kernels (the CLI's default)
+    dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -80,6 +83,21 @@ def _drive_delta(now: dict[str, dict], before: dict[str, dict], wall_s: float) -
     return out
 
 
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def compute_dtype(exact: bool, dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on the exact path; ``auto`` is bf16 on CUDA and float32 on the CPU, where the fused kernels
+    accumulate in float32 either way and bf16 activations only add conversions (`deltafin bench warm`)."""
+    if dtype not in ("auto", *DTYPES):
+        raise UsageError(f"--dtype {dtype!r} is not a compute dtype; choose auto, bf16 or f32")
+    if exact:
+        return torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
@@ -99,7 +117,8 @@ class Engine:
         self.cache_bytes = (int(opts.cache_gb * GB) if opts.cache_gb is not None
                             else default_cache_bytes(trunk_bytes, self.device))
         weights = {k: v.to(self.device) for k, v in self.packed.trunk_records().items()}
-        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device)
+        self.dtype = compute_dtype(opts.exact, opts.dtype, self.device)
+        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device, self.dtype)
         readers = None
         if opts.emulate_drives:
             from deltafin.io.emulator import emulated_readers
@@ -129,6 +148,16 @@ class Engine:
                                                             self.packed.moe_layers)
         return self.routes
 
+    def math(self):
+        """The compute path for model calls made in this block: fused kernels unless the options say exact."""
+        return kernels.fast(not self.opts.exact)
+
+    @property
+    def math_name(self) -> str:
+        if self.opts.exact:
+            return "exact float32 reference (plain torch)"
+        return f"fused kernels ({kernels.backend_name(self.device.type)}), {str(self.dtype).removeprefix('torch.')} activations"
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.codec.eos_ids if self.codec else ()
@@ -150,10 +179,12 @@ class Engine:
                                  f"raise --max-len or shorten the prompt")
         batch = [(torch.tensor(ids, dtype=torch.long, device=self.device), st) for ids, st in seqs]
         if self.routes is None or sum(len(ids) for ids, _ in seqs) != 1:
-            return [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
+            with self.math():
+                return [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
         self.source.routes = []  # one token: each fetch is exactly its routed experts
         try:
-            out = [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
+            with self.math():
+                out = [lg[-1] for lg in forward_batch(self.model, batch, self.source)]
             self.routes.write(self.source.routes)
         finally:
             self.source.routes = None
