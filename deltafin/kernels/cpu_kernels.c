@@ -5,7 +5,8 @@
  * The caller passes x split into even and odd columns (xe, xo [T, C/2]), so a nibble lane meets its column.
  * Scales: kind 0 E8M0 bytes (through a 256-entry table), kind 1 bf16, kind 2 float32.
  * int8: one float32 scale per row.
-  * Rows are split over threads (OpenMP); each row's weights are decoded once and reused for every token.
+ * Rows are split over threads (OpenMP); each row's weights are decoded once and reused for every token, and
+ * every token's sum runs in the same order whatever T is: a token's result does not depend on its batch.
  */
 #include <stdint.h>
 #include <string.h>
@@ -81,41 +82,6 @@ static void q4_rows(int kind, const uint8_t *packed, const void *scales, const f
 }
 
 
-#ifdef __AVX512F__
-/* One token: two rows per pass share each load of x; the block's partial sum is scaled once. */
-static inline __m512 q4_block(const uint8_t *p, __m512 tab, __m512 xe, __m512 xo) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    const __m512 we = _mm512_permutexvar_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)), tab);
-    const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab);
-    return _mm512_fmadd_ps(we, xe, _mm512_mul_ps(wo, xo));
-}
-
-static void q4_gemv(int kind, const uint8_t *packed, const void *scales, const float *lut, const float *e8m0,
-                    const float *xe, const float *xo, float *out, int64_t r0, int64_t r1, int64_t C) {
-    const int64_t H = C / 2, nb = C / 32;
-    const __m512 tab = _mm512_loadu_ps(lut);
-    int64_t r = r0;
-    for (; r + 1 < r1; r += 2) {
-        const uint8_t *p0 = packed + r * H, *p1 = p0 + H;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m512 x0 = _mm512_loadu_ps(xe + b * 16), x1 = _mm512_loadu_ps(xo + b * 16);
-            a0 = _mm512_fmadd_ps(q4_block(p0 + b * 16, tab, x0, x1), _mm512_set1_ps(scale_at(scales, kind, e8m0, r * nb + b)), a0);
-            a1 = _mm512_fmadd_ps(q4_block(p1 + b * 16, tab, x0, x1), _mm512_set1_ps(scale_at(scales, kind, e8m0, (r + 1) * nb + b)), a1);
-        }
-        out[r] = _mm512_reduce_add_ps(a0);
-        out[r + 1] = _mm512_reduce_add_ps(a1);
-    }
-    for (; r < r1; r++) {
-        const uint8_t *p0 = packed + r * H;
-        __m512 a0 = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++)
-            a0 = _mm512_fmadd_ps(q4_block(p0 + b * 16, tab, _mm512_loadu_ps(xe + b * 16), _mm512_loadu_ps(xo + b * 16)),
-                                 _mm512_set1_ps(scale_at(scales, kind, e8m0, r * nb + b)), a0);
-        out[r] = _mm512_reduce_add_ps(a0);
-    }
-}
-#endif
 
 
 /* Rows [r0, r1) decoded to float32 w [r1 - r0, C] in column order: the tile a BLAS matmul reuses for many tokens. */
@@ -208,12 +174,6 @@ static void i8_rows(const int8_t *q, const float *s, const float *x, float *out,
 
 void df_q4_mm(int kind, const uint8_t *packed, const void *scales, const float *lut, const float *e8m0,
               const float *xe, const float *xo, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
-#ifdef __AVX512F__
-    if (T == 1) {
-        SPLIT(nthreads, R, q4_gemv(kind, packed, scales, lut, e8m0, xe, xo, out, r0, r1, C))
-        return;
-    }
-#endif
     SPLIT(nthreads, R, q4_rows(kind, packed, scales, lut, e8m0, xe, xo, out, r0, r1, R, C, T))
 }
 
