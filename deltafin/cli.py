@@ -128,6 +128,17 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--tokens", type=int, default=200, help="tokens to choose under each grammar")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("kernels", help="weight matmuls at Kimi K3's shapes: GB/s of weight bytes beside memory bandwidth")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--seconds", type=float, default=2.0, help="time per case")
+    b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("warm", help="warm decode of a mid-size MoE (all experts in memory) beside the memory roofline")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--tokens", type=int, default=16, help="decoded tokens timed")
+    b.add_argument("--json", metavar="PATH")
+    from deltafin.interfaces.cmd_run import add_compute_args
+
+    add_compute_args(b)
 
 
 class HelpFormatter(argparse.HelpFormatter):

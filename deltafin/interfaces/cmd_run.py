@@ -44,6 +44,15 @@ def add_engine_args(p, stats: bool = True) -> None:
     p.add_argument("--dist-routing", default="check", choices=["check", "broadcast"],
                    help="under torchrun: every rank routes by the same trunk math, checked at each layer (check), or "
                         "takes rank 0's routing (broadcast: one more collective per layer, for mixed hardware)")
+    add_compute_args(p)
+
+
+def add_compute_args(p) -> None:
+    """The compute path, shared by every command that runs a model: fused kernels unless --exact."""
+    p.add_argument("--exact", action="store_true",
+                   help="the float32 reference path (plain torch matmuls), token-identical to transformers")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f32"],
+                   help="activations on the fast path: auto = bf16 on CUDA, f32 on the CPU (measured faster there)")
 
 
 def add_sampling_args(p) -> None:
@@ -149,6 +158,8 @@ def open_engine(args):
         dist_timeout_s=args.dist_timeout,
         dist_routing=args.dist_routing,
         progress=not args.quiet,
+        exact=args.exact,
+        dtype=args.dtype,
     )
     eng = Engine(resolve_packed(args.model), opts)
     if not args.quiet and eng.cluster is not None:
@@ -170,7 +181,7 @@ def start_line(eng, args) -> str:
             f"{fmt.size(eng.packed.doc['trunk']['bytes'])} resident; expert cache {fmt.size(eng.cache_bytes)}{cache}; "
             f"context {eng.opts.max_len:,} tokens ({eng.context_reason}); {torch.get_num_threads()} compute threads, "
             f"{args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
-            f"{'direct' if eng.source.direct else 'buffered'} I/O")
+            f"{'direct' if eng.source.direct else 'buffered'} I/O; math: {eng.math_name}")
 
 
 def sampling_params(args):

@@ -28,7 +28,8 @@ from typing import Protocol
 
 import torch
 
-from deltafin.quant.record import QTensor, dequantize, matmul
+from deltafin.kernels import matmul
+from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
 ExpertTensors = Mapping[str, QTensor]  # roles: gate/up/down, or gpt-oss gate_up/gate_up_bias/down/down_bias

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from deltafin import kernels
 from deltafin.errors import ReadError, UsageError
 from deltafin.io.direct import FileDriveReader
 from deltafin.models import registry
@@ -45,6 +46,8 @@ class EngineOptions:
     dist_timeout_s: float = 120.0  # a collective or an idle leader's silence longer than this stops a cluster run
     dist_routing: str = "check"  # ranks route alike by the same trunk math (checked), or take rank 0's (broadcast)
     progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
+    exact: bool = True  # the float32 plain-torch reference path; False: fused kernels (the CLI's default)
+    dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -112,6 +115,21 @@ class ForeignDrive:
                         f"manifest's ownership and its drives disagree: re-run 'deltafin place --ranks')")
 
 
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def compute_dtype(exact: bool, dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on the exact path; ``auto`` is bf16 on CUDA and float32 on the CPU, where the fused kernels
+    accumulate in float32 either way and bf16 activations only add conversions (`deltafin bench warm`)."""
+    if dtype not in ("auto", *DTYPES):
+        raise UsageError(f"--dtype {dtype!r} is not a compute dtype; choose auto, bf16 or f32")
+    if exact:
+        return torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":  # as the other local runners do: the GPU when there is one
         return torch.device("cuda" if torch.cuda.is_available() else
@@ -155,7 +173,8 @@ class Engine:
 
         with bar(trunk_bytes, "loading trunk", enabled=opts.progress) as b:
             weights = {k: v.to(self.device) for k, v in self.packed.trunk_records(b.update).items()}
-        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device)
+        self.dtype = compute_dtype(opts.exact, opts.dtype, self.device)
+        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device, self.dtype)
         readers = None
         if opts.emulate_drives:
             from deltafin.io.emulator import emulated_readers
@@ -248,6 +267,16 @@ class Engine:
                                                             self.packed.moe_layers)
         return self.routes
 
+    def math(self):
+        """The compute path for model calls made in this block: fused kernels unless the options say exact."""
+        return kernels.fast(not self.opts.exact)
+
+    @property
+    def math_name(self) -> str:
+        if self.opts.exact:
+            return "exact float32 reference (plain torch)"
+        return f"fused kernels ({kernels.backend_name(self.device.type)}), {str(self.dtype).removeprefix('torch.')} activations"
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.codec.eos_ids if self.codec else ()
@@ -293,10 +322,12 @@ class Engine:
     def local_step(self, batch: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False
                    ) -> list[torch.Tensor]:
         if self.routes is None or sum(int(ids.shape[0]) for ids, _ in batch) != 1:
-            return forward_batch(self.model, batch, self.source, all_logits, on_layer=self._on_layer)
+            with self.math():
+                return forward_batch(self.model, batch, self.source, all_logits, on_layer=self._on_layer)
         self.source.routes = []  # one token: each fetch is exactly its routed experts
         try:
-            out = forward_batch(self.model, batch, self.source, all_logits)
+            with self.math():
+                out = forward_batch(self.model, batch, self.source, all_logits)
             self.routes.write(self.source.routes)
         finally:
             self.source.routes = None
