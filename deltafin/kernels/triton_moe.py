@@ -10,12 +10,15 @@ experts is taken afterwards in slot order (arrival order never changes a result)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma, weight_tile
+from deltafin.kernels.triton import format_code
+from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
 ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
@@ -55,8 +58,8 @@ def _gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x,
         offs_k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
                     mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc_g = mma(acc_g, x, weight_tile(g_p, g_s, offs_n, k0, I, K, FMT, BN, BK), IEEE)
-        acc_u = mma(acc_u, x, weight_tile(u_p, u_s, offs_n, k0, I, K, FMT, BN, BK), IEEE)
+        acc_g = mma_weight(acc_g, x, g_p, g_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
+        acc_u = mma_weight(acc_u, x, u_p, u_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
     h = _act(acc_g, acc_u, ACT, BETA, LBETA)
     tl.store(h_ptr + r[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n < I)[None, :])
@@ -78,7 +81,7 @@ def _down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot
         offs_k = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + r[:, None] * I + offs_k[None, :],
                     mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
-        acc = mma(acc, h, weight_tile(d_p, d_s, offs_n, k0, D, I, FMT, BN, BK), IEEE)
+        acc = mma_weight(acc, h, d_p, d_s, offs_n, k0, D, I, FMT, IEEE, BN, BK)
     w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
     tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc * w[:, None],
              mask=valid[:, None] & (offs_n < D)[None, :])
@@ -161,37 +164,58 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
             "BN_down": 64, "BK_down": 128 if bt == 64 else 256}
 
 
-def grouped_glu(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, slab: ExpertSlab,
-                act: int = ACT_SILU, beta: float = 4.0, lbeta: float = 25.0, cfg: dict | None = None
-                ) -> torch.Tensor:
+@dataclass
+class MoePlan:
+    """Where each (token, expert) pair goes: built once per routing decision, on the host (routing is the
+    one host synchronisation per layer), then launched without further host work."""
+
+    rows: torch.Tensor  # [NB*BT] int32 pair index (t*k + j) or -1, on the device
+    blk: torch.Tensor  # [NB] int32 slab slot of each block, on the device
+    tokens: int
+    k: int
+    cfg: dict
+
+
+def plan_moe(slots: torch.Tensor | np.ndarray, device: torch.device | str, K: int, I: int,
+             cfg: dict | None = None) -> MoePlan:
+    """slots [T, k]: the slab slot of every routed pair."""
+    s = slots.detach().cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    s = s.astype(np.int64)
+    T, k = s.shape
+    c = cfg or moe_config(T * k, len(np.unique(s)), K, I)
+    rows, blk = block_layout(s, c["BT"])
+    return MoePlan(torch.from_numpy(rows).to(device), torch.from_numpy(blk).to(device), T, k, c)
+
+
+def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor, slab: ExpertSlab,
+                act: int = ACT_SILU, beta: float = 4.0, lbeta: float = 25.0, cfg: dict | None = None,
+                plan: MoePlan | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(act(gate_e x_t, up_e x_t)) for e = slab slot slots[t, j].
 
-    x [T, D] on the slab's device; slots [T, k] (host or device); weights [T, k]. Returns [T, D] in x's
-    dtype; the k terms are summed in slot order in float32."""
+    x [T, D] on the slab's device; slots [T, k] (host or device) or a ready ``plan``; weights [T, k].
+    Returns [T, D] in x's dtype; the k terms are summed in slot order in float32."""
     T, D = x.shape
-    k = slots.shape[1]
     if slab.format not in _FMT:
         raise ValueError(f"grouped experts: format {slab.format!r} has no kernel; kernels: {', '.join(_FMT)}")
     I, K = slab.shapes["gate"]
-    c = cfg or moe_config(T * k, len(set(slots.reshape(-1).tolist())), K, I)
-    rows_np, blk_np = block_layout(slots.detach().cpu().numpy().astype(np.int64), c["BT"])
+    p = plan or plan_moe(slots, x.device, K, I, cfg)
+    c, k = p.cfg, p.k
     dev = x.device
-    rows = torch.from_numpy(rows_np).to(dev, non_blocking=True)
-    blk = torch.from_numpy(blk_np).to(dev, non_blocking=True)
     x = x.contiguous()
     ieee = x.dtype == torch.float32 or INTERPRET
-    fmt = _FMT[slab.format]
-    h = torch.empty(rows_np.size, I, device=dev, dtype=x.dtype)
+    fmt = format_code(slab.format, x.dtype, c.get("scaled")) if slab.format == "mxfp4" else _FMT[slab.format]
+    nb = p.blk.numel()
+    h = torch.empty(p.rows.numel(), I, device=dev, dtype=x.dtype)
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
-    _gate_up_kernel[(blk_np.size, triton.cdiv(I, c["BN"]))](
-        x, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
+    _gate_up_kernel[(nb, triton.cdiv(I, c["BN"]))](
+        x, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(),
         TOPK=k, K=K, I=I, FMT=fmt, ACT=act, BETA=beta, LBETA=lbeta, IEEE=ieee,
         BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-    _down_kernel[(blk_np.size, triton.cdiv(D, c["BN_down"]))](
-        h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
+    _down_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
+        h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y.view(T, k, D).sum(1).to(x.dtype)

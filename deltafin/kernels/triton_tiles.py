@@ -16,6 +16,7 @@ import triton.language as tl
 FMT_MXFP4 = 0
 FMT_INT8 = 1
 FMT_INT4G32 = 2
+FMT_MXFP4_SCALED = 3  # MXFP4 through tl.dot_scaled (bf16 activations on the GPU; no interpreter support)
 
 
 @triton.jit
@@ -105,3 +106,20 @@ def mma(acc, x, w, IEEE: tl.constexpr):
         return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:
         return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
+def mma_weight(acc, x, p_ptr, s_ptr, offs_n, k0, N, K, FMT: tl.constexpr, IEEE: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr):
+    """acc += x @ W[offs_n, k0:k0+BK]^T for a stored weight W [N, K]."""
+    if FMT == 3:
+        offs_h = k0 // 2 + tl.arange(0, BK // 2)
+        offs_b = k0 // 32 + tl.arange(0, BK // 32)
+        nm = offs_n < N
+        b = tl.load(p_ptr + offs_n[:, None] * (K // 2) + offs_h[None, :],
+                    mask=nm[:, None] & (offs_h < K // 2)[None, :], other=0)
+        s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_b[None, :],
+                    mask=nm[:, None] & (offs_b < K // 32)[None, :], other=127)
+        return tl.dot_scaled(x.to(tl.bfloat16), None, "bf16", tl.trans(b), s, "e2m1", acc)
+    else:
+        return mma(acc, x, weight_tile(p_ptr, s_ptr, offs_n, k0, N, K, FMT, BN, BK), IEEE)

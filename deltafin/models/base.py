@@ -97,19 +97,32 @@ def moe_dispatch(
     layer: int,
     experts: ExpertSource,
     expert_fn,
+    glu: tuple | None = None,
 ) -> torch.Tensor:
     """Run the routed experts of one layer over all tokens at once (expert-major).
 
     Legend: T tokens, k experts per token, D model width. ``ids``/``weights`` are [T, k].
     Each requested expert runs once on all of its tokens as soon as it arrives; results land in
     per-(token, slot) buffers and are summed over k in slot order, so arrival order cannot change them.
+    ``glu`` names the expert's gated activation (("silu",) or ("situ", beta, linear_beta)) for the
+    grouped CUDA kernels, which run every expert of the layer in two launches once all have arrived.
     """
     T, D = x.shape
     k = ids.shape[1]
-    out = x.new_zeros(T, k, D)  # [T, k, D]
     wanted = ids.unique().tolist()
+    fetched = experts.fetch(layer, wanted)
+    if glu is not None and x.is_cuda:
+        from deltafin.kernels import cuda as kc
+
+        if kc.enabled(x):
+            got = list(fetched)
+            assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
+            if all(kc.grouped_eligible(x, t) for _, t in got):
+                return kc.grouped_moe(x, ids, weights, got, glu, getattr(experts, "slab", None))
+            fetched = iter(got)
+    out = x.new_zeros(T, k, D)  # [T, k, D]
     seen = 0
-    for eid, tensors in experts.fetch(layer, wanted):
+    for eid, tensors in fetched:
         tok, slot = (ids == eid).nonzero(as_tuple=True)
         y = expert_fn(x[tok], tensors)  # [n, D]
         out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)

@@ -79,6 +79,12 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     """x @ W^T for a weight stored as [out, in] in any format; computes in x's dtype."""
     if isinstance(w, torch.Tensor):
         return x @ w.to(x.dtype).T
+    if x.is_cuda:  # bf16 on CUDA: Triton kernels read the stored bytes (deltafin.kernels.cuda)
+        from deltafin.kernels import cuda as kc
+
+        y = kc.linear(x, w)
+        if y is not None:
+            return y
     if w.format == "int8":
         return int8.matmul(x, w.data, w.scale)
     return x @ dequantize(w, x.dtype).T
