@@ -157,11 +157,16 @@ MOE_FORMATS = frozenset(_FMT)
 
 
 def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
-    """Rows per block from the average rows per expert: 16 for decode, up to 64 for prefill."""
+    """Rows per block from the average rows per expert: 16 for decode, 64 or 128 for prefill (H200 sweep of
+    ``deltafin.bench.kernels_cuda``: decode BN 64 x BK 128, 4 warps, 4 stages; prefill 128 x 128 x 64)."""
     avg = pairs / max(experts, 1)
-    bt = 16 if avg <= 16 else (32 if avg <= 48 else 64)
-    return {"BT": bt, "BN": 64, "BK": 128 if bt == 64 else 256, "num_warps": 4, "num_stages": 3,
-            "BN_down": 64, "BK_down": 128 if bt == 64 else 256}
+    if avg <= 16:
+        c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
+    elif avg <= 256:
+        c = {"BT": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
+    else:
+        c = {"BT": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+    return dict(c, BN_down=c["BN"], BK_down=c["BK"])
 
 
 @dataclass
