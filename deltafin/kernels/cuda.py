@@ -2,7 +2,8 @@
 
 The fast path runs for bf16 activations on a CUDA device (the default compute dtype there); float32
 activations keep the plain torch path, the exact reference. ``DELTAFIN_KERNELS=torch`` turns the Triton
-path off (for comparisons).
+path off (for comparisons); ``DELTAFIN_KERNELS=interpret`` with ``TRITON_INTERPRET=1`` runs it on CPU tensors
+through Triton's interpreter (tests of the wiring on machines without a GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ USED: set[str] = set()
 
 
 def enabled(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("DELTAFIN_KERNELS", "triton") != "torch"
+    mode = os.environ.get("DELTAFIN_KERNELS", "triton")
+    on_device = x.is_cuda or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and x.dtype == torch.bfloat16 and mode != "torch"
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor | None:

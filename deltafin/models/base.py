@@ -111,7 +111,7 @@ def moe_dispatch(
     k = ids.shape[1]
     wanted = ids.unique().tolist()
     fetched = experts.fetch(layer, wanted)
-    if glu is not None and x.is_cuda:
+    if glu is not None and x.dtype == torch.bfloat16:
         from deltafin.kernels import cuda as kc
 
         if kc.enabled(x):

@@ -79,7 +79,7 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     """x @ W^T for a weight stored as [out, in] in any format; computes in x's dtype."""
     if isinstance(w, torch.Tensor):
         return x @ w.to(x.dtype).T
-    if x.is_cuda:  # bf16 on CUDA: Triton kernels read the stored bytes (deltafin.kernels.cuda)
+    if x.dtype == torch.bfloat16:  # on CUDA: Triton kernels read the stored bytes (deltafin.kernels.cuda)
         from deltafin.kernels import cuda as kc
 
         y = kc.linear(x, w)
