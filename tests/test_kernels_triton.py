@@ -169,3 +169,30 @@ def test_bf16_kernels_agree_with_float32_reference(family, tmp_path):
     agree = (top[torch.float32] == top[torch.bfloat16]).float().mean().item()
     assert agree >= 0.99, f"{family}: top-1 agreement {agree:.3f}"
     assert any(u.startswith("triton:") for u in kc.USED)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this compiled")
+def test_model_wiring_through_interpreter(tmp_path, monkeypatch):
+    """A tiny Kimi K3 in bf16 takes the kernel path (int8 trunk linears, grouped MXFP4 experts) and gives
+    the plain bf16 torch path's logits within bf16 rounding."""
+    from deltafin import k3_tiny
+    from deltafin.kernels import cuda as kc
+    from deltafin.models import registry
+    from deltafin.models.base import ResidentExperts
+    from deltafin.store.drives import parse_drives
+    from deltafin.store.model_dir import PackedModel
+    from deltafin.store.pack import PackOptions, pack
+
+    k3_tiny.write_tiny_k3(tmp_path / "src", num_hidden_layers=2, mla_every=2)
+    pack(str(tmp_path / "src"), str(tmp_path / "m"), parse_drives([f"{tmp_path}/d0"]), PackOptions(progress=False))
+    pm = PackedModel.open(str(tmp_path / "m"))
+    model = registry.build(pm.family, pm.text_config, pm.trunk_records(), "cpu", torch.bfloat16)
+    experts = ResidentExperts({(L, e): pm.read_expert(L, e) for L in pm.moe_layers for e in range(pm.num_experts)})
+    ids = torch.tensor([5, 17, 99])
+    logits = {}
+    for mode in ("torch", "interpret"):
+        monkeypatch.setenv("DELTAFIN_KERNELS", mode)
+        kc.USED.clear()
+        logits[mode] = model.forward(ids, model.new_state(8), experts)
+    assert {"triton:int8_linear", "triton:grouped_mxfp4"} <= kc.USED
+    assert _rel(logits["interpret"], logits["torch"]) < 3e-2
