@@ -188,6 +188,23 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU (checks this script, not speed)")
     a = ap.parse_args(argv)
+    run(a, "both")
+    return 0
+
+
+def from_cli(args, mode: str) -> dict:
+    """``deltafin bench decode|prefill --synthetic k3-slice``: the slice with the command's options."""
+    a = argparse.Namespace(layers=args.layers, experts=args.experts, json=args.json, smoke=False,
+                           tokens=args.tokens if mode == "decode" else 0, torch_steps=3 if mode == "decode" else 0,
+                           prefill=[args.prompt] if mode == "prefill" else [])
+    if args.device != "cuda":
+        from deltafin.errors import UsageError
+
+        raise UsageError("--synthetic k3-slice times the CUDA kernels; run it with --device cuda")
+    return run(a, mode)
+
+
+def run(a, mode: str) -> dict:
     from deltafin.kernels import cuda as kc
     from deltafin.models import registry
 
@@ -202,14 +219,15 @@ def main(argv=None) -> int:
     model = registry.build("kimi_k3", tc, w, dev, torch.bfloat16)
     res = {"layers": a.layers, "experts": a.experts, "build_s": time.time() - t0,
            "trunk_bytes": sum(r.nbytes for r in w.values()), "expert_bytes": experts.nbytes}
-    res["decode"] = run_decode(model, tc, experts, a.tokens)
-    res["kernels"] = sorted(kc.USED)
-    before = os.environ.get("DELTAFIN_KERNELS")
-    os.environ["DELTAFIN_KERNELS"] = "torch"
-    res["decode_torch"] = run_decode(model, tc, experts, a.torch_steps, warm=1)
-    os.environ.pop("DELTAFIN_KERNELS")
-    if before is not None:
-        os.environ["DELTAFIN_KERNELS"] = before
+    if mode != "prefill":
+        res["decode"] = run_decode(model, tc, experts, a.tokens)
+        res["kernels"] = sorted(kc.USED)
+        before = os.environ.get("DELTAFIN_KERNELS")
+        os.environ["DELTAFIN_KERNELS"] = "torch"
+        res["decode_torch"] = run_decode(model, tc, experts, a.torch_steps, warm=1)
+        os.environ.pop("DELTAFIN_KERNELS")
+        if before is not None:
+            os.environ["DELTAFIN_KERNELS"] = before
     for T in a.prefill:
         try:
             res[f"prefill_{T}"] = run_prefill(model, tc, experts, T)
@@ -219,22 +237,30 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
-    d, dt = res["decode"], res["decode_torch"]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
     print(f"k3-slice {a.layers} layers, {a.experts} experts (cached), bf16 on {name}")
+    if "decode" in res:
+        _print_decode(res)
+    for T in a.prefill:
+        _print_prefill(T, res[f"prefill_{T}"])
+    return res
+
+
+def _print_decode(res: dict) -> None:
+    d, dt = res["decode"], res["decode_torch"]
     print("decode per layer kind (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in d["per_kind_s"].items() if v)
           + f"; head {d['head_s'] * 1e3:.3f}")
     print(f"decode math per K3 token (93 layers): {d['k3_93_layers_s'] * 1e3:.1f} ms (target <= 60 ms); "
           f"torch path {dt['k3_93_layers_s'] * 1e3:.0f} ms; kernels {', '.join(res['kernels'])}")
-    for T in a.prefill:
-        p = res[f"prefill_{T}"]
-        if "error" in p:
-            print(f"prefill {T}: {p['error'][:120]}")
-            continue
+
+
+def _print_prefill(T: int, p: dict) -> None:
+    if "error" in p:
+        print(f"prefill {T}: {p['error'][:120]}")
+    else:
         print(f"prefill {T} tokens: {p['k3_tok_s']:.0f} tok/s for the 93-layer model (target >= 1000 at 4096); "
               "per layer kind (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p["per_kind_s"].items() if v)
               + f"; 200K-token prompt ~{200_000 / p['k3_tok_s'] / 60:.1f} min of math")
-    return 0
 
 
 if __name__ == "__main__":
