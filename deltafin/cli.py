@@ -87,13 +87,16 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--slice-experts", type=int, default=32, help="--k3-slice: experts per MoE layer (real size)")
     b.add_argument("--json", metavar="PATH")
     b = _synthetic_bench(sub, "decode", "expert streaming at Kimi K3's expert size beside the raw read rate", 4, 64)
-    b.add_argument("--synthetic", default="k3", choices=["k3"], help="synthetic model shape (K3 expert sizes)")
+    b.add_argument("--synthetic", default="k3", choices=["k3", "k3-slice"],
+                   help="k3: K3 expert files streamed; k3-slice: a K3 slice at the real widths in GPU memory")
     b.add_argument("--tokens", type=int, default=6)
     b.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
                    help="check every read against its checksum, as 'run' does by default (its cost is reported)")
     b = _synthetic_bench(sub, "prefill", "time to first token beside the read floor (cold cache, K3 expert size)",
                          4, 96)
-    b.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    b.add_argument("--prompt", "--tokens", type=int, default=512, help="prompt tokens")
+    b.add_argument("--synthetic", default="k3", choices=["k3", "k3-slice"],
+                   help="k3: K3 expert files streamed; k3-slice: a K3 slice at the real widths in GPU memory")
     from deltafin.interfaces.cmd_drives import add_bench_drives_args
 
     add_bench_drives_args(sub)

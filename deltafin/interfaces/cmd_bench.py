@@ -14,6 +14,11 @@ def run(args) -> int:
 
         bench_pack(args.dir, args.gb, args.json)
         return 0
+    if args.bench in ("decode", "prefill") and getattr(args, "synthetic", "k3") == "k3-slice":
+        from deltafin.bench.k3_slice_gpu import from_cli
+
+        from_cli(args, args.bench)
+        return 0
     if args.bench == "decode":
         from deltafin.bench.decode import run as bench_decode
 

@@ -73,7 +73,16 @@ def backend_name(device_type: str) -> str:
 
 def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W^T for a weight record [out, in] in any format; the result is in x's dtype."""
-    if _FAST.get() and isinstance(w, QTensor) and w.format in FUSED_FORMATS and len(w.shape) == 2:
+    if not (isinstance(w, QTensor) and w.format in FUSED_FORMATS and len(w.shape) == 2):
+        return torch_ref.matmul(x, w)
+    from deltafin.kernels import cuda as kc
+
+    if kc.enabled(x):  # bf16 activations on CUDA are the fast path's (float32, the reference, is not)
+        lead = x.shape[:-1]
+        y = kc.linear(x.reshape(-1, x.shape[-1]), w)
+        if y is not None:
+            return y.reshape(*lead, w.shape[0]).to(x.dtype)
+    if _FAST.get():
         fn = getattr(backend(x.device.type), f"{w.format}_linear", None)
         if fn is not None:
             lead = x.shape[:-1]

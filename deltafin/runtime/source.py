@@ -81,6 +81,14 @@ class StreamingExperts:
         self.record: list[tuple[int, list[int]]] | None = None  # (layer, ids) per fetch when a list
         self.routes: list[tuple[int, list[int]]] | None = None  # the same, for the routing-trace recorder
         self._in_copy: list = []  # (CUDA event, host buffer) pairs whose device copies may be in flight
+        # CUDA: one slab of fixed-size expert slots (deltafin.kernels.triton_moe.ExpertSlab) that reads land in;
+        # the first cache_bytes // expert bytes slots are the cache, the rest a scratch ring for uncached reads
+        self.slab = None
+        self._slab_cache_slots = 0
+        self._free: list[int] = []
+        self._slot_of: dict = {}  # cache key -> slot
+        self._busy: set[int] = set()  # slots handed out since this fetch began (a launch may still read them)
+        self._scratch_next = 0
 
     @property
     def direct(self) -> bool:
@@ -90,6 +98,7 @@ class StreamingExperts:
         for log in (self.record, self.routes):
             if log is not None:
                 log.append((layer, list(expert_ids)))
+        self._busy = set()
         hits, misses = [], []
         for e in expert_ids:
             got = self.cache.get((layer, e))
@@ -97,6 +106,8 @@ class StreamingExperts:
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
         reads = LayerReads(self, layer, misses) if misses else None
+        if self.slab is not None:
+            self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
         for e, tensors in hits:  # cached experts are computed while the misses are read
             yield from self._timed(e, tensors)
         for _ in misses:
@@ -111,7 +122,10 @@ class StreamingExperts:
         self.stats.bytes_read += nbytes
         self.stats.reads += 1
         tensors = ef.decode(data, where=where)
-        if self.device.type != "cpu":
+        if self.device.type == "cuda" and self._slab_ready(tensors, nbytes):
+            tensors = self._to_slot(layer, e, tensors, nbytes)
+            self._release_after_copy(buf)
+        elif self.device.type != "cpu":
             tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
             self._release_after_copy(buf)  # the host buffer is reused once its async copy is done
             self.cache.put((layer, e), tensors, nbytes)
@@ -120,6 +134,53 @@ class StreamingExperts:
             self.pool.buffers.put(buf)  # the consumer finished with the views: reuse the buffer
             return
         yield from self._timed(e, tensors)
+
+    SCRATCH_SLOTS = 64
+
+    def _slab_ready(self, tensors: dict, nbytes: int) -> bool:
+        """True when ``tensors`` go into the slab (created at the first expert of a kernel format)."""
+        from deltafin.kernels.triton_moe import MOE_FORMATS, ExpertSlab
+
+        if self.slab is None:
+            if set(tensors) != set(ExpertSlab.ROLES) or any(
+                    getattr(t, "format", None) not in MOE_FORMATS for t in tensors.values()):
+                return False
+            self._slab_cache_slots = self.cache.budget // nbytes
+            self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device)
+            self._free = list(range(self._slab_cache_slots))
+        return self.slab.fits(tensors)
+
+    def _take_slot(self) -> tuple[int | None, bool]:
+        """(slot, cached): a free cache slot (evicting the least recent expert not in use by this layer),
+        else a scratch slot not in use, else (None, False)."""
+        if not self._free and self._slab_cache_slots:
+            key = self.cache.victim()
+            if key is not None and self._slot_of.get(key) not in self._busy:
+                self.cache.evict(key)
+        if self._free:
+            return self._free.pop(), True
+        for _ in range(self.SCRATCH_SLOTS):
+            s = self._slab_cache_slots + self._scratch_next
+            self._scratch_next = (self._scratch_next + 1) % self.SCRATCH_SLOTS
+            if s not in self._busy:
+                return s, False
+        return None, False
+
+    def _to_slot(self, layer: int, e: int, tensors: dict, nbytes: int) -> dict:
+        slot, cached = self._take_slot()
+        if slot is None:  # every slot is in use by this layer: a plain device copy
+            return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        self.slab.write(slot, tensors)  # stream-ordered after any launch that read the slot before
+        views = self.slab.views(slot)
+        self._busy.add(slot)
+        if cached:
+            self._slot_of[(layer, e)] = slot
+            self.cache.put((layer, e), views, nbytes, lambda k=(layer, e), s=slot: self._slot_freed(k, s))
+        return views
+
+    def _slot_freed(self, key, slot: int) -> None:
+        self._slot_of.pop(key, None)
+        self._free.append(slot)
 
     def _release_after_copy(self, buf) -> None:
         if self.device.type != "cuda":
