@@ -231,7 +231,7 @@ def _edit_tensors(src: Path, fn) -> None:
 
 
 def _pack_cli(src: Path, root: Path, *extra: str) -> list[str]:
-    return ["pack", str(src), str(root / "model"), "--drive", f"{root}/d0=2", "--no-progress", *extra]
+    return ["pack", str(src), str(root / "model"), "--drive", f"{root}/d0=2", "--create", "--no-progress", *extra]
 
 
 @pytest.mark.parametrize("edit,needle", [
