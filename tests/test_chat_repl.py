@@ -70,7 +70,8 @@ def _session(model: str, **kw):
 
     eng = Engine(model, EngineOptions(cache_gb=0.0, max_len=256))
     args = SimpleNamespace(**({"system": None, "greedy": True, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                               "seed": None, "stop": [], "max_tokens": 12} | kw))
+                               "seed": None, "stop": [], "max_tokens": 12, "min_p": 0.0, "presence_penalty": 0.0,
+                               "frequency_penalty": 0.0, "repetition_penalty": 1.0} | kw))
     return eng, ChatSession(eng, args, out=io.StringIO())
 
 

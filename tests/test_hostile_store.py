@@ -247,6 +247,8 @@ def test_bad_config_is_refused_by_plan_and_pack(qsrc, tmp_path, capsys, edit, ne
     src = _copy(qsrc, tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(edit(cfg)))
+    (tmp_path / "d0").mkdir(exist_ok=True)
+    (tmp_path / "d0").mkdir(exist_ok=True)
     _expect_error(capsys, ["pack", "--plan", str(src), "--drive", f"{tmp_path}/d0=2"], needle)
     _expect_error(capsys, _pack_cli(src, tmp_path), needle)
     assert not (tmp_path / "model" / mf.MANIFEST).exists()
@@ -265,6 +267,7 @@ def test_hostile_safetensors_header_and_index(qsrc, tmp_path, capsys):
     shard = next(src.glob("*.safetensors"))
     with open(shard, "r+b") as f:
         f.write((1 << 62).to_bytes(8, "little"))
+    (tmp_path / "d0").mkdir(exist_ok=True)
     _expect_error(capsys, ["pack", "--plan", str(src), "--drive", f"{tmp_path}/d0=2"],
                   f"{shard}: safetensors header length {1 << 62:,} does not fit")
     src2 = _copy(qsrc, tmp_path / "src2")
@@ -300,6 +303,7 @@ def test_transposed_expert_names_the_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("arg", ["nan", "inf", "-1", "0"])
 def test_drive_rate_must_be_finite_and_positive(qsrc, tmp_path, capsys, arg):
+    (tmp_path / "d0").mkdir(exist_ok=True)
     _expect_error(capsys, ["pack", "--plan", str(qsrc), "--drive", f"{tmp_path}/d0={arg}"],
                   "must be a finite, positive number of GB/s")
 

@@ -361,7 +361,7 @@ def test_cli_run_takes_the_same_sampling_fields(model_dir, ref, capsys):
     want = SamplingParams(0.0, 0.95, 0, None, 0.1, 0.5, 0.25, 3.0)
     assert sampling_params(args) == want
     capsys.readouterr()
-    assert main(["run", model_dir, "-p", "aaaa aaaa", "-n", "12", "--quiet", "--cache-gb", "0.05", *flags]) == 0
+    assert main(["run", model_dir, "-p", "aaaa aaaa", "-n", "12", "--raw", "--quiet", "--cache-gb", "0.05", *flags]) == 0
     shown = "".join(d for _, d in ref.generate(ref.codec.encode("aaaa aaaa"), 12, want))
     plain = "".join(d for _, d in ref.generate(ref.codec.encode("aaaa aaaa"), 12, SamplingParams()))
     assert capsys.readouterr().out.rstrip("\n") == shown != plain
