@@ -194,6 +194,16 @@ class Server:
             return [splitter_for(codec, spec.prompt, chat=True) for spec in parsed.specs]
 
 
+def _constrained(body: object) -> bool:
+    """Whether a chat request's reply is held to a grammar (JSON mode or schema, or a forced tool call)."""
+    if not isinstance(body, dict):
+        return False
+    fmt = body.get("response_format")
+    choice = body.get("tool_choice")
+    return ((isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"))
+            or (bool(body.get("tools")) and (choice == "required" or isinstance(choice, dict))))
+
+
 def _grammars(codec, vocab: int) -> Grammars | None:
     """Constrained decoding when xgrammar is installed (it is optional); None otherwise."""
     try:
@@ -403,6 +413,10 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
         body = await read_json(request)
         codec = worker.engine.codec
         opts = take_thinking(body, srv.thinking, kimi=codec is not None and codec.kind == "kimi")
+        if _constrained(body) and opts.thinking is not False:
+            # the grammar holds the whole reply to JSON or a call: a reasoning channel before it cannot be
+            # written, so constrained replies are rendered with thinking off
+            opts = replace(opts, thinking=False, effort=None)
         parsed = await run_in_threadpool(parse_chat, body, srv.info, srv.limits,
                                          lambda m, tools=None: srv.chat(m, tools, opts), srv.ctx)
         return await respond(request, parsed)
