@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine worker (FastAPI).
 
-Routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
+Routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (JSON or server-sent events),
+/health, /metrics.
 Every error is OpenAI's JSON shape with a 4xx status (500 only when generation itself fails); nothing a
 client sends can stop the server. A client that disconnects cancels its sequences.
 """
@@ -138,7 +139,7 @@ class Server:
         with self.worker.codec_lock:
             return codec.encode(text)
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat(self, messages: list[dict], declared: list[dict] | None = None) -> list[int]:
         codec = self.worker.engine.codec
         if codec is None:
             from deltafin.errors import UsageError
@@ -146,7 +147,7 @@ class Server:
             raise UsageError("this model has no tokenizer files, so chat is not possible; use /v1/completions "
                              "with token ids")
         with self.worker.codec_lock:
-            return codec.chat(messages, tools=tools)
+            return codec.chat(messages, tools=declared)
 
 
 def _grammars(codec, vocab: int) -> Grammars | None:
