@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine worker (FastAPI).
 
-Routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
+Routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (JSON or server-sent events),
+/health, /metrics.
 Every error is OpenAI's JSON shape with a 4xx status (500 only when generation itself fails); nothing a
 client sends can stop the server. A client that disconnects cancels its sequences.
 """
