@@ -220,3 +220,16 @@ def test_list_and_rm(packed, tmp_path, capsys, monkeypatch):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "gone" not in out and "tiny-qwen" in out
+
+
+def test_chat_template_file(packed, tmp_path, capsys):
+    t = tmp_path / "t.jinja"
+    t.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+    s = _stats(["run", "tiny-qwen", "-p", "hi", "--chat-template-file", str(t)], tmp_path)
+    assert s["prompt_tokens"] == len("[user]hi[assistant]")  # the byte tokenizer: one token per byte
+    bad = tmp_path / "plain.txt"
+    bad.write_text("hello")
+    capsys.readouterr()
+    assert cli.main(["run", "tiny-qwen", "-p", "hi", "--chat-template-file", str(bad)]) == 2
+    assert "not a Jinja chat template" in capsys.readouterr().err

@@ -23,6 +23,8 @@ def add_engine_args(p, stats: bool = True) -> None:
     p.add_argument("-c", "--ctx-size", "--max-model-len", "--max-len", dest="max_len", type=int, default=None, metavar="N",
                    help="context limit in tokens (default: the model's max_position_embeddings, lowered to what "
                         "free memory holds; printed at start)")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="Jinja chat template to use instead of the checkpoint's (as in tokenizer_config.json)")
     p.add_argument("--drive-map", action="append", metavar="LABEL=PATH", help="drive LABEL is now mounted at PATH")
     p.add_argument("--emulate-drives", metavar="SPEC", help="serve reads through an emulated drive set")
     p.add_argument("--verify-reads", action="store_true", help="check every expert read against its checksum")
@@ -81,10 +83,31 @@ def open_engine(args):
         record_routes=getattr(args, "record_routes", None),
         progress=not args.quiet,
     )
+    template = _read_template(args.chat_template_file) if args.chat_template_file else None
     eng = Engine(resolve_packed(args.model), opts)
+    if template is not None:
+        if eng.codec is None:
+            eng.close()
+            raise UsageError(f"--chat-template-file: {eng.packed.path} has no tokenizer files to use it with")
+        try:
+            eng.codec.use_template(template, f"--chat-template-file {args.chat_template_file}")
+        except UsageError:
+            eng.close()
+            raise
     if not args.quiet:
         print(start_line(eng, args), file=sys.stderr)
     return eng
+
+
+def _read_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--chat-template-file {path}: cannot read it ({e})") from None
+    if "{%" not in text and "{{" not in text:
+        raise UsageError(f"--chat-template-file {path}: not a Jinja chat template (no {{% %}} or {{{{ }}}})")
+    return text
 
 
 def start_line(eng, args) -> str:
