@@ -87,12 +87,27 @@ def test_stopped_reply_keeps_the_session_and_the_next_turn_rereads_it(model):
         assert s.turn("hello") is False
         assert s.stale and [m["role"] for m in s.messages] == ["user", "assistant"]
         assert "[reply stopped; the conversation is kept]" in s.out.getvalue()
+        fed = list(s.fed)
+        assert len(fed) == s.state.pos
         assert s.turn("more") is True
-        # the state was rebuilt from the messages: it holds exactly the rendered conversation plus the reply
+        # the state holds exactly the rendered conversation plus the reply
         rendered = eng.codec.chat(s.messages[:-1])
         assert s.state.pos == len(rendered) + len(eng.last_stats.tokens) - 1
+        if rendered[: len(fed)] == fed:  # the stopped reply re-encodes to the tokens read: only the rest is fed
+            assert eng.last_stats.prompt_tokens == len(rendered) - len(fed)
+        else:  # otherwise the conversation is read again
+            assert eng.last_stats.prompt_tokens == len(rendered)
     finally:
         eng.close()
+
+
+def test_extension():
+    from deltafin.interfaces.repl import extension
+
+    assert extension([1, 2], [1, 2, 3, 4]) == [3, 4]
+    assert extension([1, 2], [1, 5, 3]) is None
+    assert extension([1, 2], [1, 2]) is None  # nothing new to feed: the caller re-reads
+    assert extension([], [7]) == [7]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
