@@ -133,3 +133,48 @@ def test_ctrl_c_through_a_real_signal(model):
     assert p.returncode == 0, err
     assert "[reply stopped; the conversation is kept]" in out
     assert "context: " in out and "2 messages" in out
+
+
+def _read_until(fd: int, needle: bytes, seen: bytearray, times: int = 1, timeout: float = 120) -> None:
+    """Read the terminal into ``seen`` until ``needle`` has appeared ``times`` times."""
+    import select
+
+    end = time.monotonic() + timeout
+    while seen.count(needle) < times:
+        left = end - time.monotonic()
+        assert left > 0, seen.decode(errors="replace")
+        r, _, _ = select.select([fd], [], [], left)
+        if r:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            seen += chunk
+
+
+@pytest.mark.skipif(os.name != "posix", reason="pseudo-terminals")
+def test_on_a_terminal_history_is_kept(model, tmp_path):
+    """On a terminal the REPL reads lines through readline and keeps them in the history file."""
+    import pty
+
+    pytest.importorskip("readline")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), DELTAFIN_HOME=str(tmp_path),
+               TERM="dumb")
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "deltafin", "chat", model, "-n", "3", "--greedy", "--quiet",
+                          "--cache-gb", "0"], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    seen = bytearray()
+    try:
+        _read_until(master, b"you> ", seen)
+        os.write(master, b"hello there\r")
+        _read_until(master, b"you> ", seen, times=2)  # the reply, then the next prompt
+        assert b"assistant> " in seen
+        os.write(master, b"/exit\r")
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    history = (tmp_path / "chat_history").read_text()
+    assert "hello there" in history and "/exit" in history
