@@ -233,3 +233,17 @@ def test_chat_template_file(packed, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["run", "tiny-qwen", "-p", "hi", "--chat-template-file", str(bad)]) == 2
     assert "not a Jinja chat template" in capsys.readouterr().err
+
+
+def test_flags_only_where_they_do_something():
+    subs = {p.prog.split()[-1]: p for p in cli._subparsers(cli.build_parser())}
+
+    def flags(name):
+        return {s for a in subs[name]._actions for s in a.option_strings}
+
+    assert "--record-routes" in flags("run") and "--record-routes" in flags("chat")
+    assert "--record-routes" not in flags("batch") and "--record-routes" not in flags("classify")
+    assert "--stats-json" not in flags("serve") and "--stats-json" in flags("batch")
+    assert "--raw" in flags("run") and "--raw" not in flags("chat") and "-p" not in flags("chat")
+    for name in subs:
+        assert {"-v", "--log-level"} <= flags(name), name

@@ -9,7 +9,8 @@ import sys
 from deltafin.errors import UsageError
 
 
-def add_engine_args(p, stats: bool = True) -> None:
+def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
+    """The flags of every command that loads a model; ``stats``/``routes``: only where they do something."""
     p.add_argument("model", help="packed model folder, or the id of a model 'deltafin list' shows")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA, then Apple MPS, then CPU), cpu, cuda or mps; the choice is printed at start")
@@ -30,9 +31,10 @@ def add_engine_args(p, stats: bool = True) -> None:
     p.add_argument("--verify-reads", action="store_true", help="check every expert read against its checksum")
     if stats:
         p.add_argument("--stats-json", metavar="PATH", help="write the run's statistics as JSON")
-    p.add_argument("--record-routes", metavar="PATH",
-                   help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
-                        "'deltafin place --policy coactivation|replicas --trace PATH'")
+    if routes:
+        p.add_argument("--record-routes", metavar="PATH",
+                       help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
+                            "'deltafin place --policy coactivation|replicas --trace PATH'")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
 
 
