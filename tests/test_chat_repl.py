@@ -88,12 +88,27 @@ def test_stopped_reply_keeps_the_session_and_the_next_turn_rereads_it(model):
         assert s.turn("hello") is False
         assert s.stale and [m["role"] for m in s.messages] == ["user", "assistant"]
         assert "[reply stopped; the conversation is kept]" in s.out.getvalue()
+        fed = list(s.fed)
+        assert len(fed) == s.state.pos
         assert s.turn("more") is True
-        # the state was rebuilt from the messages: it holds exactly the rendered conversation plus the reply
+        # the state holds exactly the rendered conversation plus the reply
         rendered = eng.codec.chat(s.messages[:-1])
         assert s.state.pos == len(rendered) + len(eng.last_stats.tokens) - 1
+        if rendered[: len(fed)] == fed:  # the stopped reply re-encodes to the tokens read: only the rest is fed
+            assert eng.last_stats.prompt_tokens == len(rendered) - len(fed)
+        else:  # otherwise the conversation is read again
+            assert eng.last_stats.prompt_tokens == len(rendered)
     finally:
         eng.close()
+
+
+def test_extension():
+    from deltafin.interfaces.repl import extension
+
+    assert extension([1, 2], [1, 2, 3, 4]) == [3, 4]
+    assert extension([1, 2], [1, 5, 3]) is None
+    assert extension([1, 2], [1, 2]) is None  # nothing new to feed: the caller re-reads
+    assert extension([], [7]) == [7]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
@@ -119,3 +134,48 @@ def test_ctrl_c_through_a_real_signal(model):
     assert p.returncode == 0, err
     assert "[reply stopped; the conversation is kept]" in out
     assert "context: " in out and "2 messages" in out
+
+
+def _read_until(fd: int, needle: bytes, seen: bytearray, times: int = 1, timeout: float = 120) -> None:
+    """Read the terminal into ``seen`` until ``needle`` has appeared ``times`` times."""
+    import select
+
+    end = time.monotonic() + timeout
+    while seen.count(needle) < times:
+        left = end - time.monotonic()
+        assert left > 0, seen.decode(errors="replace")
+        r, _, _ = select.select([fd], [], [], left)
+        if r:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            seen += chunk
+
+
+@pytest.mark.skipif(os.name != "posix", reason="pseudo-terminals")
+def test_on_a_terminal_history_is_kept(model, tmp_path):
+    """On a terminal the REPL reads lines through readline and keeps them in the history file."""
+    import pty
+
+    pytest.importorskip("readline")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), DELTAFIN_HOME=str(tmp_path),
+               TERM="dumb")
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "deltafin", "chat", model, "-n", "3", "--greedy", "--quiet",
+                          "--cache-gb", "0"], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    seen = bytearray()
+    try:
+        _read_until(master, b"you> ", seen)
+        os.write(master, b"hello there\r")
+        _read_until(master, b"you> ", seen, times=2)  # the reply, then the next prompt
+        assert b"assistant> " in seen
+        os.write(master, b"/exit\r")
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    history = (tmp_path / "chat_history").read_text()
+    assert "hello there" in history and "/exit" in history

@@ -220,3 +220,30 @@ def test_list_and_rm(packed, tmp_path, capsys, monkeypatch):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "gone" not in out and "tiny-qwen" in out
+
+
+def test_chat_template_file(packed, tmp_path, capsys):
+    t = tmp_path / "t.jinja"
+    t.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+    s = _stats(["run", "tiny-qwen", "-p", "hi", "--chat-template-file", str(t)], tmp_path)
+    assert s["prompt_tokens"] == len("[user]hi[assistant]")  # the byte tokenizer: one token per byte
+    bad = tmp_path / "plain.txt"
+    bad.write_text("hello")
+    capsys.readouterr()
+    assert cli.main(["run", "tiny-qwen", "-p", "hi", "--chat-template-file", str(bad)]) == 2
+    assert "not a Jinja chat template" in capsys.readouterr().err
+
+
+def test_flags_only_where_they_do_something():
+    subs = {p.prog.split()[-1]: p for p in cli._subparsers(cli.build_parser())}
+
+    def flags(name):
+        return {s for a in subs[name]._actions for s in a.option_strings}
+
+    assert "--record-routes" in flags("run") and "--record-routes" in flags("chat")
+    assert "--record-routes" not in flags("batch") and "--record-routes" not in flags("classify")
+    assert "--stats-json" not in flags("serve") and "--stats-json" in flags("batch")
+    assert "--raw" in flags("run") and "--raw" not in flags("chat") and "-p" not in flags("chat")
+    for name in subs:
+        assert {"-v", "--log-level"} <= flags(name), name

@@ -36,6 +36,7 @@ def _generate(model_dir: str) -> None:
 
 
 def run(args) -> int:
+    from deltafin import fmt
     from deltafin.store.drives import parse_drives
     from deltafin.store.inspect import format_summary, model_summary
     from deltafin.store.model_dir import PackedModel
@@ -54,14 +55,14 @@ def run(args) -> int:
         _step("packing it: int8 trunk, MXFP4 experts, one file per expert over two folders acting as drives")
         # Rates are given (2:1) so the demo stays quick; omit '=GBPS' to measure each drive with a probe.
         s = pack(src, out, parse_drives([f"a:{drives[0]}=2.0", f"b:{drives[1]}=1.0"]), PackOptions(progress=False))
-        print(f"packed {s.expert_files} expert files ({s.expert_bytes / 1e6:.1f} MB) + {s.trunk_bytes / 1e6:.1f} MB "
-              f"trunk in {s.seconds:.1f} s; peak RSS {s.peak_rss_bytes / 2**20:.0f} MiB")
+        print(f"packed {s.expert_files} expert files ({fmt.size(s.expert_bytes)}) + {fmt.size(s.trunk_bytes)} "
+              f"trunk in {fmt.duration(s.seconds)}; peak RSS {fmt.size(s.peak_rss_bytes)}")
         _step("verifying every expert file against its checksum (direct reads)")
         model = PackedModel.open(out)
         t0 = time.perf_counter()
         rep = verify(model)
-        print(f"{rep.files} files, {rep.bytes / 1e6:.1f} MB: {'all good' if rep.ok else rep.bad} "
-              f"({time.perf_counter() - t0:.2f} s)")
+        print(f"{rep.files} files, {fmt.size(rep.bytes)}: {'all good' if rep.ok else rep.bad} "
+              f"({fmt.duration(time.perf_counter() - t0)})")
         _step("inspecting the packed model")
         print(format_summary(model_summary(model)))
         _step("generating with the routed experts streamed from the two drives (cold cache, greedy)")

@@ -142,6 +142,7 @@ def _print_ranks(model: str) -> None:
 def _simulate(args) -> int:
     from dataclasses import replace
 
+    from deltafin import fmt
     from deltafin.io.emulator import parse_spec
     from deltafin.sim import KIMI_K3, format_table, run_scenarios, scaling_curves, write_plots
 
@@ -157,8 +158,8 @@ def _simulate(args) -> int:
                                                         layers=args.layers)
     drives = parse_spec(args.drives)
     print(f"simulating {shape.name}: {shape.layers} MoE layers x {shape.experts} experts of "
-          f"{shape.expert_bytes / 1e6:.2f} MB, {shape.top_k} routed per token ({shape.bytes_per_token / 1e9:.2f} GB "
-          f"per token uncached); base drives {args.drives} ({sum(d.gbps for d in drives):.1f} GB/s summed)",
+          f"{fmt.size(shape.expert_bytes)}, {shape.top_k} routed per token ({fmt.size(shape.bytes_per_token)} "
+          f"per token uncached); base drives {args.drives} ({fmt.gbps(sum(d.gbps for d in drives))} summed)",
           file=sys.stderr)
     records = run_scenarios(shape, tokens=args.tokens, prompt=args.prompt, seed=args.seed, drives=drives,
                             cache_gb=cache_gb)

@@ -11,7 +11,7 @@ from deltafin.errors import UsageError
 def add_batch_args(p) -> None:
     from deltafin.interfaces.cmd_run import add_engine_args, add_sampling_args
 
-    add_engine_args(p)
+    add_engine_args(p, routes=False)  # sequences decode together: no per-token routes to record
     p.add_argument("input", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"messages\"} with optional max_tokens, "
                                  "temperature, top_p, seed, stop")
     p.add_argument("output", help="JSONL results, appended; a re-run skips ids already there")
@@ -23,7 +23,7 @@ def add_batch_args(p) -> None:
 def add_classify_args(p) -> None:
     from deltafin.interfaces.cmd_run import add_engine_args
 
-    add_engine_args(p)
+    add_engine_args(p, routes=False)  # one forward pass per input: nothing is decoded
     p.add_argument("inputs", help="a file (one input), a folder (each file one input) or JSONL {\"id\", \"text\"}")
     p.add_argument("--labels", required=True, help="comma-separated labels, e.g. yes,no")
     p.add_argument("--template", default="{input}", help="prompt text with {input} where the input goes")

@@ -9,7 +9,8 @@ import sys
 from deltafin.errors import UsageError
 
 
-def add_engine_args(p, stats: bool = True) -> None:
+def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
+    """The flags of every command that loads a model; ``stats``/``routes``: only where they do something."""
     p.add_argument("model", help="packed model folder, or the id of a model 'deltafin list' shows")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA, then Apple MPS, then CPU), cpu, cuda or mps; the choice is printed at start")
@@ -23,6 +24,8 @@ def add_engine_args(p, stats: bool = True) -> None:
     p.add_argument("-c", "--ctx-size", "--max-model-len", "--max-len", dest="max_len", type=int, default=None, metavar="N",
                    help="context limit in tokens (default: the model's max_position_embeddings, lowered to what "
                         "free memory holds; printed at start)")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="Jinja chat template to use instead of the checkpoint's (as in tokenizer_config.json)")
     p.add_argument("--drive-map", action="append", metavar="LABEL=PATH", help="drive LABEL is now mounted at PATH")
     p.add_argument("--emulate-drives", metavar="SPEC", help="serve reads through an emulated drive set")
     p.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
@@ -34,9 +37,10 @@ def add_engine_args(p, stats: bool = True) -> None:
                         "the drive's rate)")
     if stats:
         p.add_argument("--stats-json", metavar="PATH", help="write the run's statistics as JSON")
-    p.add_argument("--record-routes", metavar="PATH",
-                   help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
-                        "'deltafin place --policy coactivation|replicas --trace PATH'")
+    if routes:
+        p.add_argument("--record-routes", metavar="PATH",
+                       help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
+                            "'deltafin place --policy coactivation|replicas --trace PATH'")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     p.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
                    help="under torchrun: a collective, or rank 0's silence, longer than S seconds stops the job "
@@ -161,13 +165,34 @@ def open_engine(args):
         exact=args.exact,
         dtype=args.dtype,
     )
+    template = _read_template(args.chat_template_file) if args.chat_template_file else None
     eng = Engine(resolve_packed(args.model), opts)
     if not args.quiet and eng.cluster is not None:
         print(f"[deltafin] rank 0 of {eng.cluster.world}: computes the experts it owns; every layer's partial "
               f"outputs are summed over the ranks", file=sys.stderr)
+    if template is not None:
+        if eng.codec is None:
+            eng.close()
+            raise UsageError(f"--chat-template-file: {eng.packed.path} has no tokenizer files to use it with")
+        try:
+            eng.codec.use_template(template, f"--chat-template-file {args.chat_template_file}")
+        except UsageError:
+            eng.close()
+            raise
     if not args.quiet:
         print(start_line(eng, args), file=sys.stderr)
     return eng
+
+
+def _read_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--chat-template-file {path}: cannot read it ({e})") from None
+    if "{%" not in text and "{{" not in text:
+        raise UsageError(f"--chat-template-file {path}: not a Jinja chat template (no {{% %}} or {{{{ }}}})")
+    return text
 
 
 def start_line(eng, args) -> str:

@@ -43,7 +43,8 @@ class ChatSession:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         self.state = self.eng.new_state()
         self.pending: int | None = None  # a stop token that ended the last reply but was not fed yet
-        self.stale = False  # the state no longer matches the messages (a reply was stopped): re-read them
+        self.stale = False  # a reply was stopped: the messages end in a reply without its end-of-turn marker
+        self.fed: list[int] = []  # the tokens the model state has read, in order
 
     @property
     def max_len(self) -> int:
@@ -111,6 +112,7 @@ class ChatSession:
                 self.reset()
                 raise ValueError(f"the conversation is {len(ids):,} tokens, over the context of {self.max_len:,}")
             self.eng.prefill([ids], [self.state])
+            self.fed = list(ids)
         self.say(f"loaded {len(msgs)} messages from {path} ({self.state.pos:,} tokens read)")
 
     def _stats(self) -> None:
@@ -126,17 +128,20 @@ class ChatSession:
         from deltafin.interfaces.cmd_run import Printer, _turn_tokens
 
         eng = self.eng
-        new = None if self.stale else _turn_tokens(eng, self.messages, user, self.pending, self.opts)
-        if self.stale:
+        was_stale = self.stale
+        if self.stale:  # after a stopped reply: what the rendered conversation adds to what the state read
             self.messages.append({"role": "user", "content": user})
-        replay = new is None  # the template cannot extend the history (or a reply was stopped): re-read it all
-        if replay:
-            self.state, new = eng.new_state(), eng.codec.chat(self.messages, **self.opts)
+            new = extension(self.fed, eng.codec.chat(self.messages, **self.opts))
             self.stale = False
+        else:
+            new = _turn_tokens(eng, self.messages, user, self.pending, self.opts)
+        replay = new is None  # the state's tokens are not a prefix of the rendered conversation: re-read it all
+        if replay:
+            self.state, self.fed, new = eng.new_state(), [], eng.codec.chat(self.messages, **self.opts)
         room = self.max_len - self.state.pos - len(new)
         if room < 1:
             self.messages.pop()
-            self.stale = self.stale or replay
+            self.stale = was_stale or replay
             self.say(f"[context full: {self.state.pos:,} of {self.max_len:,} tokens used and this turn needs "
                      f"{len(new):,} more; /clear starts over, /save keeps the conversation, or restart with a "
                      f"larger -c]")
@@ -155,10 +160,11 @@ class ChatSession:
                     stopped = True
                     break
         shown.write("", last=True)
+        self.fed = (self.fed + new + got)[: self.state.pos]  # the prompt, then each reply token fed back
         self.out.write("\n")
         if stopped:
             # The generator was closed between tokens, so the state is whole, but the stopped reply has no
-            # end-of-turn marker in it; the next turn re-reads the conversation from the messages.
+            # end-of-turn marker in it: the next turn feeds what the rendered conversation adds to it.
             self.messages.append({"role": "assistant", "content": shown.parts.content,
                                   "reasoning_content": shown.parts.reasoning})
             self.pending, self.stale = None, True
@@ -171,6 +177,12 @@ class ChatSession:
         if self.state.pos + 1 >= self.max_len:
             self.say(f"[context full ({self.max_len:,} tokens): /clear to start over]")
         return True
+
+
+def extension(fed: list[int], full: list[int]) -> list[int] | None:
+    """The tokens ``full`` adds after ``fed``, or None when ``fed`` is not a prefix of it (a template that
+    rewrites earlier turns, or reply tokens that encode differently as text)."""
+    return full[len(fed):] if len(full) > len(fed) and full[: len(fed)] == fed else None
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ class BatchRun:
         if codec is None:
             raise UsageError("this model has no tokenizer files, so text prompts cannot be encoded")
         try:
-            ids = codec.chat(it.messages) if it.messages is not None else codec.encode(it.prompt)
+            ids = codec.chat(it.messages) if it.messages is not None else codec.prompt_ids(it.prompt)
         except UsageError:
             raise
         except Exception as e:  # the chat template refused these messages, or the tokenizer the text

@@ -187,7 +187,7 @@ class Classifier:
     def prompt(self, text: str) -> list[int]:
         body = self.template.replace("{input}", text)
         codec = self.engine.codec
-        return codec.chat([{"role": "user", "content": body}]) if self.chat else codec.encode(body)
+        return codec.chat([{"role": "user", "content": body}]) if self.chat else codec.prompt_ids(body)
 
     def check(self, ids: list[int]) -> str | None:
         """Why these prompt ids cannot be scored, or None."""

@@ -21,6 +21,13 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return self.kind == "kimi" or bool(getattr(self.impl, "chat_template", None))
 
+    def use_template(self, template: str, where: str) -> None:
+        """Replace the checkpoint's chat template with ``template`` (Jinja, as in tokenizer_config.json)."""
+        if self.kind != "hf":
+            raise UsageError(f"{where}: this model's chat format is built in (Kimi's own); a template file "
+                             f"cannot replace it")
+        self.impl.chat_template = template
+
     def prompt_ids(self, text: str) -> list[int]:
         """A plain-text prompt as the model saw text in training: BOS first where the tokenizer config says so."""
         ids = self.encode(text)
