@@ -128,6 +128,38 @@ def test_api_k3_tool_calls_come_out_of_the_tools_section():
     assert fmt.final([ch], False)["choices"][0]["message"]["content"] == "Four."
 
 
+def test_api_k3_stream_sends_reasoning_content_and_tool_calls():
+    """The stream path: tool-call text held back on the raw text, the rest through the reasoning splitter."""
+    import asyncio
+    import json
+
+    from deltafin.serve.app import _events
+    from deltafin.serve.protocol import Parsed
+    from deltafin.serve.worker import Job
+
+    tools_section = ['<|open|>tools<|sep|><|open|>call tool="calc" index="1"<|sep|>',
+                     '<|open|>argument key="x" type="number"<|sep|>2<|close|>argument<|sep|>',
+                     "<|close|>call<|sep|><|close|>tools<|sep|>"]
+    outs = _outs(SCRIPT[:13] + tools_section + SCRIPT[13:])
+    job = Job(outs[0].seq.spec, lambda ev: None)
+    parsed = Parsed("chat", [job.spec], stream=True, tool_format="xtml")
+    fmt = Formatter("chat", "m", None, (), tool_format="xtml", splitters=[XTMLChannels(thinking=True)])
+
+    async def run() -> list[dict]:
+        q: asyncio.Queue = asyncio.Queue()
+        for o in outs[1:]:
+            q.put_nowait((0, o))
+        tally = {"prompt": 1, "cached": 0, "completion": 0}
+        events = [e async for e in _events(parsed, fmt, [job], q, (0, outs[0]), tally)]
+        return [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(run()) if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two"
+    assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("calc", '{"x": 2}')]
+
+
 def test_api_thinking_fields(k3):
     openai = pytest.importorskip("openai")
     from deltafin.runtime.engine import Engine, EngineOptions
