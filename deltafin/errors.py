@@ -31,6 +31,10 @@ class ExpertChecksumError(ExpertFileError):
     pass
 
 
+class TrunkFileError(DeltafinError):
+    """A packed trunk file is missing, truncated, damaged or does not match the manifest."""
+
+
 class DriveError(DeltafinError):
     """A drive is missing, unwritable, full, or failed a read."""
 
@@ -49,3 +53,7 @@ class CodecError(DeltafinError):
 
 class UsageError(DeltafinError):
     """Bad command-line or request input."""
+
+
+class DistributedError(DeltafinError):
+    """A run over several ranks failed: a rank died, a collective timed out, or the ranks disagree."""

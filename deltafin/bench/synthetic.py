@@ -46,14 +46,26 @@ def random_expert(rng: np.random.Generator, latent: int = K3_LATENT, inter: int 
 
 
 def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int, experts: int,
-                    seed: int = 0, model_id: str = "synthetic-k3") -> str:
-    """Write a packed model at ``root`` with experts placed over ``drives`` [(label, path, GB/s)]."""
+                    seed: int = 0, model_id: str = "synthetic-k3", ranks: str | None = None) -> str:
+    """Write a packed model at ``root`` with experts placed over ``drives`` [(label, path, GB/s)];
+    ``ranks`` (``deltafin place --ranks`` grammar): owned over a cluster's ranks, each on its own drives."""
     from deltafin.store.placement import DriveSpec, place
 
     os.makedirs(root, exist_ok=True)
     layout = k3_expert_layout()
     specs = [DriveSpec(label, gbps) for label, _, gbps in drives]
     locs = place({L: [layout.file_bytes] * experts for L in range(1, layers + 1)}, specs)
+    owned = None
+    if ranks is not None:
+        from deltafin.store import ranks as rk
+
+        labels = [d.label for d in specs]
+        plan = rk.parse_ranks(ranks, labels)
+        groups = [[labels.index(x) for x in r.drives] for r in plan]
+        rates = [d.gbps for d in specs]
+        counts = rk.quotas(experts, layout.file_bytes * layers, plan, [sum(rates[d] for d in g) for g in groups])
+        owners, locs = rk.plan_owners(locs, {L: layout.file_bytes for L in locs}, rates, groups, counts)
+        owned = rk.ranks_doc(plan, owners)
     rng = np.random.default_rng(seed)
     base = [random_expert(rng) for _ in range(4)]  # a few distinct payloads, reused: generation stays fast
     pool = BufferPool()
@@ -89,7 +101,7 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
                                              for t in layout.tensors]} for L in range(1, layers + 1)},
             "locations": {str(L): locs[L] for L in range(1, layers + 1)},
             "checksums": sums,
-        },
+        } | ({"ranks": owned} if owned is not None else {}),
         "drives": [{"label": label, "path": os.path.abspath(path), "gbps": gbps, "measured": False}
                    for label, path, gbps in drives],
     }

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 
 def run(args) -> int:
+    if args.bench == "pack" and args.k3_slice:
+        from deltafin.bench.k3_slice import run as bench_slice
+
+        bench_slice(args.dir, args.slice_layers, args.slice_experts, json_path=args.json)
+        return 0
     if args.bench == "pack":
         from deltafin.bench.pack import run as bench_pack
 
@@ -23,5 +28,27 @@ def run(args) -> int:
         from deltafin.bench.classify import run as bench_classify
 
         bench_classify(args)
+        return 0
+    if args.bench == "distributed":
+        from deltafin.bench.distributed import run as bench_distributed
+        from deltafin.errors import UsageError
+
+        if args.layers < 1 or args.experts < args.k or args.tokens < 1 or args.warmup < 0:
+            raise UsageError("bench distributed: need --layers >= 1, --experts >= --k, --tokens >= 1, --warmup >= 0")
+        rec = bench_distributed(args)
+        if args.json:
+            from deltafin.store.manifest import write_json_atomic
+
+            write_json_atomic(args.json, rec)
+        return 0
+    if args.bench == "grammar":
+        from deltafin.bench.grammar import run as bench_grammar
+
+        bench_grammar(args)
+        return 0
+    if args.bench in ("kernels", "warm"):
+        import importlib
+
+        importlib.import_module(f"deltafin.bench.{args.bench}").run(args)
         return 0
     raise AssertionError(args.bench)

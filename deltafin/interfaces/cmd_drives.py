@@ -15,11 +15,15 @@ POLICIES = ("bandwidth", "coactivation", "replicas", "roundrobin", "stripe-bandw
 
 def add_place_args(p) -> None:
     p.add_argument("model", help="packed model folder")
-    p.add_argument("--policy", required=True, choices=POLICIES,
+    p.add_argument("--policy", choices=POLICIES,
                    help="bandwidth: whole files balanced by read rate per layer; coactivation: also keep experts "
                         "routed together apart (needs --trace); replicas: coactivation plus copies of the most-used "
                         "experts on spare space (needs --trace); roundrobin: equal counts; stripe-bandwidth: every "
                         "expert cut into one piece per drive sized by read rate; stripe-equal: equal pieces (RAID-0)")
+    p.add_argument("--ranks", metavar="SPEC",
+                   help="own the experts over the ranks of a cluster (torchrun): 'd0,d1@64;d2,d3@64' gives rank 0 drives "
+                        "d0,d1 and 64 GB of memory for cached experts, rank 1 d2,d3 and 64 GB ('2@64': drives dealt "
+                        "out in order); ownership follows memory first, then drive read rate")
     p.add_argument("--trace", metavar="ROUTES.jsonl", help="routing trace from 'deltafin run --record-routes'")
     p.add_argument("--spare-gb", type=float, default=None,
                    help="replicas: GB per drive the extra copies may use (default: a tenth of the drive's share)")
@@ -44,6 +48,14 @@ def add_simulate_args(p) -> None:
     p.add_argument("--crosscheck-gbps", type=float, default=1.0,
                    help="summed read rate the report's drives are scaled to for --crosscheck (default 1 GB/s)")
     p.add_argument("--json", metavar="PATH", help="write every record as JSON")
+    c = p.add_argument_group("cluster (expert parallel over machines; --cluster runs only this projection)")
+    c.add_argument("--cluster", action="store_true",
+                   help="project Kimi K3 over N machines: tok/s and time to first token per machine count and network")
+    c.add_argument("--machines", default="1,2,4,8,12", help="machine counts, comma-separated")
+    c.add_argument("--net-gbit", default="10,100", help="network link rates in Gb/s, comma-separated")
+    c.add_argument("--hop-us", type=float, default=25.0, help="latency per step of a collective, us (assumed 25)")
+    c.add_argument("--machine-gb", type=float, default=128.0, help="memory per machine, GB")
+    c.add_argument("--mem-gbps", type=float, default=200.0, help="memory bandwidth per machine, GB/s (assumed 200)")
 
 
 def add_bench_drives_args(sub) -> None:
@@ -88,23 +100,43 @@ def _write_json(path: str | None, doc) -> None:
 
 
 def _place(args) -> int:
+    from deltafin import fmt
+    from deltafin.interfaces.paths import resolve_packed
     from deltafin.store.manifest import parse_drive_map
     from deltafin.store.place import place_model
 
+    if (args.policy is None) == (args.ranks is None):
+        raise UsageError("give one of --policy P (placement over drives) or --ranks SPEC (ownership over ranks)")
+    args.model = resolve_packed(args.model)
     rep = place_model(args.model, args.policy, trace_path=args.trace, spare_gb=args.spare_gb,
-                      drive_map=parse_drive_map(args.drive_map), progress=not args.no_progress)
+                      drive_map=parse_drive_map(args.drive_map), progress=not args.no_progress, ranks=args.ranks)
+    if args.ranks is not None:
+        _print_ranks(args.model)
     if rep.resumed:
         print("finished an interrupted placement change first")
     if not rep.experts_changed:
-        print(f"{args.model}: already placed by {args.policy}; nothing moved")
+        print(f"{args.model}: already placed by {rep.policy}; nothing moved")
     else:
-        print(f"placed {args.model} by {args.policy}: {rep.experts_changed:,} experts changed; copied "
-              f"{rep.files_copied:,} files ({rep.bytes_copied / 1e9:.3f} GB), kept {rep.files_kept:,} already there, "
-              f"deleted {rep.files_deleted:,} ({rep.bytes_deleted / 1e9:.3f} GB) in {rep.seconds:.1f} s")
+        print(f"placed {args.model} by {rep.policy}: {rep.experts_changed:,} experts changed; copied "
+              f"{rep.files_copied:,} files ({fmt.size(rep.bytes_copied)}), kept {rep.files_kept:,} already there, "
+              f"deleted {rep.files_deleted:,} ({fmt.size(rep.bytes_deleted)}) in {fmt.duration(rep.seconds)}; "
+              f"{rep.files_verified:,} files of the new layout read back and matched their checksums before "
+              f"any delete")
     for label, d in rep.per_drive.items():
-        print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
+        print(f"  {label:<8} {d['path']}  {fmt.gbps(d['gbps'])}  {d['files']:,} files  {fmt.size(d['bytes'])}")
     _write_json(args.json, {k: getattr(rep, k) for k in rep.__dataclass_fields__})
     return 0
+
+
+def _print_ranks(model: str) -> None:
+    from deltafin.store.manifest import load
+
+    ex = load(model)["experts"]
+    rk = ex["ranks"]
+    for r, ent in enumerate(rk["ranks"]):
+        n = sum(o == r for own in rk["owner"].values() for o in own)
+        print(f"  rank {r}: drives {','.join(ent['drives'])}  {ent['cache_gb']:g} GB for experts  owns {n:,} experts "
+              f"({n / max(len(rk['owner']), 1):.1f} per layer)")
 
 
 def _simulate(args) -> int:
@@ -119,6 +151,8 @@ def _simulate(args) -> int:
         raise UsageError(f"--cache-gb {args.cache_gb!r}: expected comma-separated GB, e.g. 16,32,64") from None
     if args.tokens < 1 or args.prompt < 0 or (args.layers is not None and args.layers < 1):
         raise UsageError("--tokens and --layers must be >= 1 and --prompt >= 0")
+    if args.cluster:
+        return _simulate_cluster(args)
     shape = KIMI_K3 if args.layers is None else replace(KIMI_K3, name=f"kimi-k3 ({args.layers} layers)",
                                                         layers=args.layers)
     drives = parse_spec(args.drives)
@@ -139,6 +173,53 @@ def _simulate(args) -> int:
         print("plots: " + (", ".join(paths) if paths else "none (matplotlib missing: pip install 'deltafin[plot]')"))
     if args.crosscheck:
         out["crosscheck"] = _crosscheck(shape, drives, args)
+    _write_json(args.json, out)
+    return 0
+
+
+def _numbers(text: str, flag: str, kind=float) -> tuple:
+    try:
+        vals = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) <= 0:
+        raise UsageError(f"{flag} {text!r}: expected positive comma-separated numbers, e.g. {flag} 1,2,4")
+    return vals
+
+
+def _simulate_cluster(args) -> int:
+    from dataclasses import replace
+
+    from deltafin.io.emulator import parse_spec
+    from deltafin.sim import KIMI_K3
+    from deltafin.sim.cluster import K3_TRUNK_GB, Machine, cluster_table, format_cluster, plot_cluster
+
+    shape = KIMI_K3 if args.layers is None else replace(KIMI_K3, layers=args.layers)
+    machine = Machine(args.machine_gb, parse_spec(args.drives), args.mem_gbps)
+    if K3_TRUNK_GB + machine.reserve_gb >= machine.memory_gb:
+        raise UsageError(f"--machine-gb {args.machine_gb:g}: a machine must hold the {K3_TRUNK_GB} GB int8 trunk "
+                         f"and {machine.reserve_gb:g} GB of headroom")
+    print(f"simulating {shape.name} expert-parallel: machines of {machine.memory_gb:g} GB ({K3_TRUNK_GB} GB int8 "
+          f"trunk on each, {machine.reserve_gb:g} GB headroom, the rest caches owned experts), drives {args.drives} "
+          f"({sum(d.gbps for d in machine.drives):.1f} GB/s) each, {machine.mem_gbps:g} GB/s memory, "
+          f"{args.hop_us:g} us per collective step", file=sys.stderr)
+    recs = cluster_table(_numbers(args.machines, "--machines", int), _numbers(args.net_gbit, "--net-gbit"),
+                         machine, args.hop_us, args.tokens, args.prompt, args.seed, shape)
+    print(format_cluster(recs))
+    print("cached: share of all experts resident in the machines' memory; bound: tok/s with every drive reading "
+          "all the time, one machine's memory pass and the network (max of the first two, plus the third); TTFT: "
+          "first prompt, cold caches")
+    out = {"model": shape.name, "cluster": recs}
+    if args.plots:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise UsageError("--plots needs matplotlib: pip install 'deltafin[plot]'") from None
+        os.makedirs(args.plots, exist_ok=True)
+        print("plots: " + ", ".join(plot_cluster(recs, args.plots, plt)))
     _write_json(args.json, out)
     return 0
 

@@ -44,9 +44,9 @@ def run(args) -> int:
 def _bar(args, total: int, unit: str):
     if args.no_progress or args.quiet or total == 0:
         return None
-    from tqdm import tqdm
+    from deltafin.progress import bar
 
-    return tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    return bar(total, args.command, unit)
 
 
 def _write_stats(args, doc: dict) -> None:
@@ -65,7 +65,9 @@ def _batch(args) -> int:
         raise UsageError(f"{args.output}: the output must not be the input file")
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    items = load_batch(args.input, Defaults(args.max_tokens, sampling_params(args), tuple(args.stop)))
+    from deltafin.interfaces.prompt import stop_strings
+
+    items = load_batch(args.input, Defaults(args.max_tokens, sampling_params(args), stop_strings(args)))
     out = ResultLog(args.output, "jsonl")
     try:
         todo = sum(not out.has(it.rec.key) for it in items)

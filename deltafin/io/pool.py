@@ -105,6 +105,7 @@ class DriveCounters:
     bytes: int = 0
     busy_seconds: float = 0.0  # summed over concurrent reads
     errors: int = 0
+    active_seconds: float = 0.0  # wall time with at least one read in flight: the drive's rate is bytes / this
 
 
 @dataclass
@@ -121,6 +122,8 @@ class ReaderPool:
         self._exec = [_Workers(self.threads, f"read-{r.label}") for r in self.readers]
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
+        self._inflight = [0] * len(self.readers)
+        self._since = [0.0] * len(self.readers)  # when the drive last went from idle to busy
         self._lock = threading.Lock()
 
     def submit(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
@@ -148,6 +151,10 @@ class ReaderPool:
         reader = self.readers[drive]
         buf = into
         t0 = time.perf_counter()
+        with self._lock:
+            self._inflight[drive] += 1
+            if self._inflight[drive] == 1:
+                self._since[drive] = t0
         try:
             buf = into if into is not None else self._buffer(reader.label, path, nbytes)
             got = reader.read_into(path, 0, buf[: align_up(nbytes)])
@@ -162,6 +169,7 @@ class ReaderPool:
             with self._lock:
                 self.counters[drive].errors += 1
                 self._pending[drive] -= nbytes
+                self._idle(drive, time.perf_counter())
             done.put(Completion(tag, drive, path, None, nbytes, time.perf_counter() - t0, e))
             return
         dt = time.perf_counter() - t0
@@ -171,6 +179,7 @@ class ReaderPool:
             c.bytes += nbytes
             c.busy_seconds += dt
             self._pending[drive] -= nbytes
+            self._idle(drive, t0 + dt)
         done.put(Completion(tag, drive, path, buf, nbytes, dt))
 
     def _buffer(self, label: str, path: str, nbytes: int) -> memoryview:
@@ -179,6 +188,12 @@ class ReaderPool:
         except (MemoryError, OverflowError, OSError, ValueError) as e:
             raise ReadError(f"drive {label}: cannot allocate a {nbytes:,}-byte buffer to read {path} ({e}); "
                             f"the model's manifest gives that size: run 'deltafin verify' on the model") from e
+
+    def _idle(self, drive: int, now: float) -> None:
+        """One read of ``drive`` ended (called under the lock)."""
+        self._inflight[drive] -= 1
+        if self._inflight[drive] == 0:
+            self.counters[drive].active_seconds += now - self._since[drive]
 
     def close(self, wait: bool = True) -> None:
         """Stop the reader threads; ``wait=False`` when a read may hang (it is abandoned, not joined)."""

@@ -14,7 +14,6 @@ escaped (``bad\xff.txt``); a symlink loop or a dangling link is an input with an
 
 from __future__ import annotations
 
-import copy
 import errno
 import logging
 import math
@@ -29,7 +28,6 @@ from deltafin.errors import UsageError
 from deltafin.jobs.batch import size
 from deltafin.jobs.records import read_jsonl
 from deltafin.jobs.results import ResultLog
-from deltafin.runtime.batch import forward_batch
 
 log = logging.getLogger(__name__)
 MAX_INPUT_BYTES = 64 << 20  # far beyond any context; keeps one stray huge file from exhausting memory
@@ -212,8 +210,8 @@ class Classifier:
         multi = [(i, j) for i in range(len(prompts)) for j, ids in enumerate(self.label_ids) if len(ids) > 1]
         if multi:
             seqs = [(torch.tensor(self.label_ids[j][:-1], dtype=torch.long, device=eng.device),
-                     copy.deepcopy(states[i])) for i, j in multi]
-            for (i, j), lg in zip(multi, forward_batch(eng.model, seqs, eng.source, all_logits=True), strict=True):
+                     eng.copy_state(states[i])) for i, j in multi]
+            for (i, j), lg in zip(multi, eng.step(seqs, all_logits=True), strict=True):
                 lp = torch.log_softmax(lg.float(), -1)  # [m-1, V]: position t predicts label token t+1
                 nxt = torch.tensor(self.label_ids[j][1:], device=lp.device)
                 out[i][j] += float(lp.gather(1, nxt[:, None]).sum())

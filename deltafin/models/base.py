@@ -28,7 +28,8 @@ from typing import Protocol
 
 import torch
 
-from deltafin.quant.record import QTensor, dequantize, matmul
+from deltafin.kernels import matmul
+from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
 ExpertTensors = Mapping[str, QTensor]  # roles: gate/up/down, or gpt-oss gate_up/gate_up_bias/down/down_bias
@@ -103,11 +104,19 @@ def moe_dispatch(
     Legend: T tokens, k experts per token, D model width. ``ids``/``weights`` are [T, k].
     Each requested expert runs once on all of its tokens as soon as it arrives; results land in
     per-(token, slot) buffers and are summed over k in slot order, so arrival order cannot change them.
+    A source split over ranks (``runtime/distributed.py``) may also define ``agree(layer, ids, weights)``
+    (the routing every rank uses), ``local(layer, wanted)`` (the ids it computes here) and
+    ``combine(layer, out, ids)`` (the [T, k, D] slot buffers of all ranks summed, each slot filled by one
+    rank and zero elsewhere, so the sum over k below is the single-process one, bit for bit).
     """
     T, D = x.shape
     k = ids.shape[1]
+    if hasattr(experts, "agree"):
+        ids, weights = experts.agree(layer, ids, weights)
     out = x.new_zeros(T, k, D)  # [T, k, D]
     wanted = ids.unique().tolist()
+    if hasattr(experts, "local"):
+        wanted = experts.local(layer, wanted)
     seen = 0
     for eid, tensors in experts.fetch(layer, wanted):
         tok, slot = (ids == eid).nonzero(as_tuple=True)
@@ -115,4 +124,6 @@ def moe_dispatch(
         out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)
         seen += 1
     assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {layer}"
+    if hasattr(experts, "combine"):
+        out = experts.combine(layer, out, ids)
     return out.sum(1)

@@ -139,7 +139,8 @@ class StreamingExperts:
         self.stats.expert_math_s += time.perf_counter() - t0
 
     def per_drive(self) -> dict[str, dict]:
-        return {r.label: {"reads": c.reads, "bytes": c.bytes, "busy_s": c.busy_seconds, "errors": c.errors}
+        return {r.label: {"reads": c.reads, "bytes": c.bytes, "busy_s": c.busy_seconds, "errors": c.errors,
+                          "active_s": c.active_seconds}
                 for r, c in zip(self.readers, self.pool.counters, strict=True)}
 
     def close(self) -> None:
