@@ -321,3 +321,34 @@ def test_read_deadline_option():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(UsageError, match="--read-deadline"):
             _deadline(bad)
+
+
+def test_a_hung_read_does_not_keep_the_process_from_exiting(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import queue, threading\n"
+        "from deltafin.io.pool import ReaderPool\n"
+        "class Hung:\n"
+        "    label, direct = 'd0', True\n"
+        "    def read_into(self, path, offset, buf):\n"
+        "        threading.Event().wait()\n"
+        "pool = ReaderPool([Hung()], 2)\n"
+        "pool.submit(0, 'x', 4096, 0, queue.SimpleQueue())\n"
+        "pool.close(wait=False)\n"
+        "print('reported')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "reported" in out.stdout, out.stderr
+
+
+def test_deadlines_assume_the_rate_the_drive_delivers_when_lower():
+    from deltafin.io.pool import DriveCounters
+    from deltafin.runtime.layer_reads import deadline_rate
+
+    assert deadline_rate(7.0, DriveCounters()) == 7.0  # nothing read yet: the known rate
+    slow = DriveCounters(bytes=10**9, active_seconds=2.0)  # 0.5 GB/s delivered
+    assert deadline_rate(7.0, slow) == pytest.approx(0.5) and deadline_rate(0.2, slow) == 0.2
+    assert deadline_rate(0.0, DriveCounters()) == 0.1  # a rate of 0 never divides

@@ -12,7 +12,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from deltafin.errors import ReadError
@@ -120,7 +119,7 @@ class ReaderPool:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"reader threads per drive must be >= 1, got {self.threads}")
-        self._exec = [ThreadPoolExecutor(self.threads, thread_name_prefix=f"read-{r.label}") for r in self.readers]
+        self._exec = [_Workers(self.threads, f"read-{r.label}") for r in self.readers]
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
         self._inflight = [0] * len(self.readers)
@@ -199,4 +198,37 @@ class ReaderPool:
     def close(self, wait: bool = True) -> None:
         """Stop the reader threads; ``wait=False`` when a read may hang (it is abandoned, not joined)."""
         for ex in self._exec:
-            ex.shutdown(wait=wait, cancel_futures=not wait)
+            ex.shutdown(wait)
+
+
+class _Workers:
+    """``n`` daemon threads running submitted calls in order. Daemon threads, unlike an executor's, are not
+    joined when the interpreter exits: a read that never returns (a hung drive) cannot keep the process
+    from ending after its error was reported."""
+
+    def __init__(self, n: int, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> None:
+        self._q.put((fn, args))
+
+    def _run(self) -> None:
+        while (job := self._q.get()) is not None:
+            job[0](*job[1])  # _read posts every outcome, its errors included, as a Completion
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Queued calls not yet started are dropped when not waiting."""
+        if not wait:
+            while True:
+                try:
+                    self._q.get_nowait()
+                except queue.Empty:
+                    break
+        for _ in self._threads:
+            self._q.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()

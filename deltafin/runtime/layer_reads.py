@@ -106,7 +106,7 @@ class LayerReads:
         aid = next(self._ids)
         now = time.monotonic()
         ahead = src.pool.submit(drive, path, nbytes, aid, self.done, into, check)
-        rate = src._rates[drive] if src._rates[drive] > 0 else 0.1
+        rate = deadline_rate(src._rates[drive], src.pool.counters[drive])
         due = now + src.deadline.seconds(ahead + nbytes, rate, src._latency[drive])
         self.live[aid] = _Attempt(e, drive, path, nbytes, now, due, piece)
 
@@ -213,6 +213,16 @@ class LayerReads:
             else:
                 raise ReadError(f"{msg}, twice (the piece at byte {a.piece.offset} of layer {self.layer} expert "
                                 f"{a.expert}, striped with no other copy); {SLOW_FIX}")
+
+
+def deadline_rate(gbps: float, seen, min_bytes: int = 256 << 20) -> float:
+    """The rate a deadline assumes for a drive: its known rate (manifest or emulated model), or the rate the
+    drive has actually delivered in this run once it has read ``min_bytes``, whichever is lower (a rate
+    measured on another day, or given by hand, must not make honest reads look late)."""
+    rate = gbps if gbps > 0 else 0.1
+    if seen.bytes >= min_bytes and seen.active_seconds > 0:
+        rate = min(rate, seen.bytes / seen.active_seconds / 1e9)
+    return rate
 
 
 def _checker(expected: str, path: str, fix: str):
