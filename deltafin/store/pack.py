@@ -37,6 +37,7 @@ from deltafin.store.convert import (
     passthrough_sections,
 )
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
+from deltafin.store.fileio import return_freed_memory
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -118,6 +119,7 @@ def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None
 
 def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
     t0 = time.perf_counter()
+    return_freed_memory()
     _check_policy(opts)
     ckpt = Checkpoint(src)
     missing = [sh for sh in ckpt.shards() if not ckpt.has_shard(sh)]
