@@ -129,6 +129,15 @@ class Engine:
 
             self.cluster = cluster.init(self.device, opts.dist_timeout_s)
             self.device = self.cluster.device
+            try:
+                self._open(model_dir, opts)
+            except BaseException as e:  # the other ranks are waiting for this one: tell them why it left
+                self.cluster.record_error(e)
+                raise
+        else:
+            self._open(model_dir, opts)
+
+    def _open(self, model_dir: str, opts: EngineOptions) -> None:
         own = None if self.cluster is None else own_drives(model_dir, self.cluster.rank)
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
@@ -157,14 +166,15 @@ class Engine:
 
     def _cache_bytes(self, trunk_bytes: int) -> int:
         """--cache-gb; on a cluster rank without it, the rank's budget from the manifest's ownership; else
-        half of what is free after the trunk, shared by the ranks of this machine."""
+        half of what is free after the trunk (in RAM shared by the ranks of this machine)."""
         if self.opts.cache_gb is not None:
             return int(self.opts.cache_gb * GB)
         if self.cluster is not None:
             rk = self.packed.doc["experts"].get("ranks")
             if rk is not None and rk["ranks"][self.cluster.rank]["cache_gb"] > 0:
                 return int(rk["ranks"][self.cluster.rank]["cache_gb"] * GB)
-            return default_cache_bytes(trunk_bytes, self.device) // self.cluster.local_world
+            share = 1 if self.device.type == "cuda" else self.cluster.local_world  # each GPU has its own memory
+            return default_cache_bytes(trunk_bytes, self.device) // share
         return default_cache_bytes(trunk_bytes, self.device)
 
     def _join_cluster(self) -> None:
