@@ -266,8 +266,8 @@ def follow(engine, local_stats: Callable[[], dict]) -> None:
         seqs = [(torch.tensor(ids, dtype=torch.long, device=engine.device), states[h]) for h, ids in batch]
         try:
             engine.local_step(seqs, all_logits)
-        except DistributedError:
+        except DistributedError:  # another rank's failure, already diagnosed
             raise
-        except BaseException as e:
+        except BaseException as e:  # this rank's own: leave it where rank 0 looks
             cl.record_error(e)
             raise
