@@ -22,6 +22,8 @@ COMMANDS = {
     "classify": ("cmd_jobs", "probability of each label as the next tokens, for many inputs; resumable"),
     "place": ("cmd_drives", "change where expert files live (placement policy), moving only what must move"),
     "simulate": ("cmd_drives", "what-ifs for Kimi K3 over drive sets: tok/s, time to first token, scaling plots"),
+    "list": ("cmd_models", "list packed models: size, drives, where their files are"),
+    "rm": ("cmd_models", "remove a packed model: its expert folders on every drive and its model folder"),
 }
 
 
@@ -41,8 +43,13 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spare-gb", type=float, default=None, help="replicas: GB per drive for extra copies")
     p.add_argument("--model-id", help="folder name of this model on the drives (default: OUT's name)")
     p.add_argument("--plan", action="store_true", help="print what the pack would write; read no weights")
+    p.add_argument("--create", action="store_true",
+                   help="create --drive folders that do not exist (by default a missing folder is an error: an "
+                        "unmounted drive's path would fill the disk that holds it)")
     p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
     p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="pack NaN/inf weights as they are (by default they are refused as damage, naming the tensor)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -73,13 +80,23 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b = sub.add_parser("pack", help="pack throughput beside the disk's raw write rate")
     b.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: a temp dir)")
     b.add_argument("--gb", type=float, default=4.0, help="GB of expert bytes to pack (default 4)")
+    b.add_argument("--k3-slice", action="store_true",
+                   help="instead: pack and run a Kimi K3 slice at the real widths (vocab 163840, hidden 7168); "
+                        "reports pack's peak memory beside the largest tensor (writes ~10 GB of source)")
+    b.add_argument("--slice-layers", type=int, default=3, help="--k3-slice: layers (layer 0 dense, then MoE)")
+    b.add_argument("--slice-experts", type=int, default=32, help="--k3-slice: experts per MoE layer (real size)")
     b.add_argument("--json", metavar="PATH")
     b = _synthetic_bench(sub, "decode", "expert streaming at Kimi K3's expert size beside the raw read rate", 4, 64)
-    b.add_argument("--synthetic", default="k3", choices=["k3"], help="synthetic model shape (K3 expert sizes)")
+    b.add_argument("--synthetic", default="k3", choices=["k3", "k3-slice"],
+                   help="k3: K3 expert files streamed; k3-slice: a K3 slice at the real widths in GPU memory")
     b.add_argument("--tokens", type=int, default=6)
+    b.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every read against its checksum, as 'run' does by default (its cost is reported)")
     b = _synthetic_bench(sub, "prefill", "time to first token beside the read floor (cold cache, K3 expert size)",
                          4, 96)
-    b.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    b.add_argument("--prompt", "--tokens", type=int, default=512, help="prompt tokens")
+    b.add_argument("--synthetic", default="k3", choices=["k3", "k3-slice"],
+                   help="k3: K3 expert files streamed; k3-slice: a K3 slice at the real widths in GPU memory")
     from deltafin.interfaces.cmd_drives import add_bench_drives_args
 
     add_bench_drives_args(sub)
@@ -109,12 +126,67 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default=None, help="scratch folder")
     b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("grammar", help="constrained decoding's token mask per token beside the lm_head's cost")
+    b.add_argument("--vocab", type=int, default=65_536, help="tokenizer vocabulary to train (default 65,536)")
+    b.add_argument("--tokens", type=int, default=200, help="tokens to choose under each grammar")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("kernels", help="weight matmuls at Kimi K3's shapes: GB/s of weight bytes beside memory bandwidth")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--seconds", type=float, default=2.0, help="time per case")
+    b.add_argument("--json", metavar="PATH")
+    b = sub.add_parser("warm", help="warm decode of a mid-size MoE (all experts in memory) beside the memory roofline")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--tokens", type=int, default=16, help="decoded tokens timed")
+    b.add_argument("--json", metavar="PATH")
+    from deltafin.interfaces.cmd_run import add_compute_args
+
+    add_compute_args(b)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default where it has a meaningful one (not None, off or empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        h = action.help or ""
+        d = action.default
+        if (not action.option_strings or d is None or isinstance(d, bool) or d == argparse.SUPPRESS or d == []
+                or "default" in h.lower() or h == argparse.SUPPRESS):
+            return action.help
+        return f"{h} (default: %(default)s)" if h else "(default: %(default)s)"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_logging(p: argparse.ArgumentParser, top: bool) -> None:
+    """-v and --log-level on the top parser and on every subcommand, so they work before or after it."""
+    keep = {} if top else {"default": argparse.SUPPRESS}  # a subcommand's absent flag keeps the top's value
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details (--log-level info)", **keep)
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)} (default: warning; info with -v)", **keep)
+
+
+def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [c for a in p._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+
+
+def _finish(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """Every parser in the tree: defaults in help, and the logging flags anywhere on the line."""
+    p.formatter_class = HelpFormatter
+    if not top:
+        _add_logging(p, top=False)
+    for child in _subparsers(p):
+        _finish(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deltafin import __version__
+
     ap = argparse.ArgumentParser(prog="deltafin", description="Run MoE models far larger than memory by "
                                  "streaming routed experts from SSDs.")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--version", action="version", version=f"deltafin {__version__}")
+    _add_logging(ap, top=True)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -123,23 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
         elif name in ("verify", "inspect"):
             _add_model(p)
             if name == "verify":
-                p.add_argument("--threads", type=int, default=4)
+                p.add_argument("--io-threads", "--threads", dest="io_threads", type=int, default=4,
+                               help="reader threads (reads in flight)")
         elif name == "demo":
             p.add_argument("--dir", help="work folder (default: a new temp dir)")
             p.add_argument("--keep", action="store_true", help="keep the work folder")
         elif name == "bench":
             _add_bench(p)
         elif name in ("run", "chat"):
-            from deltafin.interfaces.cmd_run import add_engine_args, add_sampling_args
+            from deltafin.interfaces.cmd_run import add_engine_args, add_prompt_args, add_sampling_args
 
             add_engine_args(p)
             add_sampling_args(p)
-            if name == "run":
-                p.add_argument("-p", "--prompt", help="prompt text")
-                p.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-                p.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user turn")
-            else:
-                p.add_argument("--system", help="system message")
+            add_prompt_args(p, name)
         elif name in ("serve", "batch", "classify"):
             from deltafin.interfaces import cmd_jobs, cmd_serve
 
@@ -149,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
             from deltafin.interfaces import cmd_drives
 
             (cmd_drives.add_place_args if name == "place" else cmd_drives.add_simulate_args)(p)
+        elif name in ("list", "rm"):
+            from deltafin.interfaces import cmd_models
+
+            (cmd_models.add_list_args if name == "list" else cmd_models.add_rm_args)(p)
+    _finish(ap, top=True)
     return ap
 
 
@@ -156,9 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
 CLUSTER_COMMANDS = ("run", "chat", "serve", "batch", "classify")
 
 
+def _log_level(args: argparse.Namespace) -> int:
+    if getattr(args, "log_level", None):
+        return getattr(logging, args.log_level.upper())
+    return logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=_log_level(args), format="%(levelname)s %(message)s")
     world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
     name = getattr(args, "module", None) or COMMANDS[args.command][0]
     if world > 1 and args.command in CLUSTER_COMMANDS and rank != 0:

@@ -31,6 +31,10 @@ class ExpertChecksumError(ExpertFileError):
     pass
 
 
+class TrunkFileError(DeltafinError):
+    """A packed trunk file is missing, truncated, damaged or does not match the manifest."""
+
+
 class DriveError(DeltafinError):
     """A drive is missing, unwritable, full, or failed a read."""
 

@@ -59,7 +59,7 @@ def test_unknown_model_type_exits_2(tmp_path, capsys):
     src.mkdir()
     save_file({"model.embed_tokens.weight": torch.ones(4, 4)}, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps({"model_type": "mamba2"}))
-    _expect_error(capsys, ["pack", str(src), str(tmp_path / "out"), "--drive", f"{tmp_path / 'd'}=1"],
+    _expect_error(capsys, ["pack", str(src), str(tmp_path / "out"), "--drive", f"{tmp_path / 'd'}=1", "--create"],
                   "UnsupportedArchitectureError", "model_type 'mamba2' is not supported", "qwen3_moe", "kimi_k3")
     _expect_error(capsys, ["pack", "--plan", str(src)], "model_type 'mamba2' is not supported")
 
@@ -81,14 +81,14 @@ def packed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cli")
     build_tiny("olmoe", root / "src", seed=4)
     rc = cli.main(["pack", str(root / "src"), str(root / "model"), "--drive", f"a:{root / 'da'}=2",
-                   "--drive", f"b:{root / 'db'}=1", "--no-progress", "--json", str(root / "pack.json")])
+                   "--drive", f"b:{root / 'db'}=1", "--create", "--no-progress", "--json", str(root / "pack.json")])
     assert rc == 0
     return root
 
 
 def test_placement_needing_a_trace_is_a_usage_error(packed, tmp_path, capsys):
     _expect_error(capsys, ["pack", str(packed / "src"), str(tmp_path / "m"), "--drive", f"{tmp_path / 'd'}=1",
-                           "--placement", "coactivation"], "--placement 'coactivation'", "bandwidth")
+                           "--create", "--placement", "coactivation"], "--placement 'coactivation'", "bandwidth")
     _expect_error(capsys, ["pack", "--plan", str(packed / "src"), "--placement", "replicas"], "--placement 'replicas'")
 
 

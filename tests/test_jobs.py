@@ -16,7 +16,7 @@ from deltafin.jobs.results import ResultLog
 from deltafin.runtime.engine import Engine, EngineOptions
 from tests.tiny import pack_tiny
 
-ENGINE_ARGS = ["--cache-gb", "0.05", "--max-len", "256", "--threads", "2", "--quiet"]
+ENGINE_ARGS = ["--cache-gb", "0.05", "--max-len", "256", "--io-threads", "2", "--quiet"]
 
 
 @pytest.fixture(scope="module")

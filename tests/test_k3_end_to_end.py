@@ -23,7 +23,7 @@ def k3(tmp_path_factory) -> Path:
     write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
     write_tiny_k3_tokenizer(root / "src")
     assert main(["pack", str(root / "src"), str(root / "model"), "--drive", f"{root}/d0=2",
-                 "--drive", f"{root}/d1=1", "--no-progress"]) == 0
+                 "--drive", f"{root}/d1=1", "--create", "--no-progress"]) == 0
     return root
 
 

@@ -93,7 +93,7 @@ def test_k3_trunk_bytes(plans):
 def test_pack_plan_cli_writes_json(k3_src, plans, tmp_path, capsys, monkeypatch):
     """`deltafin pack --plan SRC --drive A=7 --drive B=6 --json out.json`: folders A and B at 7 and 6 GB/s."""
     monkeypatch.chdir(tmp_path)
-    rc = cli.main(["pack", "--plan", str(k3_src), "--drive", "A=7", "--drive", "B=6", "--json", "out.json"])
+    rc = cli.main(["pack", "--plan", str(k3_src), "--drive", "A=7", "--drive", "B=6", "--create", "--json", "out.json"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "82,432 files" in text and "17,547,264 B payload" in text and "168 skipped" in text

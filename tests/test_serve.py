@@ -193,7 +193,7 @@ def test_invalid_requests_get_openai_errors_and_server_goes_on(served, client):
         (dict(model=MODEL, prompt=""), 400, "empty"),
         (dict(model=MODEL, prompt="x" * 300), 400, "context length"),
         (dict(model="other", prompt="x"), 404, "does not exist"),
-        (dict(model=MODEL, prompt="x", n=3), 400, "n=3"),
+        (dict(model=MODEL, prompt="x", n=0), 400, "n: input should be greater than or equal to 1"),
     ]
     for body, status, words in cases:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=T)

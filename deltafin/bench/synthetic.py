@@ -135,10 +135,10 @@ class SyntheticRun:
         self.raw = max(self.raw, self._measure())
         return self.raw
 
-    def source(self, threads: int, device: str):
+    def source(self, threads: int, device: str, verify: bool = True):
         from deltafin.runtime.source import StreamingExperts
 
-        return StreamingExperts(self.pm, cache_bytes=0, threads=threads, device=device)
+        return StreamingExperts(self.pm, cache_bytes=0, threads=threads, device=device, verify=verify)
 
 
 @contextmanager

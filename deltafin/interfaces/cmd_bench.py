@@ -4,10 +4,20 @@ from __future__ import annotations
 
 
 def run(args) -> int:
+    if args.bench == "pack" and args.k3_slice:
+        from deltafin.bench.k3_slice import run as bench_slice
+
+        bench_slice(args.dir, args.slice_layers, args.slice_experts, json_path=args.json)
+        return 0
     if args.bench == "pack":
         from deltafin.bench.pack import run as bench_pack
 
         bench_pack(args.dir, args.gb, args.json)
+        return 0
+    if args.bench in ("decode", "prefill") and getattr(args, "synthetic", "k3") == "k3-slice":
+        from deltafin.bench.k3_slice_gpu import from_cli
+
+        from_cli(args, args.bench)
         return 0
     if args.bench == "decode":
         from deltafin.bench.decode import run as bench_decode
@@ -35,5 +45,15 @@ def run(args) -> int:
             from deltafin.store.manifest import write_json_atomic
 
             write_json_atomic(args.json, rec)
+        return 0
+    if args.bench == "grammar":
+        from deltafin.bench.grammar import run as bench_grammar
+
+        bench_grammar(args)
+        return 0
+    if args.bench in ("kernels", "warm"):
+        import importlib
+
+        importlib.import_module(f"deltafin.bench.{args.bench}").run(args)
         return 0
     raise AssertionError(args.bench)

@@ -23,7 +23,7 @@ def _generate(model_dir: str) -> None:
     from deltafin.runtime.engine import Engine, EngineOptions
     from deltafin.runtime.sampling import SamplingParams
 
-    eng = Engine(model_dir, EngineOptions(cache_gb=0.0, threads=4))
+    eng = Engine(model_dir, EngineOptions(cache_gb=0.0, threads=4, exact=False))
     try:
         prompt = eng.codec.chat([{"role": "user", "content": "Why stream experts from SSDs?"}])
         print("assistant (random weights, so the text is noise; the pipeline is real): ", end="", flush=True)

@@ -100,11 +100,14 @@ def _write_json(path: str | None, doc) -> None:
 
 
 def _place(args) -> int:
+    from deltafin import fmt
+    from deltafin.interfaces.paths import resolve_packed
     from deltafin.store.manifest import parse_drive_map
     from deltafin.store.place import place_model
 
     if (args.policy is None) == (args.ranks is None):
         raise UsageError("give one of --policy P (placement over drives) or --ranks SPEC (ownership over ranks)")
+    args.model = resolve_packed(args.model)
     rep = place_model(args.model, args.policy, trace_path=args.trace, spare_gb=args.spare_gb,
                       drive_map=parse_drive_map(args.drive_map), progress=not args.no_progress, ranks=args.ranks)
     if args.ranks is not None:
@@ -115,10 +118,12 @@ def _place(args) -> int:
         print(f"{args.model}: already placed by {rep.policy}; nothing moved")
     else:
         print(f"placed {args.model} by {rep.policy}: {rep.experts_changed:,} experts changed; copied "
-              f"{rep.files_copied:,} files ({rep.bytes_copied / 1e9:.3f} GB), kept {rep.files_kept:,} already there, "
-              f"deleted {rep.files_deleted:,} ({rep.bytes_deleted / 1e9:.3f} GB) in {rep.seconds:.1f} s")
+              f"{rep.files_copied:,} files ({fmt.size(rep.bytes_copied)}), kept {rep.files_kept:,} already there, "
+              f"deleted {rep.files_deleted:,} ({fmt.size(rep.bytes_deleted)}) in {fmt.duration(rep.seconds)}; "
+              f"{rep.files_verified:,} files of the new layout read back and matched their checksums before "
+              f"any delete")
     for label, d in rep.per_drive.items():
-        print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
+        print(f"  {label:<8} {d['path']}  {fmt.gbps(d['gbps'])}  {d['files']:,} files  {fmt.size(d['bytes'])}")
     _write_json(args.json, {k: getattr(rep, k) for k in rep.__dataclass_fields__})
     return 0
 

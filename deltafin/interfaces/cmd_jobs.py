@@ -44,9 +44,9 @@ def run(args) -> int:
 def _bar(args, total: int, unit: str):
     if args.no_progress or args.quiet or total == 0:
         return None
-    from tqdm import tqdm
+    from deltafin.progress import bar
 
-    return tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    return bar(total, args.command, unit)
 
 
 def _write_stats(args, doc: dict) -> None:
@@ -65,7 +65,9 @@ def _batch(args) -> int:
         raise UsageError(f"{args.output}: the output must not be the input file")
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    items = load_batch(args.input, Defaults(args.max_tokens, sampling_params(args), tuple(args.stop)))
+    from deltafin.interfaces.prompt import stop_strings
+
+    items = load_batch(args.input, Defaults(args.max_tokens, sampling_params(args), stop_strings(args)))
     out = ResultLog(args.output, "jsonl")
     try:
         todo = sum(not out.has(it.rec.key) for it in items)
@@ -95,6 +97,7 @@ def _classify(args) -> int:
         Classifier,
         ClassifyRun,
         check_template,
+        check_text,
         csv_columns,
         gather_inputs,
         parse_labels,
@@ -103,7 +106,12 @@ def _classify(args) -> int:
 
     labels = parse_labels(args.labels)
     check_template(args.template)  # before the model loads
-    items = gather_inputs(args.inputs)
+    check_text(args.label_prefix, "--label-prefix")
+    skipped: list[str] = []
+    items = gather_inputs(args.inputs, skipped)
+    if skipped and not args.quiet:
+        print(f"[deltafin] skipped {len(skipped)} special file(s) in {args.inputs}: " + "; ".join(skipped),
+              file=sys.stderr)
     fmt = args.format or ("csv" if args.out.endswith(".csv") else "jsonl")
     eng = open_engine(args)
     try:

@@ -20,9 +20,14 @@ def _write_json(path: str | None, doc: dict) -> None:
 
 
 def _pack(args) -> int:
-    from deltafin.store.drives import parse_drives
+    from deltafin.interfaces.paths import resolve_checkpoint
+    from deltafin.store.drives import parse_drives, require_drives, shared_filesystems, shared_warning
 
+    args.src = resolve_checkpoint(args.src)
     drives = parse_drives(args.drive)
+    require_drives(drives, args.create, plan=args.plan)
+    for group in shared_filesystems(drives):
+        print(f"[deltafin] warning: {shared_warning(group)}", file=sys.stderr)
     if args.plan:
         return _plan(args, drives)
     if not args.out:
@@ -30,15 +35,25 @@ def _pack(args) -> int:
     from deltafin.store.pack import PackOptions, pack
 
     opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
-                       args.trace, args.spare_gb)
+                       args.trace, args.spare_gb, args.allow_nonfinite)
     s = pack(args.src, args.out, drives, opts)
-    print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
-          + (f", {s.repaired} repaired" if s.repaired else "") + f"), {s.expert_bytes / 1e9:.3f} GB experts, "
-          f"{s.trunk_bytes / 1e9:.3f} GB trunk")
-    print(f"  wrote {s.bytes_written / 1e9:.3f} GB in {s.seconds:.1f} s ({s.write_gbps:.2f} GB/s); "
-          f"peak RSS {s.peak_rss_bytes / 2**20:,.0f} MiB")
+    from deltafin.store.catalog import record
+
+    record(s.out, s.model_id)
+    from deltafin import fmt
+
+    if s.moved is not None:
+        print(f"{s.out}: already packed; moved only what the new drive rates or placement need: copied "
+              f"{s.moved[0]:,} expert files ({fmt.size(s.bytes_written)}), deleted {s.moved[1]:,}, kept "
+              f"{s.skipped:,} in place, in {fmt.duration(s.seconds)}")
+    else:
+        print(f"packed {s.out}: {s.expert_files:,} expert files ({s.written:,} written, {s.skipped:,} already there"
+              + (f", {s.repaired} repaired" if s.repaired else "") + f"), {fmt.size(s.expert_bytes)} experts, "
+              f"{fmt.size(s.trunk_bytes)} trunk")
+        print(f"  wrote {fmt.size(s.bytes_written)} in {fmt.duration(s.seconds)} ({fmt.gbps(s.write_gbps)}); "
+              f"peak RSS {fmt.size(s.peak_rss_bytes)}")
     for label, d in s.per_drive.items():
-        print(f"  {label:<8} {d['path']}  {d['gbps']:.2f} GB/s  {d['files']:,} files  {d['bytes'] / 1e9:.3f} GB")
+        print(f"  {label:<8} {d['path']}  {fmt.gbps(d['gbps'])}  {d['files']:,} files  {fmt.size(d['bytes'])}")
     _write_json(args.json, {k: getattr(s, k) for k in s.__dataclass_fields__} | {"write_gbps": s.write_gbps})
     return 0
 
@@ -54,23 +69,25 @@ def _plan(args, drives) -> int:
 
 
 def _open(args):
+    from deltafin.interfaces.paths import resolve_packed
     from deltafin.store.manifest import parse_drive_map
     from deltafin.store.model_dir import PackedModel
 
-    return PackedModel.open(args.model, parse_drive_map(args.drive_map))
+    return PackedModel.open(resolve_packed(args.model), parse_drive_map(args.drive_map))
 
 
 def _verify(args) -> int:
-    from tqdm import tqdm
-
+    from deltafin.progress import bar as progress_bar
     from deltafin.store.verify import repair_hint, verify
 
     model = _open(args)
     total = sum(model.file_bytes(L) * model.num_experts for L in model.moe_layers)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", dynamic_ncols=True) as bar:
-        rep = verify(model, args.threads, bar.update)
-    print(f"verified {rep.files:,} expert files, {rep.bytes / 1e9:.3f} GB in {rep.seconds:.1f} s "
-          f"({rep.bytes / max(rep.seconds, 1e-9) / 1e9:.2f} GB/s): "
+    with progress_bar(total, "verify") as bar:
+        rep = verify(model, args.io_threads, bar.update)
+    from deltafin import fmt
+
+    print(f"verified {rep.files:,} expert files and {rep.trunk_files} trunk files, {fmt.size(rep.bytes)} in "
+          f"{fmt.duration(rep.seconds)} ({fmt.rate(rep.bytes / max(rep.seconds, 1e-9))}): "
           + ("all good" if rep.ok else f"{len(rep.bad)} bad"))
     for path, problem in rep.bad:
         print(f"  BAD {path}: {problem}", file=sys.stderr)
@@ -82,8 +99,13 @@ def _verify(args) -> int:
 
 
 def _inspect(args) -> int:
+    from deltafin.interfaces.paths import resolve_checkpoint
+    from deltafin.store.catalog import find
     from deltafin.store.inspect import format_summary, model_summary, plan_summary
     from deltafin.store.manifest import MANIFEST
+
+    if not os.path.exists(args.model) and find(args.model) is None:
+        args.model = resolve_checkpoint(args.model)
 
     if not os.path.exists(os.path.join(args.model, MANIFEST)) and os.path.exists(
             os.path.join(args.model, "config.json")):

@@ -17,6 +17,7 @@ from typing import Protocol
 from deltafin.errors import ReadError
 
 ALIGN = 4096
+MAX_IO = 1 << 30  # bytes per system call: Linux moves at most 2,147,479,552 per read; 4 KiB-aligned
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -67,12 +68,12 @@ class FileDriveReader:
             total = 0
             n = len(buf)
             while total < n:
+                want = min(n - total, MAX_IO)
                 try:
-                    got = os.preadv(fd, [buf[total:]], offset + total)
+                    got = os.preadv(fd, [buf[total : total + want]], offset + total)
                 except OSError as e:
-                    raise ReadError(
-                        f"drive {self.label}: read of {path} at offset {offset + total} failed: {e.strerror}"
-                    ) from e
+                    raise ReadError(f"drive {self.label}: read of {want:,} bytes of {path} at offset "
+                                    f"{offset + total:,} failed: {e.strerror}") from e
                 if got == 0:
                     break
                 total += got

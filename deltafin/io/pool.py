@@ -1,4 +1,9 @@
-"""Reader threads per drive, reusable aligned buffers, and completions delivered as reads land."""
+"""Reader threads per drive, reusable aligned buffers, and completions delivered as reads land.
+
+Whatever goes wrong in a reader thread (the buffer allocation included) becomes a Completion with its
+error: a consumer waiting on the completion queue always hears back, and ``ReadDeadline`` bounds how long
+it waits for a read that never returns.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,6 +30,7 @@ class BufferPool:
         self.pin = pin
         self._free: dict[int, list[memoryview]] = defaultdict(list)
         self._lock = threading.Lock()
+        self._retired: dict[int, memoryview] = {}
         self.allocated = 0
 
     def get(self, nbytes: int) -> memoryview:
@@ -36,7 +43,18 @@ class BufferPool:
 
     def put(self, buf: memoryview) -> None:
         with self._lock:
+            if self._retired.pop(id(buf), None) is not None:
+                return  # a late read may still write into it: never hand it out again
             self._free[len(buf)].append(buf)
+
+    def retire(self, buf: memoryview) -> None:
+        """Keep ``buf`` out of the pool once it is put back (a timed-out read still holds a view of it).
+
+        The reference held here keeps ``id(buf)`` unique until ``put``; after that, the late read's own
+        view keeps the memory alive until it finishes.
+        """
+        with self._lock:
+            self._retired[id(buf)] = buf
 
 
 def _pinned_buffer(size: int) -> memoryview:
@@ -48,6 +66,27 @@ def _pinned_buffer(size: int) -> memoryview:
     t = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
     off = (-t.data_ptr()) % ALIGN
     return memoryview(t.numpy())[off : off + size]  # the array keeps the pinned tensor alive
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDeadline:
+    """How long a read may take before the consumer gives up on it (retries it, then fails over).
+
+    A read submitted behind ``ahead`` bytes on a drive of ``gbps`` is due after
+    ``max(min_s, factor * (latency + (ahead + nbytes) / rate))``: ``factor`` times the time the drive
+    needs at its rate for everything queued up to and including this read, and never less than ``min_s``
+    (scheduler hiccups on a busy machine must not count as a failed drive).
+    """
+
+    min_s: float = 5.0
+    factor: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not (self.min_s > 0 and self.factor >= 1) or self.min_s == float("inf"):
+            raise ValueError(f"read deadline needs min_s > 0 (finite) and factor >= 1, got {self.min_s}, {self.factor}")
+
+    def seconds(self, nbytes: int, gbps: float, latency_s: float = 0.0) -> float:
+        return max(self.min_s, self.factor * (latency_s + nbytes / (gbps * 1e9)))
 
 
 @dataclass
@@ -67,6 +106,7 @@ class DriveCounters:
     bytes: int = 0
     busy_seconds: float = 0.0  # summed over concurrent reads
     errors: int = 0
+    active_seconds: float = 0.0  # wall time with at least one read in flight: the drive's rate is bytes / this
 
 
 @dataclass
@@ -83,18 +123,24 @@ class ReaderPool:
         self._exec = [ThreadPoolExecutor(self.threads, thread_name_prefix=f"read-{r.label}") for r in self.readers]
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
+        self._inflight = [0] * len(self.readers)
+        self._since = [0.0] * len(self.readers)  # when the drive last went from idle to busy
         self._lock = threading.Lock()
 
     def submit(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
-               into: memoryview | None = None) -> None:
+               into: memoryview | None = None, check: Callable[[memoryview], None] | None = None) -> int:
         """Read ``nbytes`` of ``path`` on ``drive``; a Completion with ``tag`` lands on ``done``.
 
         ``into`` (an aligned view of ``align_up(nbytes)`` bytes, e.g. one piece's place in a striped
-        expert's buffer) receives the bytes instead of a pooled buffer.
+        expert's buffer) receives the bytes instead of a pooled buffer. ``check(data)`` runs in the reader
+        thread on the bytes read (a checksum: it overlaps the other reads); what it raises is the read's
+        error. Returns the bytes the drive had queued before this read.
         """
         with self._lock:
+            ahead = self._pending[drive]
             self._pending[drive] += nbytes
-        self._exec[drive].submit(self._read, drive, path, nbytes, tag, done, into)
+        self._exec[drive].submit(self._read, drive, path, nbytes, tag, done, into, check)
+        return ahead
 
     def pending_bytes(self) -> list[int]:
         """Bytes each drive still has to read for earlier submissions (the scheduler's queue)."""
@@ -102,21 +148,29 @@ class ReaderPool:
             return list(self._pending)
 
     def _read(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
-              into: memoryview | None = None) -> None:
+              into: memoryview | None = None, check: Callable[[memoryview], None] | None = None) -> None:
         reader = self.readers[drive]
-        buf = into if into is not None else self.buffers.get(nbytes)
+        buf = into
         t0 = time.perf_counter()
+        with self._lock:
+            self._inflight[drive] += 1
+            if self._inflight[drive] == 1:
+                self._since[drive] = t0
         try:
+            buf = into if into is not None else self._buffer(reader.label, path, nbytes)
             got = reader.read_into(path, 0, buf[: align_up(nbytes)])
             if got < nbytes:
                 raise ReadError(f"drive {reader.label}: short read of {path}: {got} of {nbytes} bytes; "
                                 f"run 'deltafin verify' and repack the bad experts")
+            if check is not None:
+                check(buf[:nbytes])
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which names it
-            if into is None:
+            if into is None and buf is not None:
                 self.buffers.put(buf)
             with self._lock:
                 self.counters[drive].errors += 1
                 self._pending[drive] -= nbytes
+                self._idle(drive, time.perf_counter())
             done.put(Completion(tag, drive, path, None, nbytes, time.perf_counter() - t0, e))
             return
         dt = time.perf_counter() - t0
@@ -126,8 +180,23 @@ class ReaderPool:
             c.bytes += nbytes
             c.busy_seconds += dt
             self._pending[drive] -= nbytes
+            self._idle(drive, t0 + dt)
         done.put(Completion(tag, drive, path, buf, nbytes, dt))
 
-    def close(self) -> None:
+    def _buffer(self, label: str, path: str, nbytes: int) -> memoryview:
+        try:
+            return self.buffers.get(nbytes)
+        except (MemoryError, OverflowError, OSError, ValueError) as e:
+            raise ReadError(f"drive {label}: cannot allocate a {nbytes:,}-byte buffer to read {path} ({e}); "
+                            f"the model's manifest gives that size: run 'deltafin verify' on the model") from e
+
+    def _idle(self, drive: int, now: float) -> None:
+        """One read of ``drive`` ended (called under the lock)."""
+        self._inflight[drive] -= 1
+        if self._inflight[drive] == 0:
+            self.counters[drive].active_seconds += now - self._since[drive]
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the reader threads; ``wait=False`` when a read may hang (it is abandoned, not joined)."""
         for ex in self._exec:
-            ex.shutdown(wait=True)
+            ex.shutdown(wait=wait, cancel_futures=not wait)

@@ -15,7 +15,7 @@ from deltafin.errors import UsageError
 from deltafin.jobs.records import Record, messages, opt_float, opt_int, opt_stops, read_jsonl
 from deltafin.jobs.results import ResultLog
 from deltafin.runtime.batched import BatchDecoder, GenSpec, Seq
-from deltafin.runtime.sampling import SamplingParams
+from deltafin.runtime.sampling import SEED_MAX, SamplingParams
 
 FIELDS = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop")
 
@@ -51,7 +51,7 @@ def load_batch(path: str, d: Defaults) -> list[BatchItem]:
         p = d.sampling
         temp = opt_float(rec, path, "temperature", 0.0, 2.0)
         top_p = opt_float(rec, path, "top_p", 0.0, 1.0, lo_open=True)
-        seed = opt_int(rec, path, "seed", 0)
+        seed = opt_int(rec, path, "seed", 0, SEED_MAX)
         sampling = SamplingParams(p.temperature if temp is None else temp, p.top_p if top_p is None else top_p,
                                   p.top_k, p.seed if seed is None else seed)
         stops = opt_stops(rec, path)
@@ -128,8 +128,9 @@ class BatchRun:
             ids = codec.chat(it.messages) if it.messages is not None else codec.encode(it.prompt)
         except UsageError:
             raise
-        except Exception as e:  # the chat template refused these messages
-            raise UsageError(f"the chat template rejected the messages: {e}") from None
+        except Exception as e:  # the chat template refused these messages, or the tokenizer the text
+            what = "the chat template rejected the messages" if it.messages is not None else "cannot encode the prompt"
+            raise UsageError(f"{what}: {e}") from None
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
         room = self.engine.opts.max_len - len(ids) + 1  # the last token needs no forward pass

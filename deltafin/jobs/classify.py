@@ -6,12 +6,19 @@ the product of its tokens' conditional probabilities: its tokens but the last ru
 input's state, all (input, label) copies of a group in one batched pass. Probabilities are reported raw
 (under the whole vocabulary) and normalised over the label set. An input that cannot be scored (longer
 than the context, unreadable, empty) gets an "error" entry and the job goes on.
+
+A folder's special files (FIFOs, sockets, devices, also behind symlinks) are skipped with a note: reading
+one could block forever or never end. A file name that is not UTF-8 becomes an id with the bad bytes
+escaped (``bad\xff.txt``); a symlink loop or a dangling link is an input with an error.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import os
+import stat
 import time
 from dataclasses import dataclass
 
@@ -21,6 +28,9 @@ from deltafin.errors import UsageError
 from deltafin.jobs.batch import size
 from deltafin.jobs.records import read_jsonl
 from deltafin.jobs.results import ResultLog
+
+log = logging.getLogger(__name__)
+MAX_INPUT_BYTES = 64 << 20  # far beyond any context; keeps one stray huge file from exhausting memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,27 +42,82 @@ class Item:
 
 
 def _read_text(path: str) -> tuple[str | None, str | None]:
+    """(text, None) or (None, why not). Opened without blocking and checked to be a regular file first, so a
+    FIFO or a device that takes the place of a file between listing and reading cannot hang the job."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read(), None
-    except UnicodeDecodeError as e:
-        return None, f"{path}: not valid UTF-8 text ({e.reason} at byte {e.start})"
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        return None, f"{path}: cannot read ({e.strerror or e})"
+        return None, f"{_shown(path)}: cannot read ({e.strerror or e})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{_shown(path)}: not a regular file ({_kind(st.st_mode)}); inputs must be files"
+        if st.st_size > MAX_INPUT_BYTES:
+            return None, (f"{_shown(path)}: {st.st_size:,} bytes, over the {MAX_INPUT_BYTES >> 20} MiB an input "
+                          f"may have (no context holds that much); split it")
+        try:
+            raw = f.read()
+        except OSError as e:
+            return None, f"{_shown(path)}: cannot read ({e.strerror or e})"
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        return None, f"{_shown(path)}: not valid UTF-8 text ({e.reason} at byte {e.start})"
 
 
-def gather_inputs(path: str) -> list[Item]:
+def _shown(name: str) -> str:
+    """A file name as text that can be written anywhere: bytes that are not UTF-8 escaped as \\xNN."""
+    try:
+        raw = name.encode("utf-8", "surrogateescape")  # how os functions decode undecodable bytes
+    except UnicodeEncodeError:
+        raw = name.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _folder_inputs(path: str, skipped: list[str] | None) -> list[Item]:
+    items: list[Item] = []
+    seen: set[str] = set()
+    for root, dirs, files in os.walk(path):  # symlinked folders are not followed: no loops
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(f for f in files if not f.startswith(".")):
+            full = os.path.join(root, name)
+            rel = _shown(os.path.relpath(full, path))
+            try:
+                mode = os.stat(full).st_mode
+            except OSError as e:  # a dangling symlink or a symlink loop: an input that cannot be read
+                why = "a symlink loop" if e.errno == errno.ELOOP else (e.strerror or str(e))
+                items.append(Item(rel, rel, None, f"{rel}: cannot read ({why})"))
+                continue
+            if not stat.S_ISREG(mode):
+                note = f"{rel}: skipped, {_kind(mode)}"
+                if skipped is not None:
+                    skipped.append(note)
+                else:
+                    log.warning("%s", note)
+                continue
+            if rel in seen:  # a name whose escaped form equals another file's name
+                items.append(Item(rel + "#2", rel + "#2", None, f"{rel}: another input has this name once escaped; "
+                                                                  f"rename one of them"))
+                continue
+            seen.add(rel)
+            text, err = _read_text(full)
+            items.append(Item(rel, rel, text, err))
+    return items
+
+
+def gather_inputs(path: str, skipped: list[str] | None = None) -> list[Item]:
     """A folder (each file one input, id = its path inside the folder), a .jsonl file of {"id", "text"},
-    or one file (id = its name)."""
+    or one file (id = its name). A folder's special files are skipped, each with a note in ``skipped``."""
     if os.path.isdir(path):
-        items = []
-        for root, dirs, files in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(f for f in files if not f.startswith(".")):
-                full = os.path.join(root, name)
-                rel = os.path.relpath(full, path)
-                text, err = _read_text(full)
-                items.append(Item(rel, rel, text, err))
+        items = _folder_inputs(path, skipped)
         if not items:
             raise UsageError(f"{path}: the folder holds no input files; put one input per file there, or pass a file or a .jsonl")
         return items
@@ -69,11 +134,22 @@ def gather_inputs(path: str) -> list[Item]:
     text, err = _read_text(path)
     if err:
         raise UsageError(err)
-    name = os.path.basename(path)
+    name = _shown(os.path.basename(path))
     return [Item(name, name, text)]
 
 
+def check_text(value: str, what: str) -> str:
+    """``value`` itself, or a UsageError when it cannot be encoded (bytes that are not UTF-8 in argv)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} {_shown(value)!r}: not valid UTF-8 text (at character {e.start}); "
+                         f"give it as UTF-8") from None
+    return value
+
+
 def parse_labels(spec: str) -> list[str]:
+    check_text(spec, "--labels")
     labels = [s.strip() for s in spec.split(",")]
     if not spec.strip() or not all(labels):
         raise UsageError(f"--labels {spec!r}: give a comma-separated list of non-empty labels, e.g. yes,no")
@@ -83,6 +159,7 @@ def parse_labels(spec: str) -> list[str]:
 
 
 def check_template(template: str) -> str:
+    check_text(template, "--template")
     if "{input}" not in template:
         raise UsageError(f"--template {template!r} has no {{input}} placeholder; "
                          f"e.g. --template 'Is this spam?\\n{{input}}\\nAnswer:'")
@@ -186,6 +263,17 @@ class ClassifySummary:
                 f"read {size(self.bytes_read)} ({size(self.bytes_read / max(self.scored, 1))} per input)")
 
 
+def _check_written_ids(items: list[Item], out: ResultLog) -> None:
+    """Two ids that read back the same from the output (CSV turns newlines into spaces) would make a re-run
+    skip one of them: refused before any work."""
+    seen: dict[str, str] = {}
+    for it in items:
+        k = out.key_of(it.key)
+        if seen.setdefault(k, it.key) != it.key:
+            raise UsageError(f"ids {seen[k]!r} and {it.key!r} are the same once written to {out.path} (a CSV cell "
+                             f"holds no line breaks); give them ids that differ, or write JSONL")
+
+
 class ClassifyRun:
     def __init__(self, clf: Classifier, out: ResultLog, batch_size: int, progress=None):
         if batch_size < 1:
@@ -199,6 +287,7 @@ class ClassifyRun:
             self.progress.update(1)
 
     def run(self, items: list[Item]) -> ClassifySummary:
+        _check_written_ids(items, self.out)
         s = self.summary
         todo = [it for it in items if not self.out.has(it.key)]
         s.inputs, s.skipped = len(items), len(items) - len(todo)

@@ -1,7 +1,9 @@
 """Reading job inputs: JSONL records with ids, checked line by line before any work starts.
 
-Every problem names the file, the line and the field: invalid JSON, a line that is not an object, an
-unknown field, a missing or ill-typed id, a duplicate id (with the line of the first).
+Every problem names the file, the line and the field: invalid JSON (numbers too long to read and nesting
+too deep included), a line that is not an object, an unknown field, a missing or ill-typed id, a duplicate
+id (with the line of the first), text that is not valid Unicode (a lone surrogate such as "\ud800", which
+JSON escapes allow but no output can hold).
 """
 
 from __future__ import annotations
@@ -39,11 +41,19 @@ def read_jsonl(path: str, allowed: tuple[str, ...]) -> list[Record]:
             raise UsageError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise UsageError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # an integer of more digits than Python converts
+            raise UsageError(f"{where}: invalid JSON ({str(e).split(';')[0]})") from None
+        except RecursionError:
+            raise UsageError(f"{where}: invalid JSON (nested too deeply)") from None
         if not isinstance(rec, dict):
             raise UsageError(f"{where}: expected a JSON object, got {type(rec).__name__}")
         for k in rec:
             if k not in allowed:
                 raise UsageError(f"{where}: unknown field {k!r} (allowed: {', '.join(allowed)})")
+        bad = _not_unicode(rec)
+        if bad is not None:
+            raise UsageError(f"{where}: field {bad[0]!r} holds a lone surrogate (U+{bad[1]:04X}), which is not valid "
+                             f"Unicode text and cannot be written out; fix the text on that line")
         rid = rec.get("id")
         if isinstance(rid, bool) or not isinstance(rid, str | int) or rid == "":
             raise UsageError(f"{where}: \"id\" must be a non-empty string or an integer, got {rid!r}")
@@ -55,16 +65,33 @@ def read_jsonl(path: str, allowed: tuple[str, ...]) -> list[Record]:
     return out
 
 
+def _not_unicode(v, field: str | None = None) -> tuple[str, int] | None:
+    """(top-level field, code point) of the first string (key or value) in ``v`` holding a lone surrogate."""
+    stack = [(field, v)]
+    while stack:
+        f, x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f if f is not None else x.encode("utf-8", "backslashreplace").decode(), ord(x[e.start])
+        elif isinstance(x, dict):
+            stack += [(k if f is None else f, k) for k in x] + [(k if f is None else f, y) for k, y in x.items()]
+        elif isinstance(x, list):
+            stack += [(f, y) for y in x]
+    return None
+
+
 def field_error(rec: Record, path: str, name: str, what: str) -> UsageError:
     return UsageError(f"{path} line {rec.line}: field {name!r} must be {what}, got {rec.fields.get(name)!r}")
 
 
-def opt_int(rec: Record, path: str, name: str, lo: int) -> int | None:
+def opt_int(rec: Record, path: str, name: str, lo: int, hi: int | None = None) -> int | None:
     v = rec.fields.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise field_error(rec, path, name, f"an integer >= {lo}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise field_error(rec, path, name, f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
     return v
 
 

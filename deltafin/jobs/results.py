@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import stat
 import sys
 
 from deltafin.errors import UsageError
@@ -44,6 +45,11 @@ class ResultLog:
             if fmt == "csv":
                 self._write(_csv_line(columns))
             return
+        try:
+            if stat.S_ISFIFO(os.stat(path).st_mode):  # reading it back to resume would wait for a writer forever
+                raise UsageError(f"{path}: the output is a FIFO; give a regular file (or '-' for stdout)")
+        except OSError:
+            pass
         self._recover()
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -104,6 +110,10 @@ class ResultLog:
             raise OSError(f"{self.path}: short write ({n} of {len(line)} bytes); is the disk full?")
         if not self.stdout:
             os.fsync(self.fd)
+
+    def key_of(self, key: str) -> str:
+        """``key`` as it reads back from this file (CSV cells hold no newlines)."""
+        return _cell(key) if self.fmt == "csv" else key
 
     def has(self, key: str) -> bool:
         """Whether the record with this id (as ``str(id)``) is already written."""

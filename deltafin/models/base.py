@@ -28,7 +28,8 @@ from typing import Protocol
 
 import torch
 
-from deltafin.quant.record import QTensor, dequantize, matmul
+from deltafin.kernels import matmul
+from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
 ExpertTensors = Mapping[str, QTensor]  # roles: gate/up/down, or gpt-oss gate_up/gate_up_bias/down/down_bias
@@ -97,12 +98,16 @@ def moe_dispatch(
     layer: int,
     experts: ExpertSource,
     expert_fn,
+    glu: tuple | None = None,
 ) -> torch.Tensor:
     """Run the routed experts of one layer over all tokens at once (expert-major).
 
     Legend: T tokens, k experts per token, D model width. ``ids``/``weights`` are [T, k].
     Each requested expert runs once on all of its tokens as soon as it arrives; results land in
     per-(token, slot) buffers and are summed over k in slot order, so arrival order cannot change them.
+    ``glu`` names the expert's gated activation (("silu",) or ("situ", beta, linear_beta)) for the
+    grouped CUDA kernels, which run every expert of the layer in two launches once all have arrived.
+
     A source split over ranks (``runtime/distributed.py``) may also define ``agree(layer, ids, weights)``
     (the routing every rank uses), ``local(layer, wanted)`` (the ids it computes here) and
     ``combine(layer, out, ids)`` (the [T, k, D] slot buffers of all ranks summed, each slot filled by one
@@ -116,8 +121,18 @@ def moe_dispatch(
     wanted = ids.unique().tolist()
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
+    fetched = experts.fetch(layer, wanted)
+    if glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine"):
+        from deltafin.kernels import cuda as kc
+
+        if kc.enabled(x):
+            got = list(fetched)
+            assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
+            if all(kc.grouped_eligible(x, t) for _, t in got):
+                return kc.grouped_moe(x, ids, weights, got, glu, getattr(experts, "slab", None))
+            fetched = iter(got)
     seen = 0
-    for eid, tensors in experts.fetch(layer, wanted):
+    for eid, tensors in fetched:
         tok, slot = (ids == eid).nonzero(as_tuple=True)
         y = expert_fn(x[tok], tensors)  # [n, D]
         out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)

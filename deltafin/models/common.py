@@ -275,7 +275,9 @@ class DecoderLM:
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         ids, weights = self._router(i, x)  # [T, k]
-        return moe_dispatch(x, ids, weights, i, experts, self._expert)  # [T, D]
+        return moe_dispatch(x, ids, weights, i, experts, self._expert, self._glu)  # [T, D]
+
+    _glu: tuple | None = ("silu",)  # the routed experts' activation, for the grouped CUDA kernels
 
     def _expert(self, x: torch.Tensor, tensors) -> torch.Tensor:
         return swiglu_expert(x, tensors)

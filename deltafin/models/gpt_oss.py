@@ -121,6 +121,8 @@ class Model(GQADecoder):
     def _sinks(self, i: int) -> torch.Tensor:
         return self.sinks[i]
 
+    _glu = None  # clamped, biased gate-up: no grouped CUDA kernel; the per-expert path runs
+
     def _expert(self, x: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
         g = clamped_swiglu(
             linear(x, t["gate_up"], t.get("gate_up_bias")), self.cfg.swiglu_alpha, self.cfg.swiglu_limit

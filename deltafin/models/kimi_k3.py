@@ -331,7 +331,8 @@ class Model(DecoderLM):
         pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
         ids, wts = self._router(i, x)
         z = linear(x, w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
-        y = moe_dispatch(z, ids, wts, i, experts, self._expert)  # [T, Lat] weighted sum over slots
+        glu = ("situ", self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
+        y = moe_dispatch(z, ids, wts, i, experts, self._expert, glu)  # [T, Lat] weighted sum over slots
         if self.cfg.latent_moe_use_norm:
             y = rms_norm(y, self.vec[pre + "routed_expert_norm.weight"], self.cfg.rms_norm_eps)
         y = linear(y, w[pre + "routed_expert_up_proj.weight"])  # [T, D]

@@ -31,6 +31,14 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.floa
     return (q.to(torch.float32) * s.to(torch.float32).unsqueeze(-1)).to(dtype)
 
 
+ROWS_AT_ONCE = 1 << 26  # weight elements converted per step: a 163840 x 7168 lm_head is done in pieces
+
+
 def matmul(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x @ W^T with W = q * s, without materialising W: (x @ q^T) * s (exact per-row scaling)."""
-    return (x @ q.to(x.dtype).T) * s.to(x.dtype)
+    """x @ W^T with W = q * s, without materialising W: (x @ q^T) * s (exact per-row scaling). A large
+    weight is converted a block of output rows at a time, so the float copy never holds all of it."""
+    if q.numel() <= ROWS_AT_ONCE:
+        return (x @ q.to(x.dtype).T) * s.to(x.dtype)
+    step = max(1, ROWS_AT_ONCE // q.shape[1])
+    return torch.cat([(x @ q[a : a + step].to(x.dtype).T) * s[a : a + step].to(x.dtype)
+                      for a in range(0, q.shape[0], step)], dim=-1)

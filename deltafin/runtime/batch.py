@@ -32,14 +32,17 @@ def last(carry, n: int):
 
 
 def forward_batch(model, seqs: Sequence[tuple[torch.Tensor, SequenceState]], experts: ExpertSource,
-                  all_logits: bool = False) -> list[torch.Tensor]:
-    """Advance each (ids [T_j], state) by its tokens; returns logits per sequence ([1, V], or [T_j, V])."""
+                  all_logits: bool = False, on_layer=None) -> list[torch.Tensor]:
+    """Advance each (ids [T_j], state) by its tokens; returns logits per sequence ([1, V], or [T_j, V]).
+    ``on_layer()`` is called after each layer (progress of long prefills)."""
     sizes = [int(ids.shape[0]) for ids, _ in seqs]
     carries = [model.embed(ids) for ids, _ in seqs]
     for i in range(model.num_layers):
         carries = [model.attn_part(i, c, st) for c, (_, st) in zip(carries, seqs, strict=True)]
         merged = model.mlp_part(i, cat(carries) if len(carries) > 1 else carries[0], experts)
         carries = split(merged, sizes) if len(carries) > 1 else [merged]
+        if on_layer is not None:
+            on_layer()
     for (_, st), n in zip(seqs, sizes, strict=True):
         st.pos += n
     return [model.head(c if all_logits else last(c, n)) for c, n in zip(carries, sizes, strict=True)]

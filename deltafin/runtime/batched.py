@@ -16,18 +16,21 @@ import torch
 
 from deltafin.models.base import SequenceState
 from deltafin.runtime.sampling import Sampler, SamplingParams
+from deltafin.runtime.stops import StopMatcher
 
 
 @dataclass(frozen=True, slots=True)
 class GenSpec:
     """What one sequence asks for. ``top_logprobs``: None for no log-probabilities, else how many
-    alternatives to report per token (0: only the chosen token's)."""
+    alternatives to report per token (0: only the chosen token's). ``grammar``: a compiled constraint
+    (``runtime.grammar.Compiled``) the tokens must keep to, or None."""
 
     prompt: tuple[int, ...]
     max_new: int
     sampling: SamplingParams = SamplingParams()
     stop_strings: tuple[str, ...] = ()
     top_logprobs: int | None = None
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt, "a prompt needs at least one token"
@@ -36,27 +39,26 @@ class GenSpec:
 
 class StopText:
     """Text released to the reader: stop strings cut it, and a tail that could begin a stop string is held
-    back until it cannot (so a streamed reply never shows part of a stop string)."""
+    back until it cannot (so a streamed reply never shows part of a stop string). Per token it costs time
+    linear in the new characters (``StopMatcher``)."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(s for s in stops if s)
+        self.match = StopMatcher(stops)
+        self.stops = self.match.stops
         self.text = ""
         self.sent = 0
 
     def update(self, text: str) -> tuple[str, bool]:
         """``text``: everything decoded so far -> (new text to release, whether a stop string was hit)."""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = text[: min(hits)]
+        hit = self.match.feed(text)
+        if hit is not None:
+            self.text = text[:hit]
             return self._release(len(self.text)), True
         self.text = text
-        return self._release(len(text) - self._held(text)), False
+        return self._release(len(text) - self.match.held), False
 
     def flush(self) -> str:
         return self._release(len(self.text))
-
-    def _held(self, text: str) -> int:
-        return max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
     def _release(self, upto: int) -> str:
         out = self.text[self.sent : upto] if upto > self.sent else ""
@@ -87,6 +89,7 @@ class Seq:
     sampler: Sampler | None = None
     stop: StopText | None = None
     content: list[int] = field(default_factory=list)  # emitted minus stop tokens
+    cached: int = 0  # prompt tokens restored from the prompt cache instead of prefilled
 
     @property
     def done(self) -> bool:
@@ -95,7 +98,8 @@ class Seq:
 
 @dataclass
 class DecodeCounters:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled (prompt tokens restored from the prompt cache are not counted)
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -103,11 +107,14 @@ class DecodeCounters:
 
 
 class BatchDecoder:
-    """Prefill, sample and advance lists of ``Seq`` on one engine (call from the thread that owns it)."""
+    """Prefill, sample and advance lists of ``Seq`` on one engine (call from the thread that owns it).
+    With a ``PromptCache``, each prompt resumes the longest cached state it may and finished sequences
+    are stored (``deltafin.runtime.prompt_cache``)."""
 
-    def __init__(self, engine, codec_lock=None):
+    def __init__(self, engine, codec_lock=None, prompt_cache=None):
         self.engine = engine
         self.codec_lock = codec_lock
+        self.prompt_cache = prompt_cache
         self.counters = DecodeCounters()
 
     def prefill(self, seqs: list[Seq]) -> list[tuple[Seq, Exception]]:
@@ -132,12 +139,44 @@ class BatchDecoder:
     def _prefill(self, seqs: list[Seq]) -> None:
         t0 = time.perf_counter()
         states = [self.engine.new_state() for _ in seqs]
-        logits, _ = self.engine.prefill([list(s.spec.prompt) for s in seqs], states)
-        for s, st, lg in zip(seqs, states, logits, strict=True):
-            s.state, s.logits = st, lg
-            s.sampler, s.stop = Sampler(s.spec.sampling), StopText(s.spec.stop_strings)
-        self.counters.prompt_tokens += sum(len(s.spec.prompt) for s in seqs)
+        ready: dict[int, torch.Tensor] = {}
+        pc = self.prompt_cache
+        for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
+            s.cached, lg = pc.resume(s.spec.prompt, st) if pc is not None else (0, None)
+            if lg is not None:
+                ready[j] = lg.to(self.engine.device)
+        todo = [j for j in range(len(seqs)) if j not in ready]
+        stops = {j: self._stops(seqs[j], states[j]) for j in todo}
+        while live := [j for j in todo if stops[j]]:  # one shared prefill per round; rounds end at turn boundaries
+            logits, _ = self.engine.prefill([list(seqs[j].spec.prompt[states[j].pos : stops[j][0]]) for j in live],
+                                            [states[j] for j in live])
+            for j, lg in zip(live, logits, strict=True):
+                if stops[j].pop(0) < len(seqs[j].spec.prompt):
+                    pc.store(seqs[j].spec.prompt[: states[j].pos], states[j], lg)
+                else:
+                    ready[j] = lg
+        for j, (s, st) in enumerate(zip(seqs, states, strict=True)):
+            s.state, s.logits = st, ready[j]
+            constraint = s.spec.grammar.constraint() if s.spec.grammar is not None else None
+            s.sampler = Sampler(s.spec.sampling, s.spec.prompt, constraint)
+            s.stop = StopText(s.spec.stop_strings)
+        if pc is not None and not pc.cuttable_state(states[0]):  # recurrent state: keep each prompt's end too
+            for j in todo:
+                pc.store(seqs[j].spec.prompt, states[j], ready[j])
+        self.counters.prompt_tokens += sum(len(s.spec.prompt) - s.cached for s in seqs)
+        self.counters.cached_tokens += sum(s.cached for s in seqs)
         self.counters.prefill_s += time.perf_counter() - t0
+
+    def _stops(self, s: Seq, state) -> list[int]:
+        """Where a prefill pauses: recurrent state (no cut-back) is stored at the turn boundary before the
+        prompt's last message (just after the next-to-last end-of-message token), so a conversation whose
+        last message changes, or a shared system prompt, resumes there; then the prompt's end."""
+        P = len(s.spec.prompt)
+        if self.prompt_cache is None or self.prompt_cache.cuttable_state(state):
+            return [P]
+        eos = set(self.engine.eos_ids)
+        marks = [i + 1 for i in range(s.cached, P - 1) if s.spec.prompt[i] in eos]
+        return [*marks[-2:-1], P]
 
     def sample(self, seqs: list[Seq]) -> list[TokenOut]:
         """One token per sequence from its current logits; sets ``finish_reason`` on those that end."""
@@ -169,6 +208,8 @@ class BatchDecoder:
                 s.finish_reason = "length"
         if s.done:
             out.text += s.stop.flush()
+            if self.prompt_cache is not None:  # the state has consumed the prompt and all but the last token
+                self.prompt_cache.store(s.spec.prompt + tuple(s.emitted[:-1]), s.state, s.logits)
         out.finish_reason = s.finish_reason
         return out
 

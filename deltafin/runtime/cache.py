@@ -79,6 +79,13 @@ class ExpertCache:
         self.used += nbytes
         return True
 
+    def victim(self) -> Hashable | None:
+        """The key the policy would evict next (None when empty)."""
+        return self.policy.victim() if self._entries else None
+
+    def evict(self, key: Hashable) -> None:
+        self._evict(key)
+
     def _evict(self, key: Hashable) -> None:
         e = self._entries.pop(key)
         self.policy.remove(key)

@@ -7,24 +7,27 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from deltafin import kernels
 from deltafin.errors import ReadError, UsageError
 from deltafin.io.direct import FileDriveReader
 from deltafin.models import registry
 from deltafin.models.base import SequenceState
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
-from deltafin.runtime.prefill_plan import plan_prefill
+from deltafin.runtime.prefill_plan import default_context, plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
 from deltafin.runtime.stats import RunStats
+from deltafin.runtime.stops import StopMatcher
 from deltafin.store.model_dir import PackedModel
 
 log = logging.getLogger(__name__)
 GB = 1e9
+PREFILL_PROGRESS_TOKENS = 64  # shorter prompts are prefilled too fast for a progress bar to help
 GREEDY = SamplingParams()
 
 
@@ -33,14 +36,18 @@ class EngineOptions:
     device: str = "cpu"
     cache_gb: float | None = None  # None: derived from free memory and trunk size
     threads: int = 4  # reader threads per drive
-    verify_reads: bool = False
+    verify_reads: bool = True  # every expert read checked against its checksum (in the reader threads)
     drive_map: dict | None = None
     emulate_drives: str | None = None
-    max_len: int = 4096
+    max_len: int | None = 4096  # None: the model's max_position_embeddings, lowered to what free memory holds
     prefill_gb: float | None = None  # None: a quarter of available memory, at least 1 GB
     record_routes: str | None = None  # write the routing trace (JSONL, deltafin.io.routes) of decoded tokens here
+    read_deadline_s: float | None = None  # least seconds a read may take before it is retried (ReadDeadline)
     dist_timeout_s: float = 120.0  # a collective or an idle leader's silence longer than this stops a cluster run
     dist_routing: str = "check"  # ranks route alike by the same trunk math (checked), or take rank 0's (broadcast)
+    progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
+    exact: bool = True  # the float32 plain-torch reference path; False: fused kernels (the CLI's default)
+    dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -80,8 +87,9 @@ def _drive_delta(now: dict[str, dict], before: dict[str, dict], wall_s: float) -
     out = {}
     for label, d in now.items():
         b = before.get(label, {})
-        run = {k: d[k] - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors")}
+        run = {k: d.get(k, 0) - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors", "active_s")}
         run["gbps_over_run"] = run["bytes"] / wall_s / 1e9 if wall_s > 0 else 0.0
+        run["gbps_busy"] = run["bytes"] / run["active_s"] / 1e9 if run["active_s"] > 0 else 0.0  # while reading
         out[label] = run
     return out
 
@@ -107,14 +115,42 @@ class ForeignDrive:
                         f"manifest's ownership and its drives disagree: re-run 'deltafin place --ranks')")
 
 
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def compute_dtype(exact: bool, dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on the exact path; ``auto`` is bf16 on CUDA and float32 on the CPU, where the fused kernels
+    accumulate in float32 either way and bf16 activations only add conversions (`deltafin bench warm`)."""
+    if dtype not in ("auto", *DTYPES):
+        raise UsageError(f"--dtype {dtype!r} is not a compute dtype; choose auto, bf16 or f32")
+    if exact:
+        return torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
 def resolve_device(name: str) -> torch.device:
+    if name == "auto":  # as the other local runners do: the GPU when there is one
+        return torch.device("cuda" if torch.cuda.is_available() else
+                            "mps" if torch.backends.mps.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
     if name == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--device mps: the Apple GPU is not available to torch here; use --device cpu")
     if name not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose cpu, cuda or mps")
+        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose auto, cpu, cuda or mps")
     return torch.device(name)
+
+
+def _deadline(seconds: float | None):
+    from deltafin.io.pool import ReadDeadline
+
+    if seconds is None:
+        return ReadDeadline()
+    if not (seconds > 0 and seconds != float("inf")):
+        raise UsageError(f"--read-deadline {seconds}: give seconds > 0, e.g. --read-deadline 10")
+    return ReadDeadline(min_s=seconds)
 
 
 class Engine:
@@ -142,8 +178,12 @@ class Engine:
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
         self.cache_bytes = self._cache_bytes(trunk_bytes)
-        weights = {k: v.to(self.device) for k, v in self.packed.trunk_records().items()}
-        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device)
+        from deltafin.progress import bar
+
+        with bar(trunk_bytes, "loading trunk", enabled=opts.progress) as b:
+            weights = {k: v.to(self.device) for k, v in self.packed.trunk_records(b.update).items()}
+        self.dtype = compute_dtype(opts.exact, opts.dtype, self.device)
+        self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device, self.dtype)
         readers = None
         if opts.emulate_drives:
             from deltafin.io.emulator import emulated_readers
@@ -153,12 +193,19 @@ class Engine:
             readers = [FileDriveReader(d.label, d.path) if d.label in own else ForeignDrive(d.label)
                        for d in self.packed.drives]
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
-                                       opts.verify_reads)
+                                       opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
+        if self.cluster is not None:
+            self._join_cluster()
         from deltafin.runtime.tokenizer import load_codec
 
         self.codec = load_codec(self.packed.path, self.packed.config)
         self.prefill_bytes = int(opts.prefill_gb * GB) if opts.prefill_gb is not None else default_prefill_bytes()
+        self.context_reason = "given"
+        if opts.max_len is None:
+            n, self.context_reason = default_context(self.packed.text_config, self._state_budget())
+            self.opts = opts = replace(opts, max_len=n)
         self.routes = None
+        self._on_layer = None  # prefill progress, called after each layer
         if opts.record_routes:
             self.record_routes(opts.record_routes)
         if self.cluster is not None:  # last: every rank is ready to follow once this returns
@@ -206,6 +253,15 @@ class Engine:
     def cluster_stats(self) -> list[dict]:
         """Every rank's ``rank_stats`` (the leader asks the followers); one entry without a cluster."""
         return [self.rank_stats()] if self.dist is None else self.dist.stats(self.rank_stats())
+    def _state_budget(self) -> int:
+        """Half of the memory left for sequence state once the expert cache is full, on the state's device."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return max(int((free - self.cache_bytes) * 0.5), 0)
 
     def record_routes(self, path: str | None):
         """Write the routes of every one-token forward pass (decode steps) to ``path`` as JSONL, or stop (None).
@@ -220,6 +276,16 @@ class Engine:
         self.routes = None if path is None else RouteWriter(path, self.packed.model_id, self.packed.num_experts,
                                                             self.packed.moe_layers)
         return self.routes
+
+    def math(self):
+        """The compute path for model calls made in this block: fused kernels unless the options say exact."""
+        return kernels.fast(not self.opts.exact)
+
+    @property
+    def math_name(self) -> str:
+        if self.opts.exact:
+            return "exact float32 reference (plain torch)"
+        return f"fused kernels ({kernels.backend_name(self.device.type)}), {str(self.dtype).removeprefix('torch.')} activations"
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -266,10 +332,12 @@ class Engine:
     def local_step(self, batch: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False
                    ) -> list[torch.Tensor]:
         if self.routes is None or sum(int(ids.shape[0]) for ids, _ in batch) != 1:
-            return forward_batch(self.model, batch, self.source, all_logits)
+            with self.math():
+                return forward_batch(self.model, batch, self.source, all_logits, on_layer=self._on_layer)
         self.source.routes = []  # one token: each fetch is exactly its routed experts
         try:
-            out = forward_batch(self.model, batch, self.source, all_logits)
+            with self.math():
+                out = forward_batch(self.model, batch, self.source, all_logits)
             self.routes.write(self.source.routes)
         finally:
             self.source.routes = None
@@ -290,6 +358,11 @@ class Engine:
         before, src.record = src.stats.bytes_read, []
         t0 = time.perf_counter()
         last: list[torch.Tensor | None] = [None] * len(prompts)
+        from deltafin.progress import bar
+
+        show = self.opts.progress and sum(map(len, prompts)) >= PREFILL_PROGRESS_TOKENS
+        progress = bar(plan.chunks * self.model.num_layers, "prefill", unit="layer", enabled=show, leave=False)
+        self._on_layer = progress.update if show else None
         try:
             for start in range(0, longest, plan.chunk):
                 live = [j for j, p in enumerate(prompts) if start < len(p)]
@@ -301,6 +374,8 @@ class Engine:
                 unions.setdefault(layer, set()).update(ids)
         finally:
             src.record = None
+            self._on_layer = None
+            progress.close()
         unique = sum(len(u) * self.packed.file_bytes(L) for L, u in unions.items())
         report = PrefillReport(sum(map(len, prompts)), plan.chunk, time.perf_counter() - t0,
                                src.stats.bytes_read - before, unique, {L: len(u) for L, u in sorted(unions.items())})
@@ -321,7 +396,7 @@ class Engine:
                                            cache_bytes=self.cache_bytes, direct_io=self.source.direct)
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, prompt)
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
                 self.source.per_drive())
@@ -332,6 +407,7 @@ class Engine:
         stats.union_per_layer = pre.union_per_layer
         stats.prefill_bytes_read = pre.bytes_read
         emitted, text = [], ""
+        stops = StopMatcher(stop_strings)
         t_first = None
         while len(emitted) < max_new:
             if on_logits:
@@ -347,9 +423,10 @@ class Engine:
             delta = self._delta(emitted, text)
             text += delta
             yield tok, delta
-            hit = next((s for s in stop_strings if s and s in text), None)
-            if hit:
-                text = text[: text.index(hit)]
+            at = stops.feed(text)
+            if at is not None:
+                hit = next(s for s in stops.stops if text.startswith(s, at))
+                text = text[:at]
                 stats.stop_reason = f"stop string {hit!r}"
                 break
             if len(emitted) < max_new:

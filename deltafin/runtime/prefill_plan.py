@@ -64,3 +64,18 @@ def plan_prefill(tc: dict, tokens: int, past: int, budget: int, sequences: int =
             f"activations {act / 1e9:.2f} GB), over the {budget / 1e9:.2f} GB prefill budget; raise --prefill-gb"
         )
     return PrefillPlan(tokens, chunk, state, act, budget)
+
+
+def default_context(tc: dict, budget: int) -> tuple[int, str]:
+    """(context limit in tokens, why): the model's max_position_embeddings, lowered (to a multiple of 1,024)
+    when one sequence's state for that many tokens would not fit ``budget`` bytes."""
+    from deltafin import fmt
+
+    d = _dims(tc)
+    limit = int(tc.get("max_position_embeddings") or 4096)
+    fits = (budget - d["fixed"]) // max(d["per_tok"], 1)
+    if fits >= limit:
+        return limit, "the model's max_position_embeddings"
+    n = max(fits // 1024 * 1024, min(limit, 1024))
+    return n, (f"what {fmt.size(budget)} for sequence state holds; the model allows {limit:,}: "
+               f"free memory or a smaller --cache-gb raises it")

@@ -7,24 +7,24 @@ time between yields is expert math.
 The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
 replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
 drive's queue. A striped expert's pieces are read in parallel, each by its drive's reader threads, into
-one aligned buffer at their offsets; the expert is delivered when its last piece lands.
+one aligned buffer at their offsets; the expert is delivered when its last piece lands. Every read is
+checked against the expert's checksum (``verify``, on by default) and has a deadline; failures and late
+reads are retried or served by a replica (``deltafin.runtime.layer_reads``).
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from deltafin.errors import ReadError
 from deltafin.io.direct import DriveReader, FileDriveReader
-from deltafin.io.pool import BufferPool, Completion, ReaderPool
-from deltafin.io.schedule import Piece, ReadRequest, ScheduledRead, schedule_layer
+from deltafin.io.pool import BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
 from deltafin.runtime.cache import ExpertCache
+from deltafin.runtime.layer_reads import LayerReads
 from deltafin.store import expert_file as ef
 from deltafin.store.model_dir import PackedModel
 
@@ -37,34 +37,14 @@ class SourceStats:
     reads: int = 0
     hits: int = 0
     misses: int = 0
+    failed_reads: int = 0  # reads that failed (I/O error, short, checksum) and went to another copy or raised
+    late_reads: int = 0  # reads that missed their deadline
     unique_bytes: set = field(default_factory=set)  # (layer, expert) keys read in the current window
 
     @property
     def hit_rate(self) -> float:
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Whole:
-    """Tag of a whole-file read: the expert and the drives tried so far (the last one is this read)."""
-
-    expert: int
-    tried: tuple[int, ...]
-
-
-class _Striped:
-    """A striped expert being read: its pieces fill one buffer; delivered when the last one lands."""
-
-    __slots__ = ("expert", "buf", "left")
-
-    def __init__(self, expert: int, buf: memoryview, pieces: int):
-        self.expert, self.buf, self.left = expert, buf, pieces
-
-
-def _rank_order(queues) -> list[ScheduledRead]:
-    """Every drive's first read, then every drive's second, ...: all drives start at once."""
-    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
 class StreamingExperts:
@@ -77,8 +57,9 @@ class StreamingExperts:
         threads: int = 4,
         device: torch.device | str = "cpu",
         readers: list[DriveReader] | None = None,
-        verify: bool = False,
+        verify: bool = True,
         cache_policy: str = "lru",
+        deadline: ReadDeadline | None = None,
     ):
         self.model = model
         self.device = torch.device(device)
@@ -92,10 +73,22 @@ class StreamingExperts:
         self.pool = ReaderPool(self.readers, threads, BufferPool(pin=pin))
         self.cache = ExpertCache(cache_bytes, cache_policy)
         self.verify = verify
+        self.deadline = deadline or ReadDeadline()
+        from deltafin.store.verify import repair_hint
+
+        self.repair_fix = f"re-run '{repair_hint(model)}' to rewrite the bad expert files"
         self.stats = SourceStats()
         self.record: list[tuple[int, list[int]]] | None = None  # (layer, ids) per fetch when a list
         self.routes: list[tuple[int, list[int]]] | None = None  # the same, for the routing-trace recorder
         self._in_copy: list = []  # (CUDA event, host buffer) pairs whose device copies may be in flight
+        # CUDA: one slab of fixed-size expert slots (deltafin.kernels.triton_moe.ExpertSlab) that reads land in;
+        # the first cache_bytes // expert bytes slots are the cache, the rest a scratch ring for uncached reads
+        self.slab = None
+        self._slab_cache_slots = 0
+        self._free: list[int] = []
+        self._slot_of: dict = {}  # cache key -> slot
+        self._busy: set[int] = set()  # slots handed out since this fetch began (a launch may still read them)
+        self._scratch_next = 0
 
     @property
     def direct(self) -> bool:
@@ -105,89 +98,34 @@ class StreamingExperts:
         for log in (self.record, self.routes):
             if log is not None:
                 log.append((layer, list(expert_ids)))
+        self._busy = set()
         hits, misses = [], []
         for e in expert_ids:
             got = self.cache.get((layer, e))
             (hits.append((e, got)) if got is not None else misses.append(e))
         self.stats.hits += len(hits)
         self.stats.misses += len(misses)
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        if misses:
-            self._submit_layer(layer, misses, done)
+        reads = LayerReads(self, layer, misses) if misses else None
+        if self.slab is not None:
+            self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
         for e, tensors in hits:  # cached experts are computed while the misses are read
             yield from self._timed(e, tensors)
-        pending = len(misses)
-        while pending:
+        for _ in misses:
             t0 = time.perf_counter()
-            c = done.get()
+            landed = reads.next()
             self.stats.io_wait_s += time.perf_counter() - t0
-            if c.error is not None:
-                self._retry_or_raise(c, layer, done)
-                continue
-            landed = self._landed(layer, c)
-            if landed is not None:
-                pending -= 1
-                yield from self._deliver(layer, *landed)
-
-    def _submit_layer(self, layer: int, misses: list[int], done: queue.SimpleQueue) -> None:
-        """Schedule the layer's reads over the drives and submit them, every drive's queue in order."""
-        nbytes = self.model.file_bytes(layer)
-        pieces = self.model.stripe(layer)
-        if pieces is None:
-            reqs = [ReadRequest(e, nbytes, replicas=tuple(self.model.locations(layer, e))) for e in misses]
-        else:
-            reqs = [ReadRequest(e, nbytes, pieces=pieces) for e in misses]
-            striped = {e: _Striped(e, self.pool.buffers.get(nbytes), len(pieces)) for e in misses}
-        sched = schedule_layer(reqs, self._rates, self.pool.pending_bytes(), self._latency)
-        for r in _rank_order(sched.queues):
-            if pieces is None:
-                self._submit_whole(layer, r.expert, (r.drive,), done)
-                continue
-            st, piece = striped[r.expert], Piece(r.drive, r.offset, r.nbytes)
-            path = self.model.piece_path(layer, r.expert, piece)
-            self.pool.submit(r.drive, path, r.nbytes, (st, piece), done, st.buf[r.offset : r.offset + r.nbytes])
-
-    def _submit_whole(self, layer: int, e: int, tried: tuple[int, ...], done: queue.SimpleQueue) -> None:
-        drive = tried[-1]
-        path = self.model.expert_path(layer, e, drive)
-        self.pool.submit(drive, path, self.model.file_bytes(layer), _Whole(e, tried), done)
-
-    def _landed(self, layer: int, c: Completion) -> tuple[int, memoryview, int, str] | None:
-        """(expert, buffer, bytes, name) once a whole expert is in memory; None while pieces are missing."""
-        if isinstance(c.tag, _Whole):
-            return c.tag.expert, c.buf, c.nbytes, c.path
-        st, _piece = c.tag
-        st.left -= 1
-        if st.left:
-            return None
-        labels = ", ".join(self.readers[p.drive].label for p in self.model.stripe(layer))
-        return st.expert, st.buf, self.model.file_bytes(layer), f"layer {layer} expert {st.expert} (pieces on {labels})"
-
-    def _retry_or_raise(self, c: Completion, layer: int, done: queue.SimpleQueue) -> None:
-        label = self.readers[c.drive].label
-        what = c.error if isinstance(c.error, ReadError) else f"drive {label}: read of {c.path} failed: {c.error}"
-        if not isinstance(c.tag, _Whole):
-            st, piece = c.tag
-            raise ReadError(f"{what} (the piece at byte {piece.offset} of layer {layer} expert {st.expert}, striped "
-                            f"with no other copy; run 'deltafin verify')") from c.error
-        e, tried = c.tag.expert, c.tag.tried
-        left = [d for d in self.model.locations(layer, e) if d not in tried]
-        if left:
-            self._submit_whole(layer, e, tried + (left[0],), done)  # a replica on another drive serves the read
-            return
-        if isinstance(c.error, ReadError):
-            raise c.error
-        raise ReadError(what) from c.error
+            yield from self._deliver(layer, *landed)
 
     def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
                  ) -> Iterator[tuple[int, ExpertTensors]]:
         data = buf[:nbytes]
         self.stats.bytes_read += nbytes
         self.stats.reads += 1
-        if self.verify:
-            ef.check(data, self.model.checksum(layer, e), where, "run 'deltafin verify' and repack the bad experts")
         tensors = ef.decode(data, where=where)
-        if self.device.type != "cpu":
+        if self.device.type == "cuda" and self._slab_ready(tensors, nbytes):
+            tensors = self._to_slot(layer, e, tensors, nbytes)
+            self._release_after_copy(buf)
+        elif self.device.type != "cpu":
             tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
             self._release_after_copy(buf)  # the host buffer is reused once its async copy is done
             self.cache.put((layer, e), tensors, nbytes)
@@ -196,6 +134,53 @@ class StreamingExperts:
             self.pool.buffers.put(buf)  # the consumer finished with the views: reuse the buffer
             return
         yield from self._timed(e, tensors)
+
+    SCRATCH_SLOTS = 64
+
+    def _slab_ready(self, tensors: dict, nbytes: int) -> bool:
+        """True when ``tensors`` go into the slab (created at the first expert of a kernel format)."""
+        from deltafin.kernels.triton_moe import MOE_FORMATS, ExpertSlab
+
+        if self.slab is None:
+            if set(tensors) != set(ExpertSlab.ROLES) or any(
+                    getattr(t, "format", None) not in MOE_FORMATS for t in tensors.values()):
+                return False
+            self._slab_cache_slots = self.cache.budget // nbytes
+            self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device)
+            self._free = list(range(self._slab_cache_slots))
+        return self.slab.fits(tensors)
+
+    def _take_slot(self) -> tuple[int | None, bool]:
+        """(slot, cached): a free cache slot (evicting the least recent expert not in use by this layer),
+        else a scratch slot not in use, else (None, False)."""
+        if not self._free and self._slab_cache_slots:
+            key = self.cache.victim()
+            if key is not None and self._slot_of.get(key) not in self._busy:
+                self.cache.evict(key)
+        if self._free:
+            return self._free.pop(), True
+        for _ in range(self.SCRATCH_SLOTS):
+            s = self._slab_cache_slots + self._scratch_next
+            self._scratch_next = (self._scratch_next + 1) % self.SCRATCH_SLOTS
+            if s not in self._busy:
+                return s, False
+        return None, False
+
+    def _to_slot(self, layer: int, e: int, tensors: dict, nbytes: int) -> dict:
+        slot, cached = self._take_slot()
+        if slot is None:  # every slot is in use by this layer: a plain device copy
+            return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        self.slab.write(slot, tensors)  # stream-ordered after any launch that read the slot before
+        views = self.slab.views(slot)
+        self._busy.add(slot)
+        if cached:
+            self._slot_of[(layer, e)] = slot
+            self.cache.put((layer, e), views, nbytes, lambda k=(layer, e), s=slot: self._slot_freed(k, s))
+        return views
+
+    def _slot_freed(self, key, slot: int) -> None:
+        self._slot_of.pop(key, None)
+        self._free.append(slot)
 
     def _release_after_copy(self, buf) -> None:
         if self.device.type != "cuda":
@@ -215,11 +200,12 @@ class StreamingExperts:
         self.stats.expert_math_s += time.perf_counter() - t0
 
     def per_drive(self) -> dict[str, dict]:
-        return {r.label: {"reads": c.reads, "bytes": c.bytes, "busy_s": c.busy_seconds, "errors": c.errors}
+        return {r.label: {"reads": c.reads, "bytes": c.bytes, "busy_s": c.busy_seconds, "errors": c.errors,
+                          "active_s": c.active_seconds}
                 for r, c in zip(self.readers, self.pool.counters, strict=True)}
 
     def close(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.pool.close()
+        self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()

@@ -36,21 +36,26 @@ class RunStats:
         return d
 
     def summary(self) -> str:
+        from deltafin import fmt
+
         io = "direct I/O" if self.direct_io else "buffered I/O (the filesystem refused direct I/O)"
         total = max(self.io_wait_s + self.expert_math_s + self.trunk_math_s, 1e-9)
         lines = [
-            f"{len(self.tokens)} tokens; prompt {self.prompt_tokens} tokens, time to first token {self.ttft_s:.2f} s "
-            f"({self.prefill_tok_s:.1f} tok/s prefill, chunk {self.prefill_chunk}, read amplification "
-            f"{self.prefill_read_amplification:.2f}); decode {self.decode_tok_s:.2f} tok/s",
-            f"time: waiting on I/O {self.io_wait_s:.2f} s ({self.io_wait_s / total:.0%}), expert math "
-            f"{self.expert_math_s:.2f} s ({self.expert_math_s / total:.0%}), trunk math {self.trunk_math_s:.2f} s "
-            f"({self.trunk_math_s / total:.0%})",
-            f"read {self.bytes_read / 1e6:,.1f} MB in {self.reads:,} reads ({io}); cache hit rate "
-            f"{self.cache_hit_rate:.1%} of {self.cache_bytes / 1e9:.2f} GB",
+            f"{len(self.tokens)} tokens; prompt {self.prompt_tokens} tokens, time to first token "
+            f"{fmt.duration(self.ttft_s)} ({self.prefill_tok_s:.1f} tok/s prefill, chunk {self.prefill_chunk}, read "
+            f"amplification {self.prefill_read_amplification:.2f}); decode {self.decode_tok_s:.2f} tok/s",
+            f"time: waiting on I/O {fmt.duration(self.io_wait_s)} ({self.io_wait_s / total:.0%}), expert math "
+            f"{fmt.duration(self.expert_math_s)} ({self.expert_math_s / total:.0%}), trunk math "
+            f"{fmt.duration(self.trunk_math_s)} ({self.trunk_math_s / total:.0%})",
+            f"read {fmt.size(self.bytes_read)} in {self.reads:,} reads ({io}); cache hit rate "
+            f"{self.cache_hit_rate:.1%} of {fmt.size(self.cache_bytes)}",
         ]
+        run_s = max(total, 1e-9)
         for label, d in self.per_drive.items():
-            rated = f" of its {d['rated_gbps']:.2f} GB/s" if d.get("rated_gbps") else ""
-            lines.append(f"  drive {label}: {d['reads']:,} reads, {d['bytes'] / 1e6:,.1f} MB, "
-                         f"{d['gbps_over_run']:.3f} GB/s over the run{rated}"
+            rated = f", rated {fmt.gbps(d['rated_gbps'])}" if d.get("rated_gbps") else ""
+            busy = d.get("active_s", 0.0)
+            rate = (f"{fmt.gbps(d['gbps_busy'])} while reading (busy {busy / run_s:.0%} of the run)"
+                    if busy > 0 else "idle")
+            lines.append(f"  drive {label}: {d['reads']:,} reads, {fmt.size(d['bytes'])}, {rate}{rated}"
                          + (f", {d['errors']} failed reads" if d.get("errors") else ""))
         return "\n".join(lines)

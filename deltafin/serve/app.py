@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over one engine worker (FastAPI).
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
+Routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions (JSON or server-sent events), /health, /metrics.
 Every error is OpenAI's JSON shape with a 4xx status (500 only when generation itself fails); nothing a
 client sends can stop the server. A client that disconnects cancels its sequences.
 """
@@ -14,19 +14,34 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltafin.runtime.batched import TokenOut
-from deltafin.serve.protocol import APIError, Limits, ModelInfo, Parsed, parse_chat, parse_completion
-from deltafin.serve.responses import Choice, Formatter, TokenPieces
+from deltafin.runtime.grammar import Grammars
+from deltafin.serve import tools
+from deltafin.serve.gate import BodyTimeout, BodyTooLarge, ClientLeft, read_body, replay
+from deltafin.serve.protocol import (
+    APIError,
+    Context,
+    Limits,
+    ModelInfo,
+    Parsed,
+    parse_chat,
+    parse_completion,
+    redact,
+)
+from deltafin.serve.responses import Choice, Formatter, TokenPieces, ToolStream
+from deltafin.serve.thinking import ThinkingOptions, take_thinking
 from deltafin.serve.worker import Failure, Job, QueueFull, Worker
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("deltafin.serve.access")  # one line per request
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -34,22 +49,43 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class Gate:
-    """ASGI middleware: refuses bodies over the limit (413, before they are read in full) and counts
-    responses by path and status for /metrics."""
+    """ASGI middleware: reads a request's body whole before the route runs, under a size limit (413, counted
+    as it arrives, chunked or not) and a deadline (408); a client that hangs up mid-upload ends the exchange
+    quietly (counted as 499). Counts responses by path and status for /metrics, times each request and logs
+    one line for it."""
 
-    def __init__(self, app, max_bytes: int, counts: Counter):
-        self.app, self.max_bytes, self.counts = app, max_bytes, counts
+    def __init__(self, app, max_bytes: int, counts: Counter, body_timeout_s: float = 30.0, metrics=None):
+        self.app, self.max_bytes, self.counts, self.body_timeout_s = app, max_bytes, counts, body_timeout_s
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started, seen = [False], [0]
+        t0 = time.monotonic()
+        scope.setdefault("state", {})["t0"] = t0  # routes time the first token from here
+        try:
+            await self._gated(scope, receive, send)
+        finally:
+            self._done(scope, t0)
+
+    def _done(self, scope, t0: float) -> None:
+        seconds = time.monotonic() - t0
+        path = scope.get("path", "")
+        status = scope["state"].get("status", 499)
+        if self.metrics is not None:
+            self.metrics.latency.labels(path if path in KNOWN_PATHS else "other").observe(seconds)
+        tally = scope["state"].get("tally")
+        tokens = (f" prompt={tally['prompt']} cached={tally['cached']} completion={tally['completion']}"
+                  if tally else "")
+        access.info("%s %s %s%s %.3fs", scope.get("method", "?"), path, status, tokens, seconds)
+
+    async def _gated(self, scope, receive, send):
         path = scope.get("path", "")
         path = path if path in KNOWN_PATHS else "other"
 
         async def counted_send(msg):
             if msg["type"] == "http.response.start":
-                started[0] = True
+                scope["state"]["status"] = msg["status"]
                 self.counts[(path, msg["status"])] += 1
             await send(msg)
 
@@ -58,24 +94,18 @@ class Gate:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await error_response(too_big)(scope, receive, counted_send)
-
-        async def limited_receive():
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen[0] += len(msg.get("body", b""))
-                if seen[0] > self.max_bytes:
-                    raise _TooBig()
-            return msg
-
         try:
-            await self.app(scope, limited_receive, counted_send)
-        except _TooBig:
-            if not started[0]:
-                await error_response(too_big)(scope, receive, counted_send)
-
-
-class _TooBig(Exception):
-    pass
+            body = await read_body(receive, self.max_bytes, self.body_timeout_s)
+        except BodyTooLarge:
+            return await error_response(too_big)(scope, receive, counted_send)
+        except BodyTimeout:
+            late = APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s; send it "
+                            f"at once", code="request_timeout")
+            return await error_response(late)(scope, receive, counted_send)
+        except ClientLeft:
+            self.counts[(path, 499)] += 1
+            return
+        await self.app(scope, replay(body, receive), counted_send)
 
 
 KNOWN_PATHS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
@@ -102,15 +132,26 @@ def sse(obj: dict | str) -> str:
 class Server:
     """State shared by the routes: the worker, the served model's facts, limits and counters."""
 
-    def __init__(self, worker: Worker, name: str, api_key: str | None, limits: Limits):
+    def __init__(self, worker: Worker, name: str, api_key: str | None, limits: Limits,
+                 thinking: ThinkingOptions | None = None):
         eng = worker.engine
         self.worker, self.api_key, self.limits = worker, api_key, limits
+        self.thinking = thinking or ThinkingOptions()
         embed = getattr(eng.model, "embed_w", None)
         vocab = int(eng.packed.text_config.get("vocab_size") or getattr(embed, "shape", (0,))[0])
         self.info = ModelInfo(name, eng.opts.max_len, vocab)
+        self.ctx = Context(_grammars(eng.codec, vocab), tools.detect(eng.codec))
         self.pieces = TokenPieces(eng.codec, worker.codec_lock)
         self.http: Counter = Counter()
         self.started = int(time.time())
+        from deltafin.serve.metrics import Metrics
+
+        self.metrics = Metrics(worker, self.http)
+
+    def first_token(self, request: Request, kind: str) -> None:
+        t0 = getattr(request.state, "t0", None)
+        if t0 is not None:
+            self.metrics.ttft.labels(kind).observe(time.monotonic() - t0)
 
     def check_key(self, request: Request) -> None:
         if not self.api_key:
@@ -131,7 +172,8 @@ class Server:
         with self.worker.codec_lock:
             return codec.encode(text)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None,
+             opts: ThinkingOptions | None = None) -> list[int]:
         codec = self.worker.engine.codec
         if codec is None:
             from deltafin.errors import UsageError
@@ -139,17 +181,44 @@ class Server:
             raise UsageError("this model has no tokenizer files, so chat is not possible; use /v1/completions "
                              "with token ids")
         with self.worker.codec_lock:
-            return codec.chat(messages)
+            return codec.chat(messages, tools=tools, **(opts or self.thinking).chat_kwargs())
+
+    def splitters(self, parsed: Parsed) -> list | None:
+        """Chat replies: reasoning apart from content, markup and special tokens dropped."""
+        codec = self.worker.engine.codec
+        if parsed.kind != "chat" or codec is None:
+            return None
+        from deltafin.runtime.reasoning import splitter_for
+
+        with self.worker.codec_lock:
+            return [splitter_for(codec, spec.prompt, chat=True) for spec in parsed.specs]
+
+
+def _grammars(codec, vocab: int) -> Grammars | None:
+    """Constrained decoding when xgrammar is installed (it is optional); None otherwise."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        log.info("xgrammar is not installed: response_format and forced tool calls will be refused")
+        return None
+    return Grammars(codec, vocab)
 
 
 async def read_json(request: Request) -> object:
     raw = await request.body()
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate (\ud800) is not text
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"we could not parse the JSON body of your request ({e}); send a JSON object") from None
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the JSON body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), which is "
+                       f"not Unicode text; send valid UTF-8", code="invalid_unicode") from None
     except RecursionError:
         raise APIError(400, "the JSON body is nested too deeply") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise APIError(400, f"the JSON body holds a number we cannot read ({e}); send numbers of usual size") from None
+    return body
 
 
 def submit(srv: Server, parsed: Parsed) -> tuple[list[Job], asyncio.Queue]:
@@ -173,7 +242,7 @@ def cancel(jobs: list[Job]) -> None:
 
 
 def failure_error(f: Failure) -> APIError:
-    return APIError(f.status, f.message, f.type)
+    return APIError(f.status, redact(f.message), f.type)
 
 
 class ClientGone(Exception):
@@ -204,6 +273,7 @@ async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter)
     choices = {j.index: Choice(j.index, len(j.spec.prompt)) for j in jobs}
     pending = set(choices)
     waiter = Waiter(request, q)
+    tally = request.state.tally
     try:
         while pending:
             try:
@@ -212,7 +282,11 @@ async def collect(request: Request, srv: Server, parsed: Parsed, fmt: Formatter)
                 return Response(status_code=499)  # nobody is listening; the finally cancels
             if isinstance(ev, Failure):
                 return error_response(failure_error(ev))
+            if not tally["completion"]:
+                srv.first_token(request, fmt.kind)
             choices[i].add(ev, fmt.stop_ids)
+            tally["completion"] += 1
+            tally["cached"] = sum(c.cached_tokens for c in choices.values())
             if ev.finish_reason:
                 pending.discard(i)
     finally:
@@ -233,15 +307,17 @@ async def stream(request: Request, srv: Server, parsed: Parsed, fmt: Formatter) 
     if isinstance(first[1], Failure):
         cancel(jobs)
         return error_response(failure_error(first[1]))
-    return CancellingStream(_events(parsed, fmt, jobs, q, first), lambda: cancel(jobs),
+    srv.first_token(request, fmt.kind)
+    return CancellingStream(_events(parsed, fmt, jobs, q, first, request.state.tally), lambda: cancel(jobs),
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Queue,
-                  first: tuple[int, object]) -> AsyncIterator[str]:
+                  first: tuple[int, object], tally: dict) -> AsyncIterator[str]:
     pending = {j.index for j in jobs}
     offsets = dict.fromkeys(pending, 0)
-    completion = 0
+    calling = {i: ToolStream(parsed.tool_format) for i in pending} if parsed.tool_format else {}
+    completion, cached = 0, {}
     if fmt.kind == "chat":
         for j in jobs:
             yield sse(fmt.role_chunk(j.index))
@@ -253,26 +329,40 @@ async def _events(parsed: Parsed, fmt: Formatter, jobs: list[Job], q: asyncio.Qu
             return
         assert isinstance(ev, TokenOut)
         completion += 1
+        cached[i] = ev.seq.cached
+        tally["completion"], tally["cached"] = completion, sum(cached.values())
+        calls = []
+        if i in calling:  # text that may be a tool call is held back until it is known
+            shown = calling[i].feed(ev.text)
+            if ev.finish_reason:
+                rest, calls = calling[i].finish()
+                shown += rest
+            ev = replace(ev, text=shown, finish_reason=None if calls else ev.finish_reason)
         chunk = fmt.chunk(i, ev, parsed.logprobs, offsets[i])
         offsets[i] += len(ev.text)
         if chunk is not None:
             yield sse(chunk)
-        if ev.finish_reason:
+        if calls:
+            yield sse(fmt.tool_chunk(i, calls))
+        if ev.finish_reason or calls:
             pending.discard(i)
         if not pending:
             break
         item = await q.get()
     if parsed.include_usage:
-        yield sse(fmt.usage_chunk(sum(len(j.spec.prompt) for j in jobs), completion))
+        yield sse(fmt.usage_chunk(sum(len(j.spec.prompt) for j in jobs), completion, sum(cached.values())))
     yield sse("[DONE]")
 
 
-def create_app(worker: Worker, model_name: str, api_key: str | None = None, limits: Limits | None = None) -> FastAPI:
+def create_app(worker: Worker, model_name: str, api_key: str | None = None, limits: Limits | None = None,
+               thinking: ThinkingOptions | None = None) -> FastAPI:
+    """``thinking``: the chat requests' defaults (``--think/--no-think``, ``--effort``)."""
     limits = limits or Limits()
-    srv = Server(worker, model_name, api_key, limits)
+    srv = Server(worker, model_name, api_key, limits, thinking)
     app = FastAPI(title="deltafin", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
-    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http)
+    app.add_middleware(Gate, max_bytes=limits.max_body_bytes, counts=srv.http, body_timeout_s=limits.body_timeout_s,
+                       metrics=srv.metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -305,29 +395,47 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
         return route
 
     async def completions(request: Request):
-        parsed = await run_in_threadpool(parse_completion, await read_json(request), srv.info, srv.limits, srv.encode)
+        parsed = await run_in_threadpool(parse_completion, await read_json(request), srv.info, srv.limits, srv.encode,
+                                         srv.ctx)
         return await respond(request, parsed)
 
     async def chat_completions(request: Request):
-        parsed = await run_in_threadpool(parse_chat, await read_json(request), srv.info, srv.limits, srv.chat)
+        body = await read_json(request)
+        codec = worker.engine.codec
+        opts = take_thinking(body, srv.thinking, kimi=codec is not None and codec.kind == "kimi")
+        parsed = await run_in_threadpool(parse_chat, body, srv.info, srv.limits,
+                                         lambda m, tools=None: srv.chat(m, tools, opts), srv.ctx)
         return await respond(request, parsed)
 
     async def respond(request: Request, parsed: Parsed) -> Response:
-        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids)
+        fmt = Formatter(parsed.kind, srv.info.name, srv.pieces, worker.engine.eos_ids, parsed.token_ids,
+                        parsed.tool_format, srv.splitters(parsed))
+        request.state.tally = {"prompt": sum(len(sp.prompt) for sp in parsed.specs), "cached": 0, "completion": 0}
         return await (stream(request, srv, parsed, fmt) if parsed.stream else collect(request, srv, parsed, fmt))
 
+    def card() -> dict:
+        return {"id": srv.info.name, "object": "model", "created": srv.started, "owned_by": "deltafin",
+                "max_model_len": srv.info.max_len}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": srv.info.name, "object": "model",
-                                                         "created": srv.started, "owned_by": "deltafin"}]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(request: Request):
+        wanted = request.path_params["model_id"]
+        if wanted != srv.info.name:
+            raise APIError(404, f"the model {wanted!r} does not exist; this server serves {srv.info.name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(card())
 
     async def metrics(request: Request):
-        from deltafin.serve.metrics import render
+        from deltafin.serve.metrics import CONTENT_TYPE
 
-        return PlainTextResponse(render(worker, srv.http), media_type="text/plain; version=0.0.4")
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_api_route("/v1/completions", guarded(completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(chat_completions), methods=["POST"])
     app.add_api_route("/v1/models", guarded(models), methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", guarded(model), methods=["GET"])
     app.add_api_route("/metrics", guarded(metrics), methods=["GET"])
 
     @app.get("/health")

@@ -1,18 +1,23 @@
-"""OpenAI request bodies -> generation specs, validated field by field; errors in OpenAI's shape.
+"""OpenAI request bodies -> generation specs; errors in OpenAI's shape.
 
-Every problem becomes an ``APIError`` with a 4xx status whose message names the field and the value.
-Fields OpenAI defines but Deltafin does not implement are accepted only at their neutral value
-(``n=1``, penalties 0, no logit bias) so a client that sends them by default keeps working.
+Types and ranges are checked by the pydantic models of ``schemas``; what needs the served model (its name,
+context length, vocabulary, tokenizer, tool format) is checked here. Every problem becomes an ``APIError``
+with a 4xx status whose message names the field and the value.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, replace
+
+from pydantic import BaseModel, ValidationError
 
 from deltafin.errors import UsageError
 from deltafin.runtime.batched import GenSpec
 from deltafin.runtime.sampling import SamplingParams
+from deltafin.serve import tools
+from deltafin.serve.schemas import ChatRequest, Common, CompletionRequest, Message, NamedToolChoice, explain
 
 
 class APIError(Exception):
@@ -33,10 +38,15 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_prompts: int = 16  # prompts in one /v1/completions request
     max_stops: int = 16
+    max_choices: int = 16  # sequences one request may ask for (prompts x n)
+    max_stop_chars: int = 1000  # longest stop string (each is matched per token in time linear in its length)
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.max_body_bytes < 1 or self.max_prompts < 1:
+        if min(self.max_tokens, self.max_body_bytes, self.max_prompts, self.max_stops, self.max_stop_chars) < 1:
             raise UsageError(f"server limits must be >= 1, got {self}")
+        if not self.body_timeout_s > 0:
+            raise UsageError(f"the body timeout must be > 0 s, got {self.body_timeout_s}")
 
 
 @dataclass
@@ -47,98 +57,36 @@ class Parsed:
     include_usage: bool = False
     logprobs: bool = False
     token_ids: bool = False  # log-probability tokens as "token_id:N"
+    tool_format: str | None = None  # parse replies for tool calls in this format (tools given, choice not "none")
 
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-          "user", "presence_penalty", "frequency_penalty", "logit_bias",
-          "return_tokens_as_token_ids"}  # vLLM's extension: log-probability tokens as "token_id:N"
-CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-ROLES = ("system", "developer", "user", "assistant", "tool")
+_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"`,;:()<>\[\]{}]+/)+([^\s/'\"`,;:()<>\[\]{}]*)")
+
+
+def redact(message: str) -> str:
+    """``message`` with server-side absolute paths cut to their last part (``.../E0513.dfx``): errors from
+    the engine name files, and a client has no business learning the server's folders."""
+    return _PATH.sub(lambda m: ".../" + m.group(1), message)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def _check_fields(body: object, allowed: set[str]) -> dict:
+def validate(model: type[BaseModel], body: object) -> BaseModel:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    for k in body:
-        if k not in allowed:
-            raise bad(f"unrecognized request argument supplied: {k!r}", param=k, code="unknown_parameter")
-    return body
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        message, param, code = explain(e)
+        raise bad(message, param, code) from None
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise bad(f"{name} must be a number between {lo} and {hi}, got {v!r}", param=name)
-    return float(v)
-
-
-def _int(body: dict, name: str, lo: int, hi: int | None = None, default: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        span = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad(f"{name} must be an integer {span}, got {v!r}", param=name)
-    return v
-
-
-def _neutral(body: dict) -> None:
-    """OpenAI fields Deltafin does not implement: accepted at their neutral value only."""
-    if body.get("n") not in (None, 1):
-        raise bad(f"n={body['n']!r} is not supported; this server returns one choice per prompt", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise bad(f"{name} is not supported; leave it at 0 (got {body[name]!r})", param=name)
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("logit_bias is not supported", param="logit_bias")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("user must be a string", param="user")
-
-
-def _flag(body: dict, name: str) -> bool:
-    v = body.get(name)
-    if v not in (None, True, False):
-        raise bad(f"{name} must be true or false, got {v!r}", param=name)
-    return bool(v)
-
-
-def _stops(body: dict, limits: Limits) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad(f"stop must be a non-empty string or a list of non-empty strings, got {v!r}", param="stop")
-    if len(stops) > limits.max_stops:
-        raise bad(f"stop has {len(stops)} strings; at most {limits.max_stops} are allowed", param="stop")
-    return tuple(stops)
-
-
-def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _flag(body, "stream")
-    opts = body.get("stream_options")
-    if opts is None:
-        return stream, False
-    if not stream:
-        raise bad("stream_options is only allowed with stream=true", param="stream_options")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"} or opts.get("include_usage") not in (None, True, False):
-        raise bad(f"stream_options must be {{\"include_usage\": true|false}}, got {opts!r}", param="stream_options")
-    return True, bool(opts.get("include_usage"))
-
-
-def check_model(body: dict, served: str) -> None:
-    m = body.get("model")
-    if not isinstance(m, str) or not m:
-        raise bad("you must provide a model parameter (this server serves " + repr(served) + ")", param="model")
-    if m != served:
-        raise APIError(404, f"the model {m!r} does not exist; this server serves {served!r}",
+def check_model(model: str | None, served: str) -> None:
+    """``model`` is optional (the one model served); a wrong name is a 404 as OpenAI gives it."""
+    if model is not None and model != served:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
 
 
@@ -151,9 +99,17 @@ class ModelInfo:
     vocab_size: int  # 0: unknown (token ids are then not range-checked here)
 
 
-def _max_new(body: dict, prompt_len: int, info: ModelInfo, limits: Limits, default: int | None, name: str,
+@dataclass(frozen=True, slots=True)
+class Context:
+    """The served model's helpers: ``grammars`` compiles constraints (None: not available), ``tool_format``
+    is the checkpoint's tool-call format (None: its template declares no tools)."""
+
+    grammars: object | None = None
+    tool_format: str | None = None
+
+
+def _max_new(want: int | None, prompt_len: int, info: ModelInfo, limits: Limits, default: int | None, name: str,
              prompt_param: str) -> int:
-    want = _int(body, name, 1)
     room = info.max_len - prompt_len
     if want is not None and want > limits.max_tokens:
         raise bad(f"{name} is {want}, but this server allows at most {limits.max_tokens} (--max-tokens-limit)",
@@ -171,106 +127,219 @@ def _max_new(body: dict, prompt_len: int, info: ModelInfo, limits: Limits, defau
     return want
 
 
-def _sampling(body: dict) -> SamplingParams:
-    temp = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0:
-        raise bad("top_p must be greater than 0", param="top_p")
-    seed = _int(body, "seed", -(2**63), 2**63 - 1)
-    return SamplingParams(temp, top_p, 0, None if seed is None else seed % 2**63)
+def _stops(stop: str | list[str] | None, limits: Limits) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not all(stops):
+        raise bad(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r:.100}", param="stop")
+    if len(stops) > limits.max_stops:
+        raise bad(f"stop has {len(stops)} strings; at most {limits.max_stops} are allowed", param="stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_chars:
+        raise bad(f"a stop string has {longest} characters; at most {limits.max_stop_chars} are allowed",
+                  param="stop")
+    return tuple(stops)
 
 
-def message_text(m: object, i: int) -> dict:
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise bad(f"messages[{i}] must be an object with a role in {ROLES}, got {m!r:.200}", param=f"messages[{i}]")
-    content = m.get("content")
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts are supported, got {p!r:.200}",
-                          param=f"messages[{i}].content")
-            parts.append(p["text"])
-        content = "".join(parts)
-    if content is None and m["role"] == "assistant":
-        content = ""
-    if not isinstance(content, str):
-        raise bad(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
-    return {"role": m["role"], "content": content}
+def _stream(r: Common) -> tuple[bool, bool]:
+    if r.stream_options is not None and not r.stream:
+        raise bad("stream_options is only allowed with stream=true", param="stream_options")
+    return bool(r.stream), bool(r.stream_options and r.stream_options.include_usage)
 
 
-def parse_chat(body: object, info: ModelInfo, limits: Limits, chat) -> Parsed:
-    """``chat(messages) -> prompt ids`` (the checkpoint's template; may raise)."""
-    body = _check_fields(body, CHAT_FIELDS)
-    check_model(body, info.name)
-    _neutral(body)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages must be a non-empty list of {role, content} objects", param="messages")
-    messages = [message_text(m, i) for i, m in enumerate(msgs)]
-    lp = _flag(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, 20)
-    if top is not None and not lp:
-        raise bad("top_logprobs requires logprobs=true", param="top_logprobs")
-    stream, usage = _stream(body)
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or (vocab and int(key) >= vocab):
+            raise bad(f"logit_bias keys must be token ids in [0, {vocab or 'vocabulary size'}), got {key!r:.40}",
+                      param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def _sampling(r: Common, vocab: int) -> SamplingParams:
+    seed = None if r.seed is None else r.seed % 2**63
+    return SamplingParams(1.0 if r.temperature is None else r.temperature, 1.0 if r.top_p is None else r.top_p,
+                          max(r.top_k or 0, 0), seed, r.min_p or 0.0, r.presence_penalty or 0.0,
+                          r.frequency_penalty or 0.0, r.repetition_penalty or 1.0, _logit_bias(r.logit_bias, vocab))
+
+
+def _grammars(ctx: Context, what: str):
+    if ctx.grammars is None:
+        raise bad(f"{what} needs constrained decoding, which needs xgrammar on the server: "
+                  f"pip install 'deltafin[grammar]'", param=what)
+    return ctx.grammars
+
+
+def _response_format(r: Common, ctx: Context):
+    """The compiled grammar of ``response_format`` (None for plain text)."""
+    rf = r.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+        raise bad("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                  param="response_format.json_schema")
+    g = _grammars(ctx, "response_format")
     try:
-        prompt = chat(messages)
+        return g.json_object() if rf.type == "json_object" else g.json_schema(rf.json_schema.schema_)
     except UsageError as e:
-        raise bad(str(e), param="messages") from None
-    except Exception as e:  # a template that raises on these messages (roles out of order, ...)
-        raise bad(f"the model's chat template rejected these messages: {e}", param="messages") from None
-    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise bad(redact(str(e)), param="response_format") from None
+
+
+def _choices(specs_of_prompt: list[GenSpec], n: int, limits: Limits) -> list[GenSpec]:
+    """``n`` sequences per prompt, prompt-major (choice index = prompt x n + j); a given seed is advanced
+    per choice so that sampled choices differ and stay reproducible."""
+    if len(specs_of_prompt) * n > limits.max_choices:
+        raise bad(f"{len(specs_of_prompt)} prompt(s) x n={n} asks for {len(specs_of_prompt) * n} sequences; at "
+                  f"most {limits.max_choices}", param="n")
+    out = []
+    for spec in specs_of_prompt:
+        for j in range(n):
+            sp = spec.sampling
+            if j and sp.seed is not None:
+                sp = replace(sp, seed=(sp.seed + j) % 2**63)
+            out.append(replace(spec, sampling=sp))
+    return out
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+
+
+def template_message(m: Message) -> dict:
+    """A validated message as chat templates take it: text parts joined; tool-call arguments as objects
+    where they are JSON (templates write them out themselves)."""
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(p.text for p in content)
+    out: dict = {"role": m.role, "content": content if content is not None else ""}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, name) is not None:
+            out[name] = getattr(m, name)
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
+                             for c in m.tool_calls]
+    return out
+
+
+def _as_object(arguments: str | dict | None) -> dict | str:
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+    return arguments or {}
+
+
+def _tool_grammar(r: ChatRequest, ctx: Context):
+    """The grammar that makes the reply a call (tool_choice "required" or a named function), else None."""
+    choice = r.tool_choice
+    if choice in (None, "none", "auto"):
+        return None
+    by_name = {t.function.name: t.function for t in r.tools or []}
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in by_name:
+        raise bad(f"tool_choice names {choice.function.name!r}, which is not in tools ({', '.join(by_name)})",
+                  param="tool_choice")
+    g = _grammars(ctx, "tool_choice")
+    try:
+        if isinstance(choice, NamedToolChoice):
+            f = by_name[choice.function.name]
+            return g.sequence(tools.forced(ctx.tool_format, f.name, f.parameters))
+        return g.union([tools.forced(ctx.tool_format, f.name, f.parameters) for f in by_name.values()])
+    except UsageError as e:
+        raise bad(redact(str(e)), param="tool_choice") from None
+
+
+def _tools(r: ChatRequest, ctx: Context) -> list[dict] | None:
+    """The tools to render in the prompt (None: no tools, or tool_choice "none")."""
+    if r.tool_choice is not None and not r.tools:
+        raise bad("tool_choice needs tools", param="tool_choice")
+    if not r.tools or r.tool_choice == "none":
+        return None
+    if ctx.tool_format is None:
+        raise bad("this model's chat template declares no tools, so it cannot be given tools; leave tools out",
+                  param="tools")
+    return [t.model_dump(exclude_none=True) for t in r.tools]
+
+
+def parse_chat(body: object, info: ModelInfo, limits: Limits, chat, ctx: Context = Context()) -> Parsed:
+    """``chat(messages, tools) -> prompt ids`` (the checkpoint's template; may raise)."""
+    r = validate(ChatRequest, body)
+    check_model(r.model, info.name)
+    if r.top_logprobs is not None and not r.logprobs:
+        raise bad("top_logprobs requires logprobs=true", param="top_logprobs")
+    if r.max_tokens is not None and r.max_completion_tokens is not None:
         raise bad("give max_tokens or max_completion_tokens, not both", param="max_tokens")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    spec = GenSpec(tuple(prompt), _max_new(body, len(prompt), info, limits, None, name, "messages"), _sampling(body),
-                   _stops(body, limits), (top or 0) if lp else None)
-    return Parsed("chat", [spec], stream, usage, bool(lp), _flag(body, "return_tokens_as_token_ids"))
+    stream, usage = _stream(r)
+    declared = _tools(r, ctx)
+    grammar = _tool_grammar(r, ctx)
+    if grammar is not None and r.response_format is not None and r.response_format.type != "text":
+        raise bad("give response_format or a required tool call, not both", param="response_format")
+    grammar = grammar or _response_format(r, ctx)
+    messages = [template_message(m) for m in r.messages]
+    try:
+        prompt = chat(messages, declared)
+    except UsageError as e:
+        raise bad(redact(str(e)), param="messages") from None
+    except Exception as e:  # a template that raises on these messages (roles out of order, ...)
+        raise bad(f"the model's chat template rejected these messages: {redact(str(e))}", param="messages") from None
+    if not prompt:
+        raise bad("the chat template gave an empty prompt for these messages", param="messages")
+    name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+    want = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    spec = GenSpec(tuple(prompt), _max_new(want, len(prompt), info, limits, None, name, "messages"),
+                   _sampling(r, info.vocab_size), _stops(r.stop, limits), (r.top_logprobs or 0) if r.logprobs else None,
+                   grammar)
+    return Parsed("chat", _choices([spec], r.n or 1, limits), stream, usage, bool(r.logprobs),
+                  bool(r.return_tokens_as_token_ids), ctx.tool_format if declared else None)
 
 
-def _prompts(v: object, encode, vocab: int) -> list[list[int]]:
+# ---- completions ---------------------------------------------------------------------------------
+
+
+def _prompts(v: str | list, encode, vocab: int) -> list[list[int]]:
     if isinstance(v, str):
         return [encode(v)]
-    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if v and all(isinstance(t, int) for t in v):
         return [_ids(v, vocab, "prompt")]
-    if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+    if v and all(isinstance(p, str) for p in v):
         return [encode(p) for p in v]
-    if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
+    if v and all(isinstance(p, list) for p in v):
         return [_ids(p, vocab, f"prompt[{i}]") for i, p in enumerate(v)]
     raise bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
               param="prompt")
 
 
 def _ids(ids: list, vocab: int, where: str) -> list[int]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t and (not vocab or t < vocab) for t in ids):
+    if not all(0 <= t and (not vocab or t < vocab) for t in ids):
         raise bad(f"{where}: token ids must be integers in [0, {vocab or 'vocabulary size'})", param="prompt")
     return list(ids)
 
 
-def parse_completion(body: object, info: ModelInfo, limits: Limits, encode) -> Parsed:
+def parse_completion(body: object, info: ModelInfo, limits: Limits, encode, ctx: Context = Context()) -> Parsed:
     """``encode(text) -> ids`` (raises UsageError when the model has no tokenizer)."""
-    body = _check_fields(body, COMPLETION_FIELDS)
-    check_model(body, info.name)
-    _neutral(body)
-    if body.get("echo"):
+    r = validate(CompletionRequest, body)
+    check_model(r.model, info.name)
+    if r.echo:
         raise bad("echo is not supported", param="echo")
-    if body.get("best_of") not in (None, 1):
-        raise bad("best_of is not supported; leave it at 1", param="best_of")
-    if body.get("suffix") is not None:
+    if r.best_of not in (None, 1):
+        raise bad("best_of is not supported; leave it at 1 (n gives several choices)", param="best_of")
+    if r.suffix is not None:
         raise bad("suffix is not supported", param="suffix")
-    if "prompt" not in body:
-        raise bad("you must provide a prompt", param="prompt")
-    top = _int(body, "logprobs", 0, 5)
-    stream, usage = _stream(body)
+    stream, usage = _stream(r)
     try:
-        prompts = _prompts(body["prompt"], encode, info.vocab_size)
+        prompts = _prompts(r.prompt, encode, info.vocab_size)
     except UsageError as e:
-        raise bad(str(e), param="prompt") from None
+        raise bad(redact(str(e)), param="prompt") from None
     if len(prompts) > limits.max_prompts:
         raise bad(f"{len(prompts)} prompts in one request; at most {limits.max_prompts}", param="prompt")
     for i, p in enumerate(prompts):
         if not p:
             raise bad(f"prompt{f'[{i}]' if len(prompts) > 1 else ''} is empty", param="prompt")
-    sampling, stops = _sampling(body), _stops(body, limits)
-    specs = [GenSpec(tuple(p), _max_new(body, len(p), info, limits, 16, "max_tokens", "prompt"), sampling, stops, top)
-             for p in prompts]
-    return Parsed("completion", specs, stream, usage, top is not None, _flag(body, "return_tokens_as_token_ids"))
+    sampling, stops, grammar = _sampling(r, info.vocab_size), _stops(r.stop, limits), _response_format(r, ctx)
+    specs = [GenSpec(tuple(p), _max_new(r.max_tokens, len(p), info, limits, 16, "max_tokens", "prompt"), sampling,
+                     stops, r.logprobs, grammar) for p in prompts]
+    return Parsed("completion", _choices(specs, r.n or 1, limits), stream, usage, r.logprobs is not None,
+                  bool(r.return_tokens_as_token_ids))

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from deltafin.runtime.batched import TokenOut
+from deltafin.runtime.reasoning import split_all
+from deltafin.serve import tools
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -53,8 +55,10 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; ``cached``: prompt tokens restored from the prompt cache."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclass
@@ -67,8 +71,10 @@ class Choice:
     tokens: list[TokenOut] = field(default_factory=list)  # with log-probabilities, stop tokens left out
     completion_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def add(self, out: TokenOut, stop_ids: tuple[int, ...]) -> None:
+        self.cached_tokens = out.seq.cached
         self.completion_tokens += 1
         self.text.append(out.text)
         if out.logprob is not None and out.token not in stop_ids:
@@ -79,8 +85,12 @@ class Choice:
 class Formatter:
     """Bodies and chunks for one request."""
 
-    def __init__(self, kind: str, model: str, pieces: TokenPieces, stop_ids: tuple[int, ...], token_ids: bool = False):
-        self.kind, self.model, self.stop_ids = kind, model, stop_ids
+    def __init__(self, kind: str, model: str, pieces: TokenPieces, stop_ids: tuple[int, ...], token_ids: bool = False,
+                 tool_format: str | None = None, splitters: list | None = None):
+        """``splitters``: one ``deltafin.runtime.reasoning`` splitter per chat choice (reasoning apart from
+        content, markup dropped); None sends the text as it is."""
+        self.kind, self.model, self.stop_ids, self.tool_format = kind, model, stop_ids, tool_format
+        self.splitters = splitters
         self.pieces = pieces if not token_ids else lambda t: (f"token_id:{t}", list(f"token_id:{t}".encode()))
         self.id, self.created = new_id(kind), int(time.time())
 
@@ -121,13 +131,42 @@ class Formatter:
             lp = self.logprobs(c.tokens) if want_logprobs else None
             text = "".join(c.text)
             if self.kind == "chat":
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                (message, tools_text), finish = self._message(c.index, text), c.finish_reason
+                calls = []
+                if self.tool_format:  # Kimi K3's tools section comes apart from the content, markup included
+                    content, calls = tools.split(self.tool_format, (message["content"] or "") + tools_text)
+                if calls:
+                    message = {**message, "content": content or None,
+                               "tool_calls": [call.openai() for call in calls]}
+                    finish = "tool_calls"
+                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         body["choices"] = out
-        body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices))
+        body["usage"] = usage(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices),
+                              sum(c.cached_tokens for c in choices))
         return body
+
+    def _message(self, index: int, text: str) -> tuple[dict, str]:
+        """The assistant message of one choice, and the tools section the splitter took out of it."""
+        if not self.splitters:
+            return {"role": "assistant", "content": text}, ""
+        sp = self.splitters[index]
+        parts = split_all(sp, text)
+        msg = {"role": "assistant", "content": parts.content}
+        if sp.reasons:
+            msg["reasoning_content"] = parts.reasoning
+        return msg, parts.tools
+
+    def _delta(self, index: int, out: TokenOut) -> dict:
+        if not self.splitters:
+            return {"content": out.text} if out.text else {}
+        sp = self.splitters[index]
+        parts = sp.feed(out.text)
+        if out.finish_reason:
+            parts += sp.flush()
+        delta = {"reasoning_content": parts.reasoning} if parts.reasoning else {}
+        return delta | ({"content": parts.content} if parts.content else {})
 
     # -- stream chunks
     def chunk(self, index: int, out: TokenOut, want_logprobs: bool, offset: int = 0) -> dict | None:
@@ -137,16 +176,55 @@ class Formatter:
             return None
         lp = self.logprobs(lp_outs, offset) if lp_outs else None
         if self.kind == "chat":
-            delta = {"content": out.text} if out.text else {}
+            delta = self._delta(index, out)
+            if not delta and not lp_outs and not out.finish_reason:
+                return None
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def tool_chunk(self, index: int, calls: list[tools.Call]) -> dict:
+        """The calls of one choice, whole, in one delta (the stream's last for that choice)."""
+        delta = {"tool_calls": [{"index": k, **call.openai()} for k, call in enumerate(calls)]}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": "tool_calls"}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def role_chunk(self, index: int) -> dict:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def usage_chunk(self, prompt: int, completion: int) -> dict:
+    def usage_chunk(self, prompt: int, completion: int, cached: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(prompt, completion)}
+        return {**self._head(obj), "choices": [], "usage": usage(prompt, completion, cached)}
+
+
+class ToolStream:
+    """A streamed choice that may call tools: its text passes as content until the format's start marker;
+    from there it is held to the end, then sent as tool calls (or as text, if it parses as none)."""
+
+    def __init__(self, fmt: str):
+        self.fmt, self.mark = fmt, tools.START[fmt]
+        self.held, self.open = "", False
+
+    def feed(self, text: str) -> str:
+        """New text -> the part that can be shown now."""
+        if self.open:
+            self.held += text
+            return ""
+        buf = self.held + text
+        at = buf.find(self.mark)
+        if at >= 0:
+            self.open, self.held = True, buf[at:]
+            return buf[:at]
+        k = max((k for k in range(1, len(self.mark)) if buf.endswith(self.mark[:k])), default=0)
+        self.held = buf[len(buf) - k:] if k else ""
+        return buf[: len(buf) - k]
+
+    def finish(self) -> tuple[str, list[tools.Call]]:
+        """(text still to show, the calls) at the end of the choice."""
+        held, self.held = self.held, ""
+        if not self.open:
+            return held, []
+        _, calls = tools.split(self.fmt, held)
+        return ("", calls) if calls else (held, [])

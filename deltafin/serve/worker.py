@@ -57,10 +57,12 @@ class WorkerCounters:
 
 
 class Worker:
-    def __init__(self, engine, max_batch: int = 16, max_queue: int = 64, gather_s: float = 0.005):
+    def __init__(self, engine, max_batch: int = 16, max_queue: int = 64, gather_s: float = 0.005,
+                 prompt_cache=None):
         self.engine = engine
         self.codec_lock = threading.Lock()
-        self.decoder = BatchDecoder(engine, self.codec_lock)
+        self.prompt_cache = prompt_cache  # a PromptCache shared by all requests, or None
+        self.decoder = BatchDecoder(engine, self.codec_lock, prompt_cache)
         self.max_batch, self.max_queue, self.gather_s = max_batch, max_queue, gather_s
         self.queue: queue.Queue[Job] = queue.Queue()
         self.active: list[Seq] = []

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 from deltafin.io.emulator import DriveModel, parse_spec
 from deltafin.sim.engine import SimConfig, simulate
 from deltafin.sim.model import KIMI_K3, MoEShape, report_drives
+from deltafin.sim.plots import write_plots  # noqa: F401 - the simulator's public API (deltafin.sim)
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,25 @@ def scaling_curves(shape: MoEShape = KIMI_K3, *, tokens: int = 4, seed: int = 0)
         curves[label] = [simulate(SimConfig(shape, report_drives(n), name=f"{n} drives {label}", policy=policy,
                                             layout=layout, tokens=tokens, prompt=0, seed=seed))
                          for n in DRIVE_COUNTS]
+    curves["striping"] = striping_records(shape, tokens=tokens, seed=seed)
     curves["cache"] = [simulate(SimConfig(shape, report_drives(4), name=f"{gb} GB cache", cache_bytes=gb * GB,
                                           tokens=tokens, prompt=0, seed=seed)) for gb in CACHE_GB]
     return curves
+
+
+def striping_records(shape: MoEShape = KIMI_K3, *, tokens: int = 4, seed: int = 0) -> list[dict]:
+    """The README's striping question: on the report's drives and with the internal drive twice as fast,
+    one file per expert vs RAID-0 (equal pieces) vs pieces sized by rate."""
+    base = report_drives(4)
+    fast = (replace(base[0], gbps=2 * base[0].gbps),) + tuple(base[1:])
+    out = []
+    for set_name, drives in (("report's 4 drives", base), ("internal 2x faster + 3", fast)):
+        for layout in ("bandwidth", "raid0", "stripe"):
+            rec = simulate(SimConfig(shape, drives, name=f"{set_name}, {layout}", tokens=tokens, prompt=0, seed=seed,
+                                     layout="placed" if layout == "bandwidth" else layout))
+            out.append(rec | {"set": f"{set_name}\n({sum(d.gbps for d in drives):.0f} GB/s summed)",
+                              "layout": layout})
+    return out
 
 
 def format_table(records: list[dict]) -> str:
@@ -105,57 +121,3 @@ def format_table(records: list[dict]) -> str:
         rows.append(f"{r['name'][:52]:52s} {r['tok_s']:7.3f} {r['bytes_bound_tok_s']:7.3f} "
                     f"{100 * r['aggregate_fraction']:4.0f}% {ttft} {r['makespan_ms_p50']:7.1f} {r['makespan_ms_p99']:7.1f}")
     return "\n".join(rows)
-
-
-def write_plots(curves: dict[str, list[dict]], out_dir: str) -> list[str]:
-    """PNG plots of ``scaling_curves`` output into ``out_dir``; returns the paths written.
-
-    Needs matplotlib (``pip install 'deltafin[plot]'``); without it, logs that and writes nothing.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plots written; pip install 'deltafin[plot]'")
-        return []
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [_plot_drives(plt, curves, out_dir)]
-    if "cache" in curves:
-        paths.append(_plot_cache(plt, curves["cache"], out_dir))
-    return paths
-
-
-def _plot_drives(plt, curves: dict[str, list[dict]], out_dir: str) -> str:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in ("bandwidth", "stripe", "raid0", "roundrobin"):
-        if label in curves:
-            pts = curves[label]
-            ax.plot([p["drives"] for p in pts], [p["tok_s"] for p in pts], marker="o", label=label)
-    bound = curves.get("bandwidth") or next(iter(curves.values()))
-    ax.plot([p["drives"] for p in bound], [p["no_cache_bound_tok_s"] for p in bound], "k--", label="summed rate bound")
-    ax.set_xscale("log")
-    ax.set_xlabel("drives (internal + Thunderbolt externals)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title(f"{bound[0]['model']}: decode vs drive count")
-    return _save(plt, fig, ax, out_dir, "scaling_drives.png")
-
-
-def _save(plt, fig, ax, out_dir: str, name: str) -> str:
-    ax.legend()
-    path = os.path.join(out_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _plot_cache(plt, pts: list[dict], out_dir: str) -> str:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p["cache_gb"] for p in pts], [p["tok_s"] for p in pts], marker="o", label="simulated")
-    ax.plot([p["cache_gb"] for p in pts], [p["bytes_bound_tok_s"] for p in pts], "k--", label="bytes bound")
-    ax.set_xlabel("expert cache (GB)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title(f"{pts[0]['model']}: decode vs cache size (uniform routing)")
-    return _save(plt, fig, ax, out_dir, "scaling_cache.png")

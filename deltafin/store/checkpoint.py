@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from deltafin.errors import CheckpointError
+from deltafin.store.fileio import pread_full
+from deltafin.store.safetensors_io import read_header
 
 ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -50,6 +51,9 @@ class Checkpoint:
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{path}: checkpoint directory not found; pass the folder holding config.json")
         self.config = self._read_json("config.json")
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{os.path.join(self.path, 'config.json')}: a JSON {type(self.config).__name__}, not "
+                                  f"an object; a Hugging Face config.json is an object of settings: re-download it")
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self.weight_map, self.total_size = self._read_index()
 
@@ -74,7 +78,7 @@ class Checkpoint:
                         doc = json.load(f)
                 else:
                     doc = self._read_json(idx)
-                return dict(doc["weight_map"]), doc.get("metadata", {}).get("total_size")
+                return _check_index(self.path, p, doc)
         single = os.path.join(self.path, "model.safetensors")
         if os.path.exists(single):
             return {n: "model.safetensors" for n in self._header("model.safetensors")}, None
@@ -95,19 +99,8 @@ class Checkpoint:
         p = os.path.join(self.path, shard)
         if not os.path.exists(p):
             raise CheckpointError(f"{p}: shard missing (named in the index); download it, then re-run")
-        with open(p, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            try:
-                doc = json.loads(f.read(n))
-            except ValueError as e:
-                raise CheckpointError(f"{p}: corrupt safetensors header ({e}); re-download this shard") from e
-        base = 8 + n
-        out = {}
-        for name, d in doc.items():
-            if name == "__metadata__":
-                continue
-            a, b = d["data_offsets"]
-            out[name] = TensorInfo(name, shard, d["dtype"], tuple(d["shape"]), base + a, b - a)
+        entries, _, _ = read_header(p, CheckpointError, "re-download this shard")
+        out = {name: TensorInfo(name, shard, e.dtype, e.shape, e.offset, e.nbytes) for name, e in entries.items()}
         self._headers[shard] = out
         return out
 
@@ -135,6 +128,24 @@ class Checkpoint:
         return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape(ti.shape)
 
 
+def _check_index(root: str, p: str, doc) -> tuple[dict[str, str], int | None]:
+    """The index's weight map, every shard a plain file name inside the checkpoint folder."""
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(f"{p}: no weight_map object; the index is corrupt: re-download it")
+    real = os.path.realpath(root)
+    for name, shard in wm.items():
+        bad = not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/")
+        if not bad:
+            bad = os.path.commonpath([real, os.path.realpath(os.path.join(real, shard))]) != real
+        if bad:
+            raise CheckpointError(f"{p}: tensor {name} names shard {shard!r}, which is not a file inside {root}; the "
+                                  f"index is corrupt or hostile: re-download it")
+    meta = doc.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    return dict(wm), total if isinstance(total, int) else None
+
+
 def read_row(ckpt: Checkpoint, name: str, i: int) -> torch.Tensor:
     """Row ``i`` along dim 0 of a stacked tensor (e.g. one expert of gpt-oss's [E, ...] tensors)."""
     ti = ckpt.info(name)
@@ -143,20 +154,38 @@ def read_row(ckpt: Checkpoint, name: str, i: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape(ti.shape[1:])
 
 
-def read_into(ckpt: Checkpoint, name: str, out: memoryview, row: int | None = None) -> None:
-    """Copy a tensor's bytes (or row ``row`` along dim 0) straight into ``out`` (no intermediate buffer)."""
+def read_rows(ckpt: Checkpoint, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) along dim 0: a big tensor is converted a block of rows at a time."""
     ti = ckpt.info(name)
-    size = ti.nbytes if row is None else ti.nbytes // ti.shape[0]
-    off = ti.offset + (0 if row is None else row * size)
+    if ti.dtype not in ST_DTYPES:
+        raise CheckpointError(f"{ti.shard}: tensor {name} has unsupported dtype {ti.dtype}")
+    per_row = ti.nbytes // ti.shape[0] if ti.shape and ti.shape[0] else 0
+    buf = bytearray(per_row * (stop - start))
+    if buf:
+        read_into(ckpt, name, memoryview(buf), (start, stop))
+    return torch.frombuffer(buf, dtype=ST_DTYPES[ti.dtype]).reshape((stop - start, *ti.shape[1:])) if buf else \
+        torch.empty((stop - start, *ti.shape[1:]), dtype=ST_DTYPES[ti.dtype])
+
+
+def read_into(ckpt: Checkpoint, name: str, out: memoryview, row: int | tuple[int, int] | None = None) -> None:
+    """Copy a tensor's bytes (or row ``row`` along dim 0, or rows [a, b)) straight into ``out`` (no
+    intermediate buffer)."""
+    ti = ckpt.info(name)
+    a, b = (0, 1) if row is None else (row, row + 1) if isinstance(row, int) else row
+    per_row = ti.nbytes if row is None else ti.nbytes // ti.shape[0]
+    size, off = per_row * (b - a), ti.offset + per_row * a
     if len(out) != size:
         raise CheckpointError(f"{name}: {size} bytes do not fit a {len(out)}-byte section; the plan is stale")
     p = os.path.join(ckpt.path, ti.shard)
-    fd = os.open(p, os.O_RDONLY)
+    what = name if row is None else f"{name}[{row}]" if isinstance(row, int) else f"{name}[{a}:{b}]"
     try:
-        got = os.preadv(fd, [out], off)
+        fd = os.open(p, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot open ({e.strerror}); download the shard again") from e
+    try:
+        got = pread_full(fd, out, off, p, CheckpointError)
     finally:
         os.close(fd)
     if got != size:
-        what = name if row is None else f"{name}[{row}]"
-        raise CheckpointError(f"{p}: short read of {what} ({got} of {size} bytes); the shard is truncated: "
-                              f"download it again")
+        raise CheckpointError(f"{p}: short read of {what} at offset {off + got:,} ({got:,} of {size:,} bytes); the "
+                              f"shard is truncated: download it again")

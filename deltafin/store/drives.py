@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -37,8 +38,8 @@ def parse_drive(arg: str, index: int) -> DriveArg:
             gbps = float(rate)
         except ValueError:
             raise UsageError(f"--drive {arg!r}: read rate {rate!r} is not a number of GB/s (e.g. =6.5)") from None
-        if gbps <= 0:
-            raise UsageError(f"--drive {arg!r}: read rate must be positive GB/s")
+        if not math.isfinite(gbps) or gbps <= 0:
+            raise UsageError(f"--drive {arg!r}: read rate {rate!r} must be a finite, positive number of GB/s (e.g. =6.5)")
     return DriveArg(label, os.path.abspath(spec), gbps)
 
 
@@ -64,31 +65,89 @@ def ensure_writable(path: str, label: str) -> None:
         raise DriveError(f"drive {label} ({path}) is not writable: {e.strerror}; check the mount and permissions") from e
 
 
-def free_bytes(path: str) -> int:
-    p = path
+def _existing(path: str) -> str:
+    p = os.path.abspath(path)
     while not os.path.exists(p):
         p = os.path.dirname(p)
-    return shutil.disk_usage(p).free
+    return p
+
+
+def free_bytes(path: str) -> int:
+    return shutil.disk_usage(_existing(path)).free
+
+
+def filesystem(path: str) -> int:
+    """The device id of the filesystem that holds ``path`` (or would, once created)."""
+    return os.stat(_existing(path)).st_dev
+
+
+def mount_point(path: str) -> str:
+    p = os.path.realpath(_existing(path))
+    dev = os.stat(p).st_dev
+    while p != os.path.dirname(p) and os.stat(os.path.dirname(p)).st_dev == dev:
+        p = os.path.dirname(p)
+    return p
+
+
+def require_drives(drives: list[DriveArg], create: bool, plan: bool = False) -> None:
+    """Every --drive must be an existing, writable folder, so that a mistyped or unmounted path is never
+    packed into (it would fill whatever disk holds its parent). ``create`` makes missing ones (not for a plan)."""
+    for d in drives:
+        if os.path.exists(d.path) and not os.path.isdir(d.path):
+            raise DriveError(f"drive {d.label}: {d.path} is a file, not a folder; give the drive's folder")
+        if not os.path.isdir(d.path):
+            if not create:
+                raise DriveError(f"drive {d.label}: {d.path} does not exist; is the drive mounted? Give an existing "
+                                 f"folder, or pass --create to make it (on {mount_point(d.path)})")
+            if not plan:
+                ensure_writable(d.path, d.label)
+        elif not plan:
+            ensure_writable(d.path, d.label)
+        elif not os.access(d.path, os.W_OK):
+            raise DriveError(f"drive {d.label}: {d.path} is not writable; check the mount and permissions")
+
+
+def shared_filesystems(drives: list[DriveArg]) -> list[list[DriveArg]]:
+    """Groups of two or more drives that are folders on one filesystem (one device: shared space and speed)."""
+    groups: dict[int, list[DriveArg]] = {}
+    for d in drives:
+        groups.setdefault(filesystem(d.path), []).append(d)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def shared_warning(group: list[DriveArg]) -> str:
+    return (f"drives {', '.join(d.label for d in group)} are folders on one filesystem ({mount_point(group[0].path)}): "
+            f"they share its free space and read rate, which count once; for more speed use separate drives")
 
 
 def _size(n: int) -> str:
-    return f"{n:,} bytes ({n / 1e9:,.2f} GB)" if n >= 1e7 else f"{n:,} bytes"
+    from deltafin import fmt
+
+    return f"{n:,} bytes ({fmt.size(n)})" if n >= 1e7 else f"{n:,} bytes"
 
 
 def check_space(needs: dict[str, tuple[str, int]]) -> None:
-    """needs: label -> (path, bytes still to write). Raises naming every drive that is short."""
-    short = []
+    """needs: label -> (path, bytes still to write). Drives that are folders on one filesystem are checked
+    together against its free space, counted once. Raises naming every filesystem that is short."""
+    by_fs: dict[int, list[tuple[str, str, int]]] = {}
     for label, (path, need) in needs.items():
-        have = free_bytes(path)
+        by_fs.setdefault(filesystem(path), []).append((label, path, need))
+    short = []
+    for group in by_fs.values():
+        need, have = sum(n for _, _, n in group), min(free_bytes(path) for _, path, _ in group)
         if need > have:
-            short.append(f"drive {label} ({path}) needs {_size(need)}, has {_size(have)} free")
+            who = (f"drive {group[0][0]} ({group[0][1]})" if len(group) == 1 else
+                   f"drives {', '.join(lb for lb, _, _ in group)} (one filesystem, {mount_point(group[0][1])})")
+            short.append(f"{who} needs {_size(need)}, has {_size(have)} free")
     if short:
         raise NotEnoughSpaceError("not enough space: " + "; ".join(short) + ". Free space, add drives, or give "
                                   "faster drives a smaller share")
 
 
-def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int = 8) -> float:
-    """Direct-read rate of the drive holding ``path``: write a probe file, read it back with O_DIRECT."""
+def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int = 8, progress=None) -> float:
+    """Direct-read rate of the drive holding ``path``: write a probe file, read it back with O_DIRECT.
+    ``progress(nbytes)`` is told of every write and read (2 x ``nbytes`` in all)."""
+    progress = progress or (lambda n: None)
     ensure_writable(path, label)
     f = os.path.join(path, f".deltafin-probe-{os.getpid()}")
     chunk = os.urandom(1 << 20) * (PROBE_READ >> 20)
@@ -96,6 +155,7 @@ def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int
         with open(f, "wb") as fh:
             for _ in range(nbytes // len(chunk)):
                 fh.write(chunk)
+                progress(len(chunk))
             fh.flush()
             os.fsync(fh.fileno())
         reader = FileDriveReader(label, path)
@@ -104,7 +164,12 @@ def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int
 
         def work(i: int) -> int:
             buf = bufs[i % depth]
-            return sum(reader.read_into(f, off, buf) for off in offsets[i::depth])
+            got = 0
+            for off in offsets[i::depth]:
+                n = reader.read_into(f, off, buf)
+                progress(n)
+                got += n
+            return got
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(depth) as ex:
@@ -116,3 +181,18 @@ def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int
             os.unlink(f)
         except OSError:
             pass
+
+
+def measured_rates(drives: list[DriveArg]) -> dict[str, float]:
+    """label -> GB/s from one probe per filesystem, split equally over the folders that share it."""
+    groups: dict[int, list[DriveArg]] = {}
+    for d in drives:
+        groups.setdefault(filesystem(d.path), []).append(d)
+    from deltafin.progress import bar
+
+    out = {}
+    for group in groups.values():
+        with bar(2 * PROBE_BYTES, f"measuring drive {group[0].label}") as b:
+            gbps = probe_read_gbps(group[0].path, group[0].label, progress=b.update)
+        out |= {d.label: gbps / len(group) for d in group}
+    return out

@@ -13,6 +13,7 @@ checksum is recorded in the model manifest, not in the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -26,6 +27,7 @@ import xxhash
 from deltafin.errors import ExpertChecksumError, ExpertFileError
 from deltafin.io.direct import ALIGN, align_up
 from deltafin.quant.record import QTensor
+from deltafin.store.fileio import write_error, write_full
 
 MAGIC = b"DFX1"
 VERSION = 1
@@ -229,26 +231,36 @@ def write_tmp(path: str, data: bytes | memoryview, direct: bool = False, sync: b
     With ``sync=False`` the caller makes the data durable (one flush for a batch) before renaming.
     """
     d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     fd = None
-    if direct and hasattr(os, "O_DIRECT") and len(data) % ALIGN == 0:
-        try:
-            fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
-        except OSError:
-            fd = None
-    if fd is None:
-        fd = os.open(tmp, flags, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        os.makedirs(d, exist_ok=True)
+        if direct and hasattr(os, "O_DIRECT") and len(data) % ALIGN == 0:
+            try:
+                fd = os.open(tmp, flags | os.O_DIRECT, 0o644)
+            except OSError:
+                fd = None
+        if fd is None:
+            fd = os.open(tmp, flags, 0o644)
+    except OSError as e:
+        raise write_error(e, tmp, "creating the file") from e
+    try:
+        write_full(fd, memoryview(data), path)
         if sync:
-            os.fsync(fd)
-    finally:
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise write_error(e, path, "flushing to the drive") from e
+    except BaseException:  # a full disk or Ctrl-C: no partial file stays behind
         os.close(fd)
+        fd = None
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
     return tmp
 
 

@@ -6,7 +6,9 @@ from deltafin.store.model_dir import PackedModel
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.2f} MB"
+    from deltafin import fmt
+
+    return fmt.size(n)
 
 
 def model_summary(model: PackedModel) -> dict:

@@ -11,6 +11,7 @@ the expert it holds, so two layouts never disagree about what a file under one n
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -79,11 +80,12 @@ def validate(doc: dict, where: str) -> dict:
     for k in ("layers", "num_experts", "layouts", "locations", "checksums"):
         if k not in ex:
             raise ManifestError(f"{where}: manifest experts section is missing {k!r}; repack the model")
+    _check_types(doc, where)
     if not isinstance(doc["drives"], list) or not doc["drives"]:
         raise ManifestError(f"{where}: manifest drives must be a non-empty list; repack the model")
     for d in doc["drives"]:
         if not (isinstance(d, dict) and isinstance(d.get("label"), str) and isinstance(d.get("path"), str)
-                and isinstance(d.get("gbps"), int | float) and d["gbps"] > 0):
+                and _number(d.get("gbps")) and 0 < d["gbps"] < math.inf):
             raise ManifestError(f"{where}: drive entry {d!r} needs a label, a path and a read rate gbps > 0; "
                                 f"repack the model")
     labels = [d["label"] for d in doc["drives"]]
@@ -108,6 +110,68 @@ def validate(doc: dict, where: str) -> dict:
 
         check_ranks(ex, labels, where)
     return doc
+
+
+MAX_FILE_BYTES = 1 << 36  # 64 GiB: far past any expert file, short of sizes no reader can allocate
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _bad(where: str, field: str, v, need: str) -> ManifestError:
+    return ManifestError(f"{where}: field {field} = {json.dumps(v)[:80]} must be {need}; the manifest is damaged: "
+                         f"repack the model (or restore {MANIFEST} from a backup)")
+
+
+def _int_field(where: str, field: str, v, lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise _bad(where, field, v, f"an integer >= {lo}" + (f" and <= {hi:,}" if hi is not None else ""))
+    return v
+
+
+def _check_types(doc: dict, where: str) -> None:
+    """One schema for every field the readers use: type, sign and range, named by its path on failure."""
+    for k in ("family", "config"):
+        if not isinstance(doc[k], str) or not doc[k]:
+            raise _bad(where, k, doc[k], "a non-empty string")
+    ex, tr = doc["experts"], doc["trunk"]
+    layers = ex["layers"]
+    if not isinstance(layers, list) or len(set(map(str, layers))) != len(layers):
+        raise _bad(where, "experts.layers", layers, "a list of distinct layer numbers")
+    for i, L in enumerate(layers):
+        _int_field(where, f"experts.layers[{i}]", L)
+    n = _int_field(where, "experts.num_experts", ex["num_experts"], 1)
+    for k in ("layouts", "locations", "checksums"):
+        if not isinstance(ex[k], dict):
+            raise _bad(where, f"experts.{k}", ex[k], "an object keyed by layer")
+    for L in layers:
+        lay = ex["layouts"].get(str(L))
+        if not isinstance(lay, dict):
+            raise _bad(where, f"experts.layouts.{L}", lay, "an object with file_bytes")
+        fb = _int_field(where, f"experts.layouts.{L}.file_bytes", lay.get("file_bytes"), 4096, MAX_FILE_BYTES)
+        if fb % 4096:
+            raise _bad(where, f"experts.layouts.{L}.file_bytes", fb, "a multiple of 4096")
+        sums = ex["checksums"].get(str(L))
+        if not isinstance(sums, list) or len(sums) != n or not all(isinstance(c, str) and _HEX16.fullmatch(c)
+                                                                  for c in sums):
+            raise _bad(where, f"experts.checksums.{L}", "...", f"a list of {n} xxh3-64 hex checksums")
+    if not isinstance(tr, dict) or not isinstance(tr.get("tensors"), dict):
+        raise _bad(where, "trunk.tensors", tr.get("tensors") if isinstance(tr, dict) else tr, "an object")
+    for name, t in tr["tensors"].items():
+        if not (isinstance(t, dict) and isinstance(t.get("file"), str) and isinstance(t.get("format"), str)
+                and isinstance(t.get("shape"), list)):
+            raise _bad(where, f"trunk.tensors.{name}", t, "an object with file, format and shape")
+        for i, x in enumerate(t["shape"]):
+            _int_field(where, f"trunk.tensors.{name}.shape[{i}]", x)
+    files = tr.get("files") or {}
+    if not isinstance(files, dict):
+        raise _bad(where, "trunk.files", files, "an object")
+    for rel, rec in files.items():
+        if not (isinstance(rec, dict) and isinstance(rec.get("xxh3"), str) and _HEX16.fullmatch(rec["xxh3"])):
+            raise _bad(where, f"trunk.files.{rel}", rec, "an object with bytes and an xxh3 checksum")
+        _int_field(where, f"trunk.files.{rel}.bytes", rec.get("bytes"), 8)
 
 
 def _check_stripe(ex: dict, L: str, st, ndrives: int, where: str) -> None:

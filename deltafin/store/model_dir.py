@@ -144,19 +144,9 @@ class PackedModel:
             ef.check(data, self.checksum(layer, expert), where, "run 'deltafin verify' and repack the bad experts")
         return ef.decode(memoryview(data), where=where)
 
-    def trunk_records(self) -> dict[str, QTensor]:
-        """Every trunk tensor as a record (int8 stays int8 with its scales)."""
-        from safetensors import safe_open
+    def trunk_records(self, progress=None) -> dict[str, QTensor]:
+        """Every trunk tensor as a record (int8 stays int8 with its scales); a damaged file is named;
+        ``progress(nbytes)`` after each file."""
+        from deltafin.store.trunk import load_records
 
-        tensors = self.doc["trunk"]["tensors"]
-        by_file: dict[str, list[str]] = {}
-        for name, meta in tensors.items():
-            by_file.setdefault(meta["file"], []).append(name)
-        out: dict[str, QTensor] = {}
-        for rel, names in by_file.items():
-            with safe_open(mf.resolve_under(self.path, rel), "pt") as f:
-                for name in names:
-                    meta = tensors[name]
-                    scale = f.get_tensor(name + "#scale") if meta["format"] == "int8" else None
-                    out[name] = QTensor(meta["format"], tuple(meta["shape"]), f.get_tensor(name), scale)
-        return out
+        return load_records(self.path, self.doc, progress)

@@ -14,6 +14,7 @@ by read rate; ``stripe-equal``: RAID-0-like). ``deltafin place`` changes it late
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -23,15 +24,19 @@ import threading
 import time
 from dataclasses import dataclass
 
-from safetensors.torch import save_file
-
-from deltafin.errors import CheckpointError, ManifestError, UsageError
+from deltafin.errors import CheckpointError, ExpertFileError, ManifestError, UsageError
 from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.checkpoint import Checkpoint, read_into
-from deltafin.store.convert import check_expert_sources, expert_tensors, passthrough_sections, trunk_tensor
-from deltafin.store.drives import DriveArg, check_space, ensure_writable, probe_read_gbps
+from deltafin.store.convert import (
+    TrunkStream,
+    check_expert_sources,
+    check_mxfp4_scales,
+    expert_tensors,
+    passthrough_sections,
+)
+from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -43,6 +48,8 @@ from deltafin.store.pack_state import (
 from deltafin.store.place import Layout, plan_layout, relpath
 from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
 from deltafin.store.plan import PackPlan, build_plan
+from deltafin.store.safetensors_io import write_streamed
+from deltafin.store.trunk import trunk_intact
 
 log = logging.getLogger(__name__)
 WRITERS = 3  # experts in flight: source reads and encoding overlap the direct writes
@@ -66,6 +73,7 @@ class PackOptions:
     progress: bool = True
     trace: str | None = None  # routing trace (JSONL) for the coactivation and replicas placements
     spare_gb: float | None = None  # replicas: GB per drive for extra copies (default: a tenth of its share)
+    allow_nonfinite: bool = False  # pack NaN/inf weights as they are (refused by default: they are damage)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class PackSummary:
     seconds: float
     peak_rss_bytes: int
     per_drive: dict[str, dict]
+    moved: tuple[int, int] | None = None  # a re-run with new rates or placement: (files copied, files deleted)
 
     @property
     def write_gbps(self) -> float:
@@ -90,16 +99,19 @@ class PackSummary:
 
 def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None = None) -> list[mf.DriveEntry]:
     """Drive entries with rates; no --drive means one drive at OUT/experts. ``known`` holds the rates
-    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured."""
+    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured.
+    Folders on one filesystem are probed once and share its measured rate equally."""
     if not args:
         args = [DriveArg("d0", os.path.join(os.path.abspath(out), "experts"), None)]
-    entries = []
     for a in args:
         ensure_writable(a.path, a.label)
+    rates = measured_rates([a for a in args if a.gbps is None and not (known and a.label in known)])
+    entries = []
+    for a in args:
         if known and a.label in known:
             gbps, measured = float(known[a.label][0]), bool(known[a.label][1])
         else:
-            gbps, measured = (a.gbps, False) if a.gbps is not None else (probe_read_gbps(a.path, a.label), True)
+            gbps, measured = (a.gbps, False) if a.gbps is not None else (rates[a.label], True)
         entries.append(mf.DriveEntry(a.label, a.path, gbps, measured))
     return entries
 
@@ -114,6 +126,9 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
                               f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
     out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"{out}: exists and is not a folder; OUT is the model folder to write: pass a new or "
+                         f"existing folder")
     os.makedirs(out, exist_ok=True)
     prior = _prior_manifest(out)
     if not drive_args and prior is not None:  # a re-run (e.g. --repair) keeps the packed drives
@@ -122,6 +137,10 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         drive_args = [DriveArg("d0", os.path.join(out, "experts"), None)]
     model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
     digest = fingerprint(plan, drive_args, model_id, opts)
+    from deltafin.store.repack import move_to_new_rates, same_files_other_rates
+
+    if same_files_other_rates(out, prior, plan, drive_args, model_id, opts, digest):
+        return move_to_new_rates(out, plan, drive_args, opts, digest)
     state = load_state(out, digest) or state_from_manifest(prior, digest) or new_state(digest)
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
@@ -233,7 +252,7 @@ class _Job:
         check_space(need)
 
     def write_all(self) -> None:
-        from tqdm import tqdm
+        from deltafin.progress import bar as progress_bar
 
         groups: dict = {}
         for t in self.plan.trunk:
@@ -242,8 +261,7 @@ class _Job:
         layers = sorted({g for g in groups if g != "global"} | set(self.plan.moe_layers))
         total = self.plan.expert_bytes + self.plan.trunk_bytes
         try:
-            with tqdm(total=total, unit="B", unit_scale=True, desc="pack", disable=not self.opts.progress,
-                      dynamic_ncols=True) as bar:
+            with progress_bar(total, "pack", enabled=self.opts.progress) as bar:
                 for L in layers:
                     if L in groups:
                         self._write_trunk(L, bar)
@@ -255,26 +273,33 @@ class _Job:
             self._save_state(force=True)
 
     def _write_trunk(self, group, bar) -> None:
+        """One trunk file, streamed a block of rows at a time: memory holds a block, not the tensors."""
         entries = self.trunk_groups[group]
         bar.update(sum(t.out_bytes for t in entries))
         rel = _trunk_file(group)
-        if rel in self.state["trunk"]:
-            return
-        tensors = {}
-        for t in entries:
-            q = trunk_tensor(self.ckpt, t)
-            tensors[t.name] = q.data.contiguous()
-            if q.scale is not None:
-                tensors[t.name + "#scale"] = q.scale.contiguous()
         full = os.path.join(self.out, rel)
+        if rel in self.state["trunk"]:
+            if not self.opts.repair or trunk_intact(full, self.state["trunk_files"].get(rel)):
+                return
+            self.repaired += 1
+        streams = {s[0]: ts for ts in (TrunkStream(self.ckpt, t, self.opts.allow_nonfinite) for t in entries)
+                   for s in ts.specs}
+        specs = [s for ts in dict.fromkeys(streams.values()) for s in ts.specs]
         os.makedirs(os.path.dirname(full), exist_ok=True)
         tmp = full + f".tmp-{os.getpid()}"
-        save_file(tensors, tmp, metadata={"format": "deltafin-trunk"})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            size, digest = write_streamed(tmp, specs, lambda name: streams[name].chunks(name),
+                                          {"format": "deltafin-trunk"})
+        except BaseException:  # a full disk, bad weights or Ctrl-C: no partial file stays behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.replace(tmp, full)
-        self.bytes_written += os.path.getsize(full)
-        self.state["trunk"].append(rel)
+        ef.fsync_dir(os.path.dirname(full))
+        self.bytes_written += size
+        if rel not in self.state["trunk"]:
+            self.state["trunk"].append(rel)
+        self.state["trunk_files"][rel] = {"bytes": size, "xxh3": digest}
         self._save_state(force=True)
 
     def _write_layer(self, L: int, bar) -> None:
@@ -309,7 +334,9 @@ class _Job:
 
     def _intact(self, L: int, e: int, digest: str) -> bool:
         files = [f[1] for f in self.files(L, e)]
-        if not all(os.path.exists(p) for p in files):
+        for p in files:
+            _check_not_folder(p)
+        if not all(os.path.isfile(p) for p in files):
             return False
         # a striped expert's pieces are checked together: only the whole expert has a checksum
         for group in ([files] if L in self.layout.stripe else [[p] for p in files]):
@@ -327,16 +354,19 @@ class _Job:
         try:
             sources = passthrough_sections(self.plan, L, e)
             if sources is None:
-                data = ef.encode_into(expert_tensors(self.ckpt, self.plan, L, e), L, e, buf)
+                data = ef.encode_into(expert_tensors(self.ckpt, self.plan, L, e, self.opts.allow_nonfinite), L, e, buf)
             else:  # released bytes: read straight into place, one copy
                 data = buf[: layout.file_bytes]
                 ef.header_into(layout, L, e, data)
                 secs = [sec for t in layout.tensors for sec in t.sections]
                 for sec, (name, row) in zip(secs, sources, strict=True):
                     read_into(self.ckpt, name, data[sec.offset : sec.offset + sec.nbytes], row)
+                    if sec.kind == "scale" and not self.opts.allow_nonfinite and layout_format(layout, sec) == "mxfp4":
+                        check_mxfp4_scales(data[sec.offset : sec.offset + sec.nbytes], name, row)
             assert len(data) == layout.file_bytes
             moves = []
             for _d, final, off, nbytes in self.files(L, e):
+                _check_not_folder(final)
                 moves.append((ef.write_tmp(final, data[off : off + nbytes], direct=True, sync=False), final))
                 with self._lock:
                     self.bytes_written += nbytes
@@ -375,7 +405,8 @@ class _Job:
                        "placement": self.opts.placement}
             | ({"trace": os.path.abspath(self.opts.trace), "spare_gb": self.opts.spare_gb} if self.opts.trace else {}),
             "config": "config.json",
-            "trunk": {"bytes": plan.trunk_bytes, "default": self.opts.trunk, "tensors": trunk},
+            "trunk": {"bytes": plan.trunk_bytes, "default": self.opts.trunk, "tensors": trunk,
+                      "files": {rel: self.state["trunk_files"][rel] for rel in sorted(self.state["trunk_files"])}},
             "experts": {
                 "layers": plan.moe_layers,
                 "num_experts": plan.num_experts,
@@ -388,6 +419,17 @@ class _Job:
                        for d in self.drives],
             "skipped": len(plan.skipped),
         }
+
+
+def layout_format(layout: ef.ExpertLayout, sec: ef.Section) -> str:
+    return next(t.format for t in layout.tensors if sec in t.sections)
+
+
+def _check_not_folder(path: str) -> None:
+    """Something other than a file under an expert's name is never replaced: it may be someone's data."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ExpertFileError(f"{path}: is a folder or special file, not an expert file; move it out of the way "
+                              f"and re-run the same command")
 
 
 def _read(path: str) -> bytes:

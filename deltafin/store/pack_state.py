@@ -29,7 +29,8 @@ def fingerprint(plan: PackPlan, drives: list[DriveArg], model_id: str, opts) -> 
 
 
 def new_state(digest: str) -> dict:
-    return {"fingerprint": digest, "experts": {}, "trunk": [], "locations": None, "stripe": {}, "drives": None}
+    return {"fingerprint": digest, "experts": {}, "trunk": [], "trunk_files": {}, "locations": None, "stripe": {},
+            "drives": None}
 
 
 def load_state(out: str, digest: str) -> dict | None:
@@ -58,6 +59,7 @@ def state_from_manifest(prior: dict | None, digest: str) -> dict | None:
         "fingerprint": digest,
         "experts": {str(L): {str(e): c for e, c in enumerate(ex["checksums"][str(L)])} for L in ex["layers"]},
         "trunk": sorted({t["file"] for t in prior["trunk"]["tensors"].values()}),
+        "trunk_files": dict(prior["trunk"].get("files") or {}),
         "locations": {str(L): ex["locations"][str(L)] for L in ex["layers"]},
         "stripe": ex.get("stripe") or {},  # 'deltafin place' may have changed the layout since
         "placement": ex.get("placement", "bandwidth"),

@@ -8,11 +8,14 @@ change of layout is a set difference per expert: for whole files it is exactly `
 
 ``deltafin place`` is crash-safe and idempotent:
   1. journal: ``place-journal.json`` in the model folder records the old and the new layout;
-  2. copy: each file the new layout adds is built from the old layout's bytes (checked against the
-     expert's checksum), written under a temporary name on its drive, fsynced, renamed, and its folder
-     fsynced; a file already under its final name (an interrupted run) is kept only if its bytes match;
+  2. copy: for every expert whose files change, each file of its new layout is built from the old layout's
+     bytes (checked against the expert's checksum, every old copy tried), written under a temporary name on
+     its drive, fsynced, renamed, and its folder fsynced; a file already under its final name (kept from the
+     old layout, or left by an interrupted run) is kept only if its bytes match, else rewritten; then every
+     file of the new layout is read back from its drive and checked against the expert's checksum;
   3. commit: the manifest is rewritten atomically with the new layout;
-  4. delete: files of the old layout the new one does not use are deleted, then the journal.
+  4. delete: files of the old layout the new one does not use are deleted (an expert's old files only once
+     its new files have been read back and checked: a resumed run checks them first), then the journal.
 Re-running after an interruption at any point first finishes the journaled change.
 """
 
@@ -27,7 +30,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from deltafin.errors import DeltafinError, ExpertChecksumError, ManifestError, UsageError
-from deltafin.io.direct import FileDriveReader
+from deltafin.io.direct import FileDriveReader, aligned_buffer
 from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
@@ -160,6 +163,7 @@ class PlaceReport:
     files_copied: int = 0
     bytes_copied: int = 0
     files_kept: int = 0  # already in place (unchanged, or finished by an interrupted run)
+    files_verified: int = 0  # files of the new layout read back and checked before any old copy was deleted
     files_deleted: int = 0
     bytes_deleted: int = 0
     experts_changed: int = 0
@@ -214,7 +218,7 @@ def resume(model_dir: str, drive_map: dict[str, str] | None = None, progress: bo
     log.warning("%s: finishing an interrupted placement change to %r", model_dir, new.policy)
     if now.same_files(new):  # committed: only old files are left to delete
         _remove_tmp(pm)
-        _delete_old(pm, old, new, PlaceReport(new.policy))
+        _delete_old(pm, old, new, PlaceReport(new.policy), set())
         _remove_journal(pm)
     elif now.same_files(old):
         apply_layout(pm, new, progress=progress)
@@ -237,9 +241,9 @@ def apply_layout(pm: PackedModel, new: Layout, *, progress: bool = False) -> Pla
     _check_space(pm, old, new)
     mf.write_json_atomic(os.path.join(pm.path, JOURNAL),
                          {"format": "deltafin-place-journal", "version": 1, "old": old.to_doc(), "new": new.to_doc()})
-    _copy_new(pm, old, new, rep, progress)
+    checked = _copy_new(pm, old, new, rep, progress)
     _commit(pm, new)
-    _delete_old(pm, old, new, rep)
+    _delete_old(pm, old, new, rep, checked)
     _remove_journal(pm)
     rep.per_drive = _per_drive(pm, new)
     return rep
@@ -293,15 +297,19 @@ def _remove_tmp(pm: PackedModel) -> None:
                         os.unlink(os.path.join(folder, name))
 
 
-def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progress: bool) -> None:
-    from tqdm import tqdm
+def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progress: bool) -> set[tuple[int, int]]:
+    """Every changed expert's new files, installed and read back; returns the experts checked."""
+    from deltafin.progress import bar as progress_bar
 
-    jobs = [(L, e, add) for L, e, add, _drop in _changes(pm, old, new) if add]
-    rep.experts_changed = sum(1 for _ in _changes(pm, old, new))
+    # every file of the new layout, kept ones too: a kept copy may be the damaged one, and the good copy
+    # is about to be deleted (it is rewritten from a good copy instead)
+    jobs = [(L, e, sorted(new.files(L, e, pm.file_bytes(L)))) for L, e, _add, _drop in _changes(pm, old, new)]
+    rep.experts_changed = len(jobs)
+    checked: set[tuple[int, int]] = set()
     readers = [FileDriveReader(d.label, d.path) for d in pm.drives]
     buffers, lock, stop = BufferPool(), threading.Lock(), threading.Event()
     total = sum(key[2] for _L, _e, add in jobs for key in add)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="place", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total, "place", enabled=progress) as bar:
 
         def one(job) -> None:
             if stop.is_set():
@@ -320,6 +328,10 @@ def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progr
                         bar.update(key[2])
                 for folder in {os.path.dirname(_path(pm, L, e, key)) for key in add}:
                     ef.fsync_dir(folder)
+                _check_new(pm, new, L, e, readers, buf[:n])
+                with lock:
+                    rep.files_verified += len(add)
+                    checked.add((L, e))
             finally:
                 buffers.put(buf)
 
@@ -334,6 +346,22 @@ def _copy_new(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, progr
             except BaseException:  # Ctrl-C too: experts not started are skipped, the journal stays
                 stop.set()
                 raise
+    return checked
+
+
+def _check_new(pm: PackedModel, new: Layout, L: int, e: int, readers, buf: memoryview) -> None:
+    """Read every file of the expert's new layout back from its drive and check the expert's checksum
+    (a striped expert's pieces together); a bad one stops the change before anything is deleted."""
+    files = sorted(new.files(L, e, len(buf)))
+    for group in ([files] if new.stripe.get(L) else [[f] for f in files]):
+        paths = [_path(pm, L, e, key) for key in group]
+        for key, path in zip(group, paths, strict=True):
+            got = readers[key[0]].read_into(path, 0, buf[key[1] : key[1] + key[2]])
+            if got != key[2]:
+                raise ExpertChecksumError(f"{path}: read back {got} of {key[2]} bytes after writing it; the drive "
+                                          f"lost data: nothing was deleted; check the drive and place again")
+        ef.check(buf, pm.checksum(L, e), ", ".join(paths), "read back after writing it: the drive returns other "
+                 "bytes than were written; nothing was deleted; check the drive and place again")
 
 
 def _read_verified(pm: PackedModel, old: Layout, L: int, e: int, readers, buf: memoryview) -> memoryview:
@@ -380,9 +408,19 @@ def _commit(pm: PackedModel, new: Layout) -> None:
     pm._stripes.clear()
 
 
-def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport) -> None:
+def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, checked: set[tuple[int, int]]) -> None:
+    """Delete the old layout's unused files; an expert's only once its new files are known good (``checked``,
+    else read back here: a resumed run deletes nothing it has not checked)."""
     folders = set()
+    readers = [FileDriveReader(d.label, d.path) for d in pm.drives]
     for L, e, _add, drop in _changes(pm, old, new):
+        if drop and (L, e) not in checked:
+            try:
+                _check_new(pm, new, L, e, readers, aligned_buffer(pm.file_bytes(L)))
+            except (OSError, DeltafinError) as err:
+                raise ExpertChecksumError(f"layer {L} expert {e}: its new copy is not good ({err}); its old files "
+                                          f"are kept: run 'deltafin verify', repair, and place again") from err
+            rep.files_verified += len(new.files(L, e, pm.file_bytes(L)))
         for key in drop:
             path = _path(pm, L, e, key)
             if _remove(path):

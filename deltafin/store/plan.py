@@ -13,12 +13,14 @@ from deltafin.errors import CheckpointError, UsageError
 from deltafin.quant import fp8
 from deltafin.store import shapes
 from deltafin.store.checkpoint import Checkpoint
+from deltafin.store.config_check import check_config, check_embedding, check_tokenizer
 from deltafin.store.expert_file import ExpertLayout, layout_for
 from deltafin.store.families import ExpertPart, Family, Skip, resolve
 
 EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
+_SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe")
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
@@ -101,6 +103,9 @@ class _Shapes:
     def on_disk(self, name: str) -> bool:
         return self.ckpt.weight_map[name] in self.present
 
+    def file(self, name: str) -> str:
+        return f"{self.ckpt.path}/{self.ckpt.weight_map[name]}"
+
     def __call__(self, name: str, part: ExpertPart | str) -> tuple[str, tuple[int, ...]]:
         if self.on_disk(name):
             ti = self.ckpt.info(name)
@@ -132,6 +137,9 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
     if trunk not in TRUNK_FORMATS:
         raise UsageError(f"--trunk {trunk!r}: choose one of {', '.join(TRUNK_FORMATS)}")
     family, tc = resolve(ckpt.config)
+    where = f"{ckpt.path}/config.json"
+    cfg = check_config(family.name, tc, where)
+    check_tokenizer(ckpt.path, getattr(cfg, "vocab_size", None))
     shape_of = _Shapes(ckpt, family, tc)
     n_layers = tc.get("num_hidden_layers")
     trunk_names, skipped = [], []
@@ -147,6 +155,8 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
         else:
             trunk_names.append((name, part))
     trunk_entries = _plan_trunk(trunk_names, family, shape_of, trunk)
+    embed = next((t.source for t in trunk_entries if t.name == "model.embed_tokens.weight"), None)
+    check_embedding(shape_of, embed, cfg, where)
     moe_layers = sorted({L for L, _ in grouped})
     num_experts = _num_experts(grouped, moe_layers, shape_of, family)
     roles = {L: _plan_roles(L, grouped, shape_of, experts, family) for L in moe_layers}
@@ -188,8 +198,10 @@ def _check_experts(grouped, moe_layers: list[int], n: int, shape_of: _Shapes, fa
                         dt, s = shape_of(name, ExpertPart(L, e, role, kind))
                         dt0, s0 = ref_shapes[name0]
                         if (dt, tuple(s)) != (dt0, tuple(s0)):
-                            raise CheckpointError(f"{name}: {dt} {list(s)}, expected {dt0} {list(s0)} as {name0}; "
-                                                  f"the checkpoint is inconsistent (corrupt or mixed shards)")
+                            raise CheckpointError(f"{shape_of.file(name)}: {name} is {dt} {list(s)}, expected {dt0} "
+                                                  f"{list(s0)} as {name0}"
+                                                  + (" (transposed)" if tuple(s) == tuple(s0)[::-1] else "")
+                                                  + "; the checkpoint is inconsistent (corrupt or mixed shards)")
             for role, kinds in got.items():
                 for kind, name in kinds.items():
                     if kind not in ref.get(role, {}):
@@ -287,6 +299,13 @@ def _role_source(L: int, role: str, kinds: dict[str, str], shape_of: _Shapes, ex
     dt, s = sh("weight")
     if dt not in _PLAIN_OUT:
         raise CheckpointError(f"{kinds['weight']}: unexpected dtype {dt} for an expert weight")
+    if shape_of.family.name in _SWIGLU_FAMILIES and role in ("gate", "up", "down"):
+        want = shapes.swiglu_expert_shape(role, shape_of.tc)
+        if tuple(s) != want:
+            raise CheckpointError(f"{shape_of.file(kinds['weight'])}: {kinds['weight']} is {list(s)}, but config.json "
+                                  f"makes a {role} expert [out, in] = {list(want)}"
+                                  + (" (the tensor is transposed)" if tuple(s) == want[::-1] else "")
+                                  + "; the checkpoint and its config do not match")
     if dt.startswith("F8") and "weight_scale_inv" not in kinds:
         raise CheckpointError(f"{kinds['weight']}: FP8 expert weight without weight_scale_inv")
     if dt.startswith("F8"):

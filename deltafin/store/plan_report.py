@@ -6,19 +6,37 @@ import os
 
 from deltafin.errors import UsageError
 from deltafin.store.checkpoint import Checkpoint
-from deltafin.store.drives import DriveArg, free_bytes, probe_read_gbps
+from deltafin.store.drives import DriveArg, free_bytes, measured_rates, mount_point
 from deltafin.store.place import plan_layout
 from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
 from deltafin.store.plan import build_plan
 
 
-def _rate(d: DriveArg) -> tuple[float, bool]:
-    if d.gbps is not None:
-        return d.gbps, False
-    if not os.path.isdir(d.path):
-        raise UsageError(f"--drive {d.path}: folder does not exist, so its read rate cannot be measured; "
-                         f"give it as {d.path}=GBPS")
-    return probe_read_gbps(d.path, d.label), True
+def _rates(drives: list[DriveArg]) -> list[tuple[float, bool]]:
+    for d in drives:
+        if d.gbps is None and not os.path.isdir(d.path):
+            raise UsageError(f"--drive {d.path}: folder does not exist, so its read rate cannot be measured; "
+                             f"give it as {d.path}=GBPS")
+    measured = measured_rates([d for d in drives if d.gbps is None])
+    return [(d.gbps, False) if d.gbps is not None else (measured[d.label], True) for d in drives]
+
+
+def _filesystems(drives: list[DriveArg], per_drive: dict[str, dict]) -> dict[str, dict]:
+    """One entry per real filesystem: its free space and read rate counted once, whatever number of drive
+    folders it holds. Its rate: the probe's (split over its folders, so their sum) or the largest one given."""
+    out: dict[str, dict] = {}
+    for d in drives:
+        pd = per_drive[d.label]
+        key = mount_point(d.path)
+        fs = out.setdefault(key, {"drives": [], "free_bytes": free_bytes(d.path), "bytes": 0, "gbps": 0.0,
+                                  "measured": pd["measured"]})
+        fs["drives"].append(d.label)
+        fs["bytes"] += pd["bytes"]
+        fs["gbps"] = fs["gbps"] + pd["gbps"] if pd["measured"] else max(fs["gbps"], pd["gbps"])
+    for fs in out.values():
+        fs["seconds_at_rate"] = fs["bytes"] / (fs["gbps"] * 1e9)
+        fs["fits"] = fs["free_bytes"] >= fs["bytes"]
+    return out
 
 
 def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: str, policy: str) -> dict:
@@ -29,11 +47,11 @@ def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: s
     plan = build_plan(ckpt, experts, trunk)
     if not drives:
         drives = [DriveArg("d0", os.path.abspath("experts"), 1.0)]
-    rates = [_rate(d) for d in drives]
+    rates = _rates(drives)
     specs = [DriveSpec(d.label, r) for d, (r, _) in zip(drives, rates, strict=True)]
     layout = plan_layout({L: plan.layouts[L].file_bytes for L in plan.moe_layers}, plan.num_experts, specs, policy)
     per_drive = {d.label: {"path": d.path, "gbps": r, "measured": m, "files": 0, "bytes": 0,
-                           "free_bytes": free_bytes(d.path) if os.path.exists(os.path.dirname(d.path) or "/") else None}
+                           "exists": os.path.isdir(d.path), "filesystem": mount_point(d.path)}
                  for d, (r, m) in zip(drives, rates, strict=True)}
     for L in plan.moe_layers:
         if L in layout.stripe:  # every expert is one piece per drive
@@ -47,7 +65,7 @@ def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: s
                 per_drive[drives[di].label]["bytes"] += plan.layouts[L].file_bytes
     for d in per_drive.values():
         d["seconds_at_rate"] = d["bytes"] / (d["gbps"] * 1e9)
-        d["fits"] = d["free_bytes"] is None or d["free_bytes"] >= d["bytes"]
+    filesystems = _filesystems(drives, per_drive)
     L0 = plan.moe_layers[0] if plan.moe_layers else None
     return {
         "family": plan.family.name,
@@ -68,27 +86,34 @@ def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: s
         "assigned_tensors": len(ckpt.weight_map) - len(plan.skipped),
         "index_tensors": len(ckpt.weight_map),
         "per_drive": per_drive,
-        "seconds_one_pass": max((d["seconds_at_rate"] for d in per_drive.values()), default=0.0),
+        "filesystems": filesystems,
+        "seconds_one_pass": max((f["seconds_at_rate"] for f in filesystems.values()), default=0.0),
     }
 
 
 def format_plan(r: dict) -> str:
+    from deltafin import fmt
+
     lines = [
         f"plan for {r['model_type']} ({r['family']} family; shapes from {r['shapes_from']})",
         f"  tensors      {r['index_tensors']:,} in the index: {r['assigned_tensors']:,} assigned, "
         f"{r['skipped_tensors']:,} skipped ({', '.join(r['skipped_examples']) or 'none'})",
         f"  experts      {r['expert_files']:,} files ({r['moe_layers']} layers x {r['experts_per_layer']}), "
         f"{r['expert_payload_bytes']:,} B payload / {r['expert_file_bytes']:,} B file each, "
-        f"{r['expert_bytes'] / 1e9:,.2f} GB ({'/'.join(r['expert_formats'])})",
-        f"  trunk        {r['trunk_bytes'] / 1e9:,.2f} GB ({r['trunk_tensors']:,} tensors, "
+        f"{fmt.size(r['expert_bytes'])} ({'/'.join(r['expert_formats'])})",
+        f"  trunk        {fmt.size(r['trunk_bytes'])} ({r['trunk_tensors']:,} tensors, "
         f"{r['trunk_int8_tensors']:,} int8)",
         "  drives:",
     ]
     for label, d in r["per_drive"].items():
-        free = "free unknown" if d["free_bytes"] is None else f"{d['free_bytes'] / 1e9:,.1f} GB free"
-        lines.append(f"    {label:<8} {d['path']}  {d['gbps']:.2f} GB/s{' (measured)' if d['measured'] else ''}  "
-                     f"{d['files']:,} files  {d['bytes'] / 1e9:,.2f} GB  {free}{'' if d['fits'] else '  DOES NOT FIT'}"
-                     f"  {d['seconds_at_rate']:,.0f} s at rate")
-    lines.append(f"  one pass over all experts at the drives' rates: {r['seconds_one_pass']:,.0f} s "
-                 f"(the slowest drive's share / its rate)")
+        lines.append(f"    {label:<8} {d['path']}{'' if d['exists'] else ' (to be created)'}  {fmt.gbps(d['gbps'])}"
+                     f"{' (measured)' if d['measured'] else ''}  {d['files']:,} files  {fmt.size(d['bytes'])}")
+    lines.append("  filesystems (free space and read rate counted once each):")
+    for mount, f in r["filesystems"].items():
+        shared = f"  drives {', '.join(f['drives'])} share it" if len(f["drives"]) > 1 else ""
+        lines.append(f"    {mount}  {fmt.size(f['bytes'])} to write, {fmt.size(f['free_bytes'])} free"
+                     f"{'' if f['fits'] else '  DOES NOT FIT'}  {fmt.gbps(f['gbps'])}  "
+                     f"{fmt.duration(f['seconds_at_rate'])} at rate{shared}")
+    lines.append(f"  one pass over all experts at the drives' rates: {fmt.duration(r['seconds_one_pass'])} "
+                 f"(the slowest filesystem's share / its rate)")
     return "\n".join(lines)

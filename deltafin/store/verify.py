@@ -24,6 +24,7 @@ class VerifyReport:
     bytes: int = 0
     seconds: float = 0.0
     bad: list[tuple[str, str]] = field(default_factory=list)  # (path, problem)
+    trunk_files: int = 0
 
     @property
     def ok(self) -> bool:
@@ -68,6 +69,10 @@ def verify(model: PackedModel, threads: int = 4, on_file: Callable[[int], None] 
                 rep.bad.append((path, problem))
             if on_file:
                 on_file(n)
+    from deltafin.store.trunk import verify_trunk
+
+    rep.trunk_files = len({m["file"] for m in model.doc["trunk"]["tensors"].values()})
+    rep.bad.extend(verify_trunk(model.path, model.doc))
     rep.seconds = time.perf_counter() - t0
     return rep
 

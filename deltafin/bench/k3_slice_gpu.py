@@ -1,0 +1,267 @@
+"""A Kimi K3 slice at the real widths, built in GPU memory: decode and prefill math per layer, extrapolated.
+
+``python -m deltafin.bench.k3_slice_gpu --layers 8 --experts 64 --device cuda --json OUT``. The slice has the
+real K3 widths and layer schedule (layer 0 a dense SiTU MLP; every 4th layer and the last MLA, the others
+KDA; hidden 7168, 96 heads, latent MoE 7168 -> 3584 with 16 of ``--experts`` routed experts of 3072, two
+shared experts), random weights: an int8 trunk as the packer writes it (routers in bf16) and MXFP4 experts
+as released, every expert resident in one GPU slab (the cached case). Each layer is timed on its own with
+device events; the 93-layer figure is layer 0 + 68 KDA MoE layers + 24 MLA MoE layers at the slice's
+per-kind medians, plus the head. The plain torch path (``DELTAFIN_KERNELS=torch``) is timed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from deltafin import k3_tiny
+from deltafin.quant import int8 as q8
+
+K3_LAYERS, K3_MLA = 93, 24  # real schedule: MLA at 4, 8, ..., 92 and 93 (1-based); layer 1 is KDA + dense
+SLICE_TEXT = dict(
+    hidden_size=7168, vocab_size=163840, intermediate_size=33792, num_attention_heads=96, num_key_value_heads=96,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    kda_heads=96, kda_head_dim=128, num_experts_per_token=16, moe_intermediate_size=3072,
+    routed_expert_hidden_size=3584, num_shared_experts=2, attn_res_block_size=12, mla_every=4,
+)
+
+
+class _GpuRand(k3_tiny._Rand):
+    """k3_tiny's random draws, made on the device (the real widths are billions of values)."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.g = torch.Generator(device).manual_seed(seed)
+        self.device = device
+
+    def normal(self, shape, std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=self.g, device=self.device) * std + mean
+
+    def uniform(self, shape, lo: float, hi: float) -> torch.Tensor:
+        return torch.rand(shape, generator=self.g, device=self.device) * (hi - lo) + lo
+
+
+def _record(name: str, t: torch.Tensor):
+    """The packer's trunk rule: 2-D weights int8 (routers kept), everything else as stored."""
+    from deltafin.quant.record import QTensor
+
+    if t.dim() == 2 and min(t.shape) > 1 and not name.endswith("mlp.gate.weight") \
+            and not name.endswith("block_sparse_moe.gate.weight"):
+        q, s = q8.quantize(t)
+        return QTensor("int8", tuple(t.shape), q, s)
+    fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}[t.dtype]
+    return QTensor(fmt, tuple(t.shape), t.contiguous())
+
+
+def build(layers: int, experts: int, device: torch.device, seed: int = 0):
+    """(config, trunk records by packed name) of the slice."""
+    cfg = k3_tiny.tiny_config(**SLICE_TEXT, num_hidden_layers=layers, num_experts=experts)
+    tc = cfg["text_config"]
+    r, d = _GpuRand(seed, device), tc["hidden_size"]
+    kda_layers = set(tc["linear_attn_config"]["kda_layers"])
+    w = {}
+    for L in range(layers):
+        t = k3_tiny._common(r, d)
+        t |= {f"self_attn.{k}": x for k, x in (k3_tiny._kda(r, tc) if L + 1 in kda_layers
+                                                else k3_tiny._mla(r, tc)).items()}
+        if L < tc["first_k_dense_replace"]:
+            t |= {f"mlp.{k}": x for k, x in k3_tiny._glu(r, d, tc["intermediate_size"]).items()}
+        else:
+            lat, E = tc["routed_expert_hidden_size"], tc["num_experts"]
+            moe = {"gate.weight": r.linear(E, d, 2.0), "gate.e_score_correction_bias": r.normal((E,), 0.05),
+                   "routed_expert_down_proj.weight": r.linear(lat, d, 2.0), "routed_expert_norm.weight": r.norm(lat),
+                   "routed_expert_up_proj.weight": r.linear(d, lat)}
+            moe |= {f"shared_experts.{n}": x for n, x in
+                    k3_tiny._glu(r, d, tc["moe_intermediate_size"] * tc["num_shared_experts"]).items()}
+            t |= {f"block_sparse_moe.{k}": x for k, x in moe.items()}
+        for k, x in t.items():
+            w[f"model.layers.{L}.{k}"] = _record(f"model.layers.{L}.{k}", x)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    top = {"model.embed_tokens.weight": r.normal((tc["vocab_size"], d), 1.0).to(torch.bfloat16),
+           "lm_head.weight": r.linear(tc["vocab_size"], d, 4.0), "model.norm.weight": r.norm(d),
+           "model.output_attn_res_norm.weight": r.norm(d),
+           "model.output_attn_res_proj.weight": r.normal((1, d), 0.1).to(torch.bfloat16)}
+    w |= {k: _record(k, x) for k, x in top.items()}
+    return tc, w
+
+
+class SlabExperts:
+    """Every routed expert of the slice resident in one slab (random MXFP4 bytes, scales near 2^0)."""
+
+    def __init__(self, moe_layers: list[int], experts: int, inter: int, lat: int, device: torch.device):
+        from deltafin.kernels.triton_moe import ExpertSlab
+        from deltafin.quant.record import QTensor
+
+        def rec(o, i):
+            return QTensor("mxfp4", (o, i), torch.empty(o, i // 2, dtype=torch.uint8),
+                           torch.empty(o, i // 32, dtype=torch.uint8))
+        ex = {"gate": rec(inter, lat), "up": rec(inter, lat), "down": rec(lat, inter)}
+        self.slab = ExpertSlab(len(moe_layers) * experts, ex, device)
+        for r in ExpertSlab.ROLES:
+            self.slab.data[r].random_(0, 256)
+            self.slab.scale[r].random_(118, 131)
+        self.slot = {(L, e): i * experts + e for i, L in enumerate(moe_layers) for e in range(experts)}
+        self.nbytes = sum(t.nbytes for t in ex.values())
+
+    def fetch(self, layer: int, ids):
+        for e in ids:
+            yield e, self.slab.views(self.slot[(layer, e)])
+
+
+class _HostEvent:
+    """torch.cuda.Event's timing interface on the host clock (the CPU smoke run)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: _HostEvent) -> float:
+        return (other.t - self.t) * 1e3
+
+
+def _layer_times(model, ids: torch.Tensor, state, experts) -> tuple[list[float], float]:
+    """Seconds per layer (attention + MLP) and for embed + head, from device events around each."""
+    ev = [torch.cuda.Event(enable_timing=True) if ids.is_cuda else _HostEvent() for _ in range(model.num_layers + 2)]
+    ev[0].record()
+    x = model.embed(ids)
+    for i in range(model.num_layers):
+        x = model.attn_part(i, x, state)
+        x = model.mlp_part(i, x, experts)
+        ev[i + 1].record()
+    model.head(x)
+    ev[-1].record()
+    state.pos += ids.numel()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    per = [ev[i].elapsed_time(ev[i + 1]) * 1e-3 for i in range(model.num_layers)]
+    return per, ev[-2].elapsed_time(ev[-1]) * 1e-3
+
+
+def _project(tc: dict, per_layer: list[list[float]], head: list[float]) -> dict:
+    """Medians per layer kind -> the 93-layer total."""
+    mla = set(tc["linear_attn_config"]["full_attn_layers"])
+    kinds = {"dense": [0], "kda_moe": [i for i in range(1, len(per_layer[0])) if i + 1 not in mla],
+             "mla_moe": [i for i in range(1, len(per_layer[0])) if i + 1 in mla]}
+    med = {k: statistics.median(s[i] for s in per_layer for i in v) if v else None for k, v in kinds.items()}
+    h = statistics.median(head)
+    total = med["dense"] + (K3_LAYERS - 1 - K3_MLA) * med["kda_moe"] + K3_MLA * (med["mla_moe"] or med["kda_moe"]) + h
+    return {"per_kind_s": med, "head_s": h, "k3_93_layers_s": total}
+
+
+def run_decode(model, tc, experts, tokens: int, warm: int = 3) -> dict:
+    st = model.new_state(tokens + warm + 8)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tc["vocab_size"], (tokens + warm,), generator=g).to(model.device)
+    per, head = [], []
+    for i in range(tokens + warm):
+        p, h = _layer_times(model, ids[i:i + 1], st, experts)
+        if i >= warm:
+            per.append(p)
+            head.append(h)
+    return _project(tc, per, head) | {"tokens": tokens}
+
+
+def run_prefill(model, tc, experts, tokens: int) -> dict:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, tc["vocab_size"], (tokens,), generator=g).to(model.device)
+    warm = model.new_state(64)
+    _layer_times(model, ids[:64], warm, experts)  # compiles the prefill-shaped kernels
+    st = model.new_state(tokens + 8)
+    t0 = time.perf_counter()
+    per, head = _layer_times(model, ids, st, experts)
+    wall = time.perf_counter() - t0
+    out = _project(tc, [per], [head])
+    out |= {"tokens": tokens, "wall_s": wall, "k3_tok_s": tokens / out["k3_93_layers_s"]}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[4096], help="prompt lengths for prefill")
+    ap.add_argument("--torch-steps", type=int, default=3, help="decode steps on the plain torch path")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU (checks this script, not speed)")
+    a = ap.parse_args(argv)
+    run(a, "both")
+    return 0
+
+
+def from_cli(args, mode: str) -> dict:
+    """``deltafin bench decode|prefill --synthetic k3-slice``: the slice with the command's options."""
+    a = argparse.Namespace(layers=args.layers, experts=args.experts, json=args.json, smoke=False,
+                           tokens=args.tokens if mode == "decode" else 0, torch_steps=3 if mode == "decode" else 0,
+                           prefill=[args.prompt] if mode == "prefill" else [])
+    if args.device != "cuda":
+        from deltafin.errors import UsageError
+
+        raise UsageError("--synthetic k3-slice times the CUDA kernels; run it with --device cuda")
+    return run(a, mode)
+
+
+def run(a, mode: str) -> dict:
+    from deltafin.kernels import cuda as kc
+    from deltafin.models import registry
+
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    if a.smoke:
+        SLICE_TEXT.update(k3_tiny.TINY_TEXT, attn_res_block_size=3, vocab_size=300)
+        SLICE_TEXT.pop("num_hidden_layers"), SLICE_TEXT.pop("num_experts")
+    t0 = time.time()
+    tc, w = build(a.layers, a.experts, dev)
+    experts = SlabExperts([L for L in range(1, a.layers)], a.experts, tc["moe_intermediate_size"],
+                          tc["routed_expert_hidden_size"], dev)
+    model = registry.build("kimi_k3", tc, w, dev, torch.bfloat16)
+    res = {"layers": a.layers, "experts": a.experts, "build_s": time.time() - t0,
+           "trunk_bytes": sum(r.nbytes for r in w.values()), "expert_bytes": experts.nbytes}
+    if mode != "prefill":
+        res["decode"] = run_decode(model, tc, experts, a.tokens)
+        res["kernels"] = sorted(kc.USED)
+        before = os.environ.get("DELTAFIN_KERNELS")
+        os.environ["DELTAFIN_KERNELS"] = "torch"
+        res["decode_torch"] = run_decode(model, tc, experts, a.torch_steps, warm=1)
+        os.environ.pop("DELTAFIN_KERNELS")
+        if before is not None:
+            os.environ["DELTAFIN_KERNELS"] = before
+    for T in a.prefill:
+        try:
+            res[f"prefill_{T}"] = run_prefill(model, tc, experts, T)
+        except torch.OutOfMemoryError as e:
+            res[f"prefill_{T}"] = {"error": str(e)[:300]}
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
+    print(f"k3-slice {a.layers} layers, {a.experts} experts (cached), bf16 on {name}")
+    if "decode" in res:
+        _print_decode(res)
+    for T in a.prefill:
+        _print_prefill(T, res[f"prefill_{T}"])
+    return res
+
+
+def _print_decode(res: dict) -> None:
+    d, dt = res["decode"], res["decode_torch"]
+    print("decode per layer kind (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in d["per_kind_s"].items() if v)
+          + f"; head {d['head_s'] * 1e3:.3f}")
+    print(f"decode math per K3 token (93 layers): {d['k3_93_layers_s'] * 1e3:.1f} ms (target <= 60 ms); "
+          f"torch path {dt['k3_93_layers_s'] * 1e3:.0f} ms; kernels {', '.join(res['kernels'])}")
+
+
+def _print_prefill(T: int, p: dict) -> None:
+    if "error" in p:
+        print(f"prefill {T}: {p['error'][:120]}")
+    else:
+        print(f"prefill {T} tokens: {p['k3_tok_s']:.0f} tok/s for the 93-layer model (target >= 1000 at 4096); "
+              "per layer kind (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p["per_kind_s"].items() if v)
+              + f"; 200K-token prompt ~{200_000 / p['k3_tok_s'] / 60:.1f} min of math")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

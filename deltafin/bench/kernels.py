@@ -1,0 +1,162 @@
+"""``deltafin bench kernels``: weight matmuls at Kimi K3's shapes, GB/s of weight bytes beside memory bandwidth.
+
+Cases: one K3 routed expert (MXFP4 gate/up [3072, 3584], down [3584, 3072]; 17.5 MB) at 1 token and a few
+tokens, and the int8 trunk's GEMV shapes (KDA q/k/v/g [12288, 7168], o [7168, 12288], shared experts
+[6144, 7168] and [7168, 6144], latent down [3584, 7168]). Each case cycles over enough copies of its weights
+to overflow the last-level cache, so every byte comes from memory. The limit, measured in the same run before
+and after the cases (the higher is kept): on the CPU the read rate of a sum over a 1 GiB tensor on all
+threads; on CUDA a device-to-device copy (bytes read + written). The plain torch path's figure is beside.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from deltafin.bench.synthetic import K3_INTER, K3_LATENT
+from deltafin.quant.record import QTensor
+
+INT8_SHAPES = [(12288, 7168), (7168, 12288), (6144, 7168), (7168, 6144), (3584, 7168)]
+EXPERT_TOKENS = (1, 4, 32)
+TARGET = 0.5  # achieved / bandwidth at one token
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bandwidth(device: str, gib: float = 1.0, reps: int = 3) -> float:
+    """Best GB/s over ``reps``: a sum over a tensor far larger than the CPU's caches, or a device copy."""
+    n = int(gib * (1 << 30)) // 4
+    a = torch.ones(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a) if device == "cuda" else None
+    best = 0.0
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        if b is None:
+            a.sum()
+        else:
+            b.copy_(a)
+        _sync(device)
+        best = max(best, (1 if b is None else 2) * n * 4 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def _copies(make: Callable[[], list[QTensor]], nbytes: int, cache_bytes: int) -> list[list[QTensor]]:
+    """Enough copies of one case's weights (distinct memory) that cycling over them overflows the caches."""
+    base = make()
+    n = max(2, -(-2 * cache_bytes // nbytes))
+    return [base] + [[QTensor(w.format, w.shape, w.data.clone(), w.scale.clone()) for w in base] for _ in range(n - 1)]
+
+
+def _rate(run: Callable[[list[QTensor]], object], sets: list[list[QTensor]], nbytes: int, device: str,
+          min_s: float) -> float:
+    """GB/s of weight bytes: cycle over the copies until at least ``min_s`` has passed (one warm-up pass)."""
+    run(sets[0])
+    _sync(device)
+    done, t = 0, time.perf_counter()
+    while True:
+        for ws in sets:
+            run(ws)
+            done += 1
+        _sync(device)
+        dt = time.perf_counter() - t
+        if dt >= min_s:
+            return done * nbytes / dt / 1e9
+
+
+def _cache_bytes() -> int:
+    """The last-level cache size (Linux sysfs), or 256 MiB when it cannot be read."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for d in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            with open(f"{base}/{d}/size") as f:
+                s = f.read().strip()
+            best = max(best, int(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1]] if s[-1] in "KM" else int(s))
+        except (OSError, ValueError):
+            continue
+    return best or 256 << 20
+
+
+def _cases(device: str) -> list[tuple[str, int, Callable[[], list[QTensor]]]]:
+    g = torch.Generator().manual_seed(0)
+
+    def mx(out: int, inn: int) -> QTensor:
+        packed = torch.randint(0, 256, (out, inn // 2), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 124, (out, inn // 32), dtype=torch.uint8, generator=g)
+        return QTensor("mxfp4", (out, inn), packed, scales).to(device)
+
+    def i8(out: int, inn: int) -> QTensor:
+        q = torch.randint(-127, 128, (out, inn), dtype=torch.int8, generator=g)
+        return QTensor("int8", (out, inn), q, torch.rand(out, generator=g) / 127).to(device)
+
+    expert = lambda: [mx(K3_INTER, K3_LATENT), mx(K3_INTER, K3_LATENT), mx(K3_LATENT, K3_INTER)]  # noqa: E731
+    cases = [(f"k3 expert mxfp4 x{t} tok", t, expert) for t in EXPERT_TOKENS]
+    cases += [(f"int8 {o}x{i} x1 tok", 1, (lambda o=o, i=i: [i8(o, i)])) for o, i in INT8_SHAPES]
+    return cases
+
+
+def _expert_run(ws: list[QTensor], x: torch.Tensor, xi: torch.Tensor) -> None:
+    from deltafin.kernels import matmul
+
+    if len(ws) == 3:  # gate, up, down: the down projection takes the intermediate width
+        matmul(x, ws[0])
+        matmul(x, ws[1])
+        matmul(xi, ws[2])
+    else:
+        matmul(x, ws[0])
+
+
+def run(args) -> dict:
+    from deltafin import kernels
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        from deltafin.errors import UsageError
+
+        raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
+    bw0 = bandwidth(device)
+    llc = _cache_bytes() if device == "cpu" else 0
+    rows = []
+    for name, T, make in _cases(device):
+        ws0 = make()
+        nbytes = sum(w.nbytes for w in ws0)
+        sets = _copies(lambda ws0=ws0: ws0, nbytes, llc) if llc else [ws0]
+        x = torch.randn(T, ws0[0].shape[1], device=device)
+        xi = torch.randn(T, ws0[-1].shape[1], device=device)
+        with kernels.fast():
+            fast = _rate(lambda ws: _expert_run(ws, x, xi), sets, nbytes, device, args.seconds)
+        ref = _rate(lambda ws: _expert_run(ws, x, xi), sets[:1], nbytes, device, args.seconds / 4)
+        rows.append({"case": name, "tokens": T, "weight_bytes": nbytes, "fused_GBps": fast, "torch_GBps": ref})
+        del sets, ws0
+    bw = max(bw0, bandwidth(device))
+    for r in rows:
+        r["fused_over_bandwidth"] = r["fused_GBps"] / bw
+        r["torch_over_bandwidth"] = r["torch_GBps"] / bw
+    one = [r for r in rows if r["tokens"] == 1]
+    result = {"bench": "kernels", "device": device, "backend": kernels.backend_name(device),
+              "threads": torch.get_num_threads(), "bandwidth_GBps": bw,
+              "bandwidth_GBps_before_after": [bw0, bw], "last_level_cache_bytes": llc, "cases": rows,
+              "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET}
+    _print(result)
+    if args.json:
+        from deltafin.store.manifest import write_json_atomic
+
+        write_json_atomic(args.json, result)
+    return result
+
+
+def _print(r: dict) -> None:
+    print(f"kernels ({r['device']}, backend {r['backend']}, {r['threads']} threads): memory read bandwidth "
+          f"{r['bandwidth_GBps']:.2f} GB/s measured in this run ({'sum over 1 GiB' if r['device'] == 'cpu' else 'device copy'})")
+    for c in r["cases"]:
+        mark = f" (target >= {r['target']})" if c["tokens"] == 1 else ""
+        print(f"  {c['case']:<28} fused {c['fused_GBps']:6.2f} GB/s = {c['fused_over_bandwidth']:.2f} of bandwidth"
+              f"{mark}; plain torch {c['torch_GBps']:6.3f} GB/s = {c['torch_over_bandwidth']:.3f}")
+    print(f"worst one-token case: {r['worst_one_token_fraction']:.2f} of memory bandwidth (target >= {r['target']})")

@@ -1,0 +1,91 @@
+"""One dispatch point for weight matmuls: the exact plain-torch path, or a fused kernel per device and format.
+
+``matmul(x, w)`` (reached through ``models.base.linear``) runs the plain torch path (``torch_ref``) unless the
+caller turned the fast path on for its thread with ``with kernels.fast():`` (the engine does, unless
+``--exact``). On the fast path the backend is chosen by ``x.device.type``: ``cpu`` (compiled C kernels,
+``kernels/cpu.py``) or ``cuda`` (Triton kernels, ``kernels/triton.py``, imported only when Triton imports);
+a backend offers ``{format}_linear(x, data, scale) -> [T, out]`` for the formats it fuses. Anything a
+backend does not cover (plain weights, other formats, a missing backend) takes the torch path, so the fast
+path never refuses a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import logging
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from deltafin.kernels import torch_ref
+from deltafin.quant.record import QTensor
+
+log = logging.getLogger(__name__)
+FUSED_FORMATS = ("mxfp4", "int4g32", "int8")
+_FAST: contextvars.ContextVar[bool] = contextvars.ContextVar("deltafin_fast_kernels", default=False)
+_BACKENDS: dict[str, ModuleType | None] = {}
+
+
+@contextlib.contextmanager
+def fast(enabled: bool = True) -> Iterator[None]:
+    """Within this block (this thread), weight matmuls take the fused kernels where a backend has them."""
+    token = _FAST.set(enabled)
+    try:
+        yield
+    finally:
+        _FAST.reset(token)
+
+
+def fast_enabled() -> bool:
+    return _FAST.get()
+
+
+def _load(device_type: str) -> ModuleType | None:
+    if device_type == "cpu":
+        from deltafin.kernels import cpu
+
+        return cpu if cpu.available() else None
+    if device_type == "cuda":
+        try:
+            importlib.import_module("triton")
+            return importlib.import_module("deltafin.kernels.triton")
+        except ImportError as e:  # no Triton, or no CUDA backend in this build: the torch path runs
+            log.warning("fast CUDA kernels off, the plain torch path runs: %s", e)
+            return None
+    return None
+
+
+def backend(device_type: str) -> ModuleType | None:
+    """The fused-kernel module for a device type, loaded once per process (None: torch path only)."""
+    if device_type not in _BACKENDS:
+        _BACKENDS[device_type] = _load(device_type)
+    return _BACKENDS[device_type]
+
+
+def backend_name(device_type: str) -> str:
+    """What the fast path runs on this device, for stats lines and benchmarks."""
+    be = backend(device_type)
+    return "torch" if be is None else be.__name__.rsplit(".", 1)[-1]
+
+
+def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W^T for a weight record [out, in] in any format; the result is in x's dtype."""
+    if not (isinstance(w, QTensor) and w.format in FUSED_FORMATS and len(w.shape) == 2):
+        return torch_ref.matmul(x, w)
+    from deltafin.kernels import cuda as kc
+
+    if kc.enabled(x):  # bf16 activations on CUDA are the fast path's (float32, the reference, is not)
+        lead = x.shape[:-1]
+        y = kc.linear(x.reshape(-1, x.shape[-1]), w)
+        if y is not None:
+            return y.reshape(*lead, w.shape[0]).to(x.dtype)
+    if _FAST.get():
+        fn = getattr(backend(x.device.type), f"{w.format}_linear", None)
+        if fn is not None:
+            lead = x.shape[:-1]
+            y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
+            return y.reshape(*lead, w.shape[0]).to(x.dtype)
+    return torch_ref.matmul(x, w)

@@ -1,0 +1,89 @@
+"""CPU backend: x [T, in] @ W^T for weights kept in their stored bytes (MXFP4, INT4 group 32, int8 rows).
+
+Up to ``FUSED_TOKENS`` tokens the compiled kernel decodes each weight block in registers and multiplies it into
+every token (never a float copy of the matrix); rows are split over ``torch.get_num_threads()`` threads. For
+more tokens (prefill) a tile of rows is decoded once into a small float32 buffer and multiplied by torch's
+matmul for all tokens. Accumulation is float32 whatever x's dtype; the result is float32 [T, out].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltafin.kernels import native
+from deltafin.quant import int4, mxfp4
+
+FUSED_TOKENS = 8  # from `deltafin bench kernels`: past this the decoded tile + BLAS matmul is faster
+TILE_BYTES = 2 << 20  # decoded float32 rows per tile: about the size of one core's L2
+_E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
+_INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
+_E8M0 = torch.exp2(torch.arange(256, dtype=torch.float64) - 127).to(torch.float32)
+_E8M0[255] = float("nan")  # OCP MX: E8M0 0xFF is NaN
+
+
+def available() -> bool:
+    return native.library() is not None
+
+
+def _x32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).contiguous()
+
+
+def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+        lib=None) -> torch.Tensor:
+    """Legend: T tokens, C inputs, R outputs; packed [R, C/2] bytes (element 2k low nibble of byte k)."""
+    lib = lib or native.library()
+    T, C = x.shape
+    R = packed.shape[0]
+    assert packed.shape[-1] * 2 == C and packed.dtype == torch.uint8 and packed.is_contiguous()
+    nt = torch.get_num_threads()
+    x = _x32(x)
+    if T <= FUSED_TOKENS:
+        xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # [T, C/2]: each nibble lane meets its column
+        out = torch.empty(T, R, dtype=torch.float32)
+        lib.df_q4_mm(kind, packed.data_ptr(), scales.data_ptr(), lut.data_ptr(), _E8M0.data_ptr(), xe.data_ptr(),
+                     xo.data_ptr(), out.data_ptr(), R, C, T, nt)
+        return out
+    rows = max(16, TILE_BYTES // (4 * C))
+    out = torch.empty(T, R, dtype=torch.float32)
+    w = torch.empty(min(rows, R), C, dtype=torch.float32)  # one tile, reused
+    for r0 in range(0, R, rows):
+        n = min(rows, R - r0)
+        lib.df_q4_decode(kind, packed.data_ptr(), scales.data_ptr(), lut.data_ptr(), _E8M0.data_ptr(),
+                         w.data_ptr(), r0, n, C, nt)
+        torch.mm(x, w[:n].T, out=out[:, r0 : r0 + n])
+    return out
+
+
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None) -> torch.Tensor:
+    """x [T, in] @ W^T for MXFP4 W (packed uint8 [out, in/2], E8M0 scales uint8 [out, in/32]) -> float32 [T, out]."""
+    return _q4(0, _E2M1, x, packed.contiguous(), scales.contiguous(), lib)
+
+
+def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None) -> torch.Tensor:
+    """x [T, in] @ W^T for INT4 group-32 W (packed int32 [out, in/8], element i at bits 4i as q + 8; scales
+    [out, in/32]). On a little-endian machine byte k of a row holds elements 2k and 2k+1 in its low and high
+    nibbles, the MXFP4 layout, so the same kernel runs with the int4 table."""
+    assert int4.GROUP == mxfp4.BLOCK
+    bytes_ = packed.contiguous().view(torch.uint8)  # [out, in/2]
+    if scales.dtype == torch.bfloat16:
+        return _q4(1, _INT4, x, bytes_, scales.contiguous(), lib)
+    return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:
+    """x [T, in] @ W^T for W = q [out, in] int8 * s [out] float32 -> float32 [T, out]."""
+    lib = lib or native.library()
+    T, C = x.shape
+    R = q.shape[0]
+    x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
+    if T <= FUSED_TOKENS:
+        out = torch.empty(T, R, dtype=torch.float32)
+        lib.df_i8_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, torch.get_num_threads())
+        return out
+    rows = max(16, TILE_BYTES // (4 * C))
+    out = torch.empty(T, R, dtype=torch.float32)
+    for r0 in range(0, R, rows):
+        w = q[r0 : r0 + rows].to(torch.float32)  # the tile, decoded once for all tokens
+        torch.mm(x, w.T, out=out[:, r0 : r0 + w.shape[0]])
+    return out.mul_(s)

@@ -1,0 +1,69 @@
+"""Where the model code meets the CUDA kernels: which calls take the Triton path, and the grouped MoE step.
+
+The fast path runs for bf16 activations on a CUDA device (the default compute dtype there); float32
+activations keep the plain torch path, the exact reference. ``DELTAFIN_KERNELS=torch`` turns the Triton
+path off (for comparisons); ``DELTAFIN_KERNELS=interpret`` with ``TRITON_INTERPRET=1`` runs it on CPU tensors
+through Triton's interpreter (tests of the wiring on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+LINEAR_FORMATS = ("mxfp4", "int8", "int4g32")
+_ROLES = ("gate", "up", "down")
+# kernels used so far in this process, for the run's stats line
+USED: set[str] = set()
+
+
+def enabled(x: torch.Tensor) -> bool:
+    mode = os.environ.get("DELTAFIN_KERNELS", "triton")
+    on_device = x.is_cuda or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and x.dtype == torch.bfloat16 and mode != "torch"
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor | None:
+    """x @ W^T through a Triton kernel, or None where the plain torch path applies."""
+    if not enabled(x) or getattr(w, "format", None) not in LINEAR_FORMATS or len(w.shape) != 2:
+        return None
+    from deltafin.kernels import triton as K
+
+    USED.add(f"triton:{w.format}_linear")
+    if w.format == "mxfp4":
+        return K.mxfp4_linear(x, w.data, w.scale)
+    if w.format == "int8":
+        return K.int8_linear(x, w.data, w.scale)
+    return K.int4g32_linear(x, w.data, w.scale)
+
+
+def grouped_eligible(x: torch.Tensor, tensors) -> bool:
+    from deltafin.kernels.triton_moe import MOE_FORMATS
+
+    if not enabled(x) or set(tensors) != set(_ROLES):
+        return False
+    fmts = {getattr(tensors[r], "format", None) for r in _ROLES}
+    return len(fmts) == 1 and fmts <= MOE_FORMATS
+
+
+def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetched: Sequence[tuple[int, dict]],
+                glu: tuple, slab=None) -> torch.Tensor:
+    """All of a layer's routed experts in two launches. ``fetched`` holds (expert id, tensors) for every
+    id in ``ids``; experts whose tensors are views into ``slab`` are used in place, the others are copied
+    into a scratch slab first. ``glu`` is ("silu",) or ("situ", beta, linear_beta)."""
+    from deltafin.kernels.triton_moe import ACT_SILU, ACT_SITU, ExpertSlab, grouped_glu
+
+    slot_of = {e: slab.slot_of(t) for e, t in fetched} if slab is not None else {}
+    if slab is None or None in slot_of.values():
+        order = [e for e, _ in fetched]
+        slab = ExpertSlab.stack([t for _, t in fetched], x.device)
+        slot_of = {e: i for i, e in enumerate(order)}
+    table = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
+    for e, s in slot_of.items():
+        table[e] = s
+    slots = table[ids.cpu()]
+    act, beta, lbeta = (ACT_SILU, 4.0, 25.0) if glu[0] == "silu" else (ACT_SITU, float(glu[1]), float(glu[2]))
+    USED.add(f"triton:grouped_{slab.format}")
+    return grouped_glu(x, slots, weights, slab, act, beta, lbeta)

@@ -1,0 +1,108 @@
+"""The compiled CPU kernels (``cpu_kernels.c``): built once per machine with the system C compiler, loaded
+with ctypes.
+
+The library is compiled for this CPU (``-march=native``, AVX-512 where present) on first use, about a second,
+and kept under ``$DELTAFIN_CACHE`` (default ``~/.cache/deltafin``) keyed by the source, the compiler and the
+CPU, so later processes load it at once. Without a C compiler the fast CPU path is off and the plain torch path
+runs (one warning says what to install). ``DELTAFIN_CPU_KERNELS=0`` turns the fast CPU path off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+INSTALL_HINT = ("install a C compiler for the fast CPU kernels (Debian/Ubuntu: apt install gcc; Fedora: dnf "
+                "install gcc; macOS: xcode-select --install), or set CC")
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "df_q4_mm": [_INT, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_q4_decode": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_i8_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_simd_width": [],
+}
+_lock = threading.Lock()
+_loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
+_why: dict[tuple[str, ...], str] = {}
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.processor()}|{flags}"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    return cc if cc and shutil.which(cc) else None
+
+
+def _compile(cc: str, extra: tuple[str, ...], out: Path) -> str | None:
+    """Build into a temp name beside ``out`` and rename (a concurrent build never leaves a half-written library).
+    OpenMP first, then without it (one thread, e.g. Apple clang without libomp). Returns an error or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    err = ""
+    for omp in (("-fopenmp",), ()):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *FLAGS, *omp, *extra, str(SOURCE), "-o", tmp]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode == 0:
+            os.replace(tmp, out)
+            return None
+        os.unlink(tmp)
+        err = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]
+        err = f"{' '.join(cmd)}: {err[0]}"
+    return err
+
+
+def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernels built with ``extra`` compiler flags (tests build the portable variant with
+    ``-mno-avx512f``), or None when they cannot be built here (``why()`` says why)."""
+    with _lock:
+        if extra in _loaded:
+            return _loaded[extra]
+        lib, why = None, ""
+        if os.environ.get("DELTAFIN_CPU_KERNELS", "1") == "0":
+            why = "DELTAFIN_CPU_KERNELS=0"
+        elif (cc := _compiler()) is None:
+            why = f"no C compiler found; {INSTALL_HINT}"
+        else:
+            ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+            key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, ver, _cpu_id(), *FLAGS, *extra]).encode())
+            cache = Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache" / "deltafin")) / "kernels"
+            path = cache / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+            err = None if path.exists() else _compile(cc, extra, path)
+            if err:
+                why = f"building the CPU kernels failed ({err}); {INSTALL_HINT}"
+            else:
+                lib = ctypes.CDLL(str(path))
+                for name, args in _SIGNATURES.items():
+                    getattr(lib, name).argtypes = args
+                lib.df_simd_width.restype = _INT
+        if lib is None:
+            log.warning("fast CPU kernels off, the plain torch path runs: %s", why)
+        _loaded[extra], _why[extra] = lib, why
+        return lib
+
+
+def why(extra: tuple[str, ...] = ()) -> str:
+    """Why ``library(extra)`` is None ('' when it loaded or was not tried)."""
+    return _why.get(extra, "")

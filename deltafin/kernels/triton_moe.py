@@ -1,0 +1,226 @@
+"""Grouped routed experts in Triton: all of a layer's (token, expert) pairs in two launches.
+
+The experts live in an :class:`ExpertSlab` (one tensor per role with a leading slot dimension, bytes as
+stored), so a launch takes slot numbers rather than a list of tensors. The pairs are sorted by slot and cut
+into blocks of BT rows of one expert (padded with -1); program (block, n-tile) of the first kernel computes
+gate and up for its rows from the packed bytes and writes act(gate, up); the second multiplies by down,
+scales each row by its routing weight and writes it to the pair's own row, so the sum over a token's k
+experts is taken afterwards in slot order (arrival order never changes a result).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from deltafin.kernels.triton import format_code
+from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
+
+ACT_SILU = 0  # SwiGLU: silu(g) * u
+ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
+
+
+@triton.jit
+def _tanh(z):
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # saturates to +-1 without NaN at large |z|
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr):
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == 0:
+        return g * sig * u
+    else:
+        return BETA * _tanh(g / BETA) * sig * (LBETA * _tanh(u / LBETA))
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
+                    TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                    ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, IEEE: tl.constexpr,
+                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    r = b * BT + tl.arange(0, BT)
+    pair = tl.load(rows_ptr + r)
+    valid = pair >= 0
+    tok = tl.where(valid, pair // TOPK, 0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
+    u_p, u_s = upp + slot * p_slot, ups + slot * s_slot
+    acc_g = tl.zeros((BT, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BT, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
+                    mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc_g = mma_weight(acc_g, x, g_p, g_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
+        acc_u = mma_weight(acc_u, x, u_p, u_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
+    h = _act(acc_g, acc_u, ACT, BETA, LBETA)
+    tl.store(h_ptr + r[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n < I)[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
+                 I: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
+                 BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    r = b * BT + tl.arange(0, BT)
+    pair = tl.load(rows_ptr + r)
+    valid = pair >= 0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    d_p, d_s = dp + slot * p_slot, ds + slot * s_slot
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        h = tl.load(h_ptr + r[:, None] * I + offs_k[None, :],
+                    mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
+        acc = mma_weight(acc, h, d_p, d_s, offs_n, k0, D, I, FMT, IEEE, BN, BK)
+    w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc * w[:, None],
+             mask=valid[:, None] & (offs_n < D)[None, :])
+
+
+class ExpertSlab:
+    """Fixed-size expert slots on one device: per role (gate, up, down) a packed-data tensor and a scale
+    tensor with a leading slot dimension. ``views(slot)`` gives a slot's tensors (reads land in them);
+    ``slot_of(tensors)`` recognises such views, so a source that fills the slab hands the kernel slots."""
+
+    ROLES = ("gate", "up", "down")
+
+    def __init__(self, slots: int, example: dict, device: torch.device | str):
+        self.format = example["gate"].format
+        self.slots = slots
+        self.data = {r: torch.empty((slots, *example[r].data.shape), dtype=example[r].data.dtype, device=device)
+                     for r in self.ROLES}
+        self.scale = {r: torch.empty((slots, *example[r].scale.shape), dtype=example[r].scale.dtype,
+                                     device=device) for r in self.ROLES}
+        self.shapes = {r: example[r].shape for r in self.ROLES}
+
+    def fits(self, tensors: dict) -> bool:
+        return all(r in tensors and getattr(tensors[r], "format", None) == self.format
+                   and tensors[r].shape == self.shapes[r] and tensors[r].data.shape == self.data[r].shape[1:]
+                   and tensors[r].scale.dtype == self.scale[r].dtype for r in self.ROLES)
+
+    def views(self, slot: int) -> dict:
+        from deltafin.quant.record import QTensor
+
+        return {r: QTensor(self.format, self.shapes[r], self.data[r][slot], self.scale[r][slot])
+                for r in self.ROLES}
+
+    def write(self, slot: int, tensors: dict) -> None:
+        for r in self.ROLES:
+            self.data[r][slot].copy_(tensors[r].data, non_blocking=True)
+            self.scale[r][slot].copy_(tensors[r].scale, non_blocking=True)
+
+    def slot_of(self, tensors: dict) -> int | None:
+        """The slot whose views ``tensors`` are, or None."""
+        d = tensors["gate"].data
+        base = self.data["gate"]
+        if d.device != base.device or d.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            return None
+        slot, rem = divmod(d.data_ptr() - base.data_ptr(), base[0].numel() * base.element_size())
+        return slot if rem == 0 and 0 <= slot < self.slots else None
+
+    @classmethod
+    def stack(cls, experts: list[dict], device: torch.device | str) -> ExpertSlab:
+        """A slab holding copies of ``experts`` in order (for sources that do not fill a slab)."""
+        slab = cls(len(experts), experts[0], device)
+        for i, t in enumerate(experts):
+            slab.write(i, t)
+        return slab
+
+
+def block_layout(slots: np.ndarray, bt: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs [T, k] of slab slots -> (rows [NB*bt] pair index or -1, block slot [NB]): each block holds up
+    to bt pairs of one slot, the pairs of a slot in pair order."""
+    flat = slots.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    uniq, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    nblk = -(-counts // bt)
+    rows = np.full(int(nblk.sum()) * bt, -1, dtype=np.int32)
+    pos = 0
+    for st, c, nb in zip(starts.tolist(), counts.tolist(), nblk.tolist(), strict=True):
+        rows[pos * bt: pos * bt + c] = order[st: st + c]
+        pos += nb
+    return rows, np.repeat(uniq, nblk).astype(np.int32)
+
+
+_FMT = {"mxfp4": FMT_MXFP4, "int4g32": FMT_INT4G32}
+MOE_FORMATS = frozenset(_FMT)
+
+
+def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
+    """Rows per block from the average rows per expert: 16 for decode, 64 or 128 for prefill (H200 sweep of
+    ``deltafin.bench.kernels_cuda``: decode BN 64 x BK 128, 4 warps, 4 stages; prefill 128 x 128 x 64)."""
+    avg = pairs / max(experts, 1)
+    if avg <= 16:
+        c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
+    elif avg <= 256:
+        c = {"BT": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
+    else:
+        c = {"BT": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+    return dict(c, BN_down=c["BN"], BK_down=c["BK"])
+
+
+@dataclass
+class MoePlan:
+    """Where each (token, expert) pair goes: built once per routing decision, on the host (routing is the
+    one host synchronisation per layer), then launched without further host work."""
+
+    rows: torch.Tensor  # [NB*BT] int32 pair index (t*k + j) or -1, on the device
+    blk: torch.Tensor  # [NB] int32 slab slot of each block, on the device
+    tokens: int
+    k: int
+    cfg: dict
+
+
+def plan_moe(slots: torch.Tensor | np.ndarray, device: torch.device | str, K: int, I: int,
+             cfg: dict | None = None) -> MoePlan:
+    """slots [T, k]: the slab slot of every routed pair."""
+    s = slots.detach().cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    s = s.astype(np.int64)
+    T, k = s.shape
+    c = cfg or moe_config(T * k, len(np.unique(s)), K, I)
+    rows, blk = block_layout(s, c["BT"])
+    return MoePlan(torch.from_numpy(rows).to(device), torch.from_numpy(blk).to(device), T, k, c)
+
+
+def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor, slab: ExpertSlab,
+                act: int = ACT_SILU, beta: float = 4.0, lbeta: float = 25.0, cfg: dict | None = None,
+                plan: MoePlan | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(act(gate_e x_t, up_e x_t)) for e = slab slot slots[t, j].
+
+    x [T, D] on the slab's device; slots [T, k] (host or device) or a ready ``plan``; weights [T, k].
+    Returns [T, D] in x's dtype; the k terms are summed in slot order in float32."""
+    T, D = x.shape
+    if slab.format not in _FMT:
+        raise ValueError(f"grouped experts: format {slab.format!r} has no kernel; kernels: {', '.join(_FMT)}")
+    I, K = slab.shapes["gate"]
+    p = plan or plan_moe(slots, x.device, K, I, cfg)
+    c, k = p.cfg, p.k
+    dev = x.device
+    x = x.contiguous()
+    ieee = x.dtype == torch.float32 or INTERPRET
+    fmt = format_code(slab.format, x.dtype, c.get("scaled")) if slab.format == "mxfp4" else _FMT[slab.format]
+    nb = p.blk.numel()
+    h = torch.empty(p.rows.numel(), I, device=dev, dtype=x.dtype)
+    g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
+    _gate_up_kernel[(nb, triton.cdiv(I, c["BN"]))](
+        x, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
+        g[0].numel(), slab.scale["gate"][0].numel(),
+        TOPK=k, K=K, I=I, FMT=fmt, ACT=act, BETA=beta, LBETA=lbeta, IEEE=ieee,
+        BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+    y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
+    rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
+    _down_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
+        h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
+        I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return y.view(T, k, D).sum(1).to(x.dtype)

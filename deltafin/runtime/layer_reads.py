@@ -1,0 +1,222 @@
+"""The reads of one layer's fetch: every miss in flight with a deadline, then retries and failover.
+
+A whole-file read that fails (I/O error, short read, checksum mismatch: the checksum runs in the reader
+thread) moves on to the expert's next copy. A read that misses its deadline (``ReadDeadline``) is retried
+once on its drive, then moved on to the next copy. With no copy left, the fetch raises an error naming the
+drive, the file, the offset and the seconds waited. A striped expert's pieces have no other copy: a late
+piece is retried once, then reported; the assembled expert is checked against its checksum.
+
+The first good answer for an expert wins. Answers from reads given up on are dropped (a whole read's
+buffer goes back to the pool; a striped buffer that a late piece may still write into is retired).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+from deltafin.errors import DeltafinError, ReadError
+from deltafin.io.pool import Completion
+from deltafin.io.schedule import Piece, ReadRequest, ScheduledRead, schedule_layer
+from deltafin.store import expert_file as ef
+
+log = logging.getLogger(__name__)
+
+SLOW_FIX = "check the drive (kernel log, cable, enclosure), or raise --read-deadline if it is only slow"
+
+
+@dataclass(slots=True)
+class _Attempt:
+    expert: int
+    drive: int
+    path: str
+    nbytes: int
+    started: float
+    deadline: float
+    piece: Piece | None = None
+
+
+class _Striped:
+    """A striped expert being read: its pieces fill one buffer; delivered when the last one lands."""
+
+    __slots__ = ("expert", "buf", "left")
+
+    def __init__(self, expert: int, buf: memoryview, pieces: int):
+        self.expert, self.buf, self.left = expert, buf, pieces
+
+
+def _rank_order(queues) -> list[ScheduledRead]:
+    """Every drive's first read, then every drive's second, ...: all drives start at once."""
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+class LayerReads:
+    """The misses of one ``fetch(layer, ids)`` on ``src`` (a StreamingExperts); ``next()`` returns each
+    expert as it lands: (expert, buffer, bytes, name)."""
+
+    def __init__(self, src, layer: int, misses: list[int]):
+        self.src, self.layer = src, layer
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.left = set(misses)
+        self.live: dict[int, _Attempt] = {}  # attempt id -> read in flight
+        self.given_up: dict[int, _Attempt] = {}  # timed out, may still answer
+        self.tried: dict[int, list[int]] = {}  # expert -> drives tried, in order (whole reads)
+        self.failures: dict[int, list[Exception]] = {}
+        self.timeouts: dict[tuple[int, int], int] = {}
+        self.striped: dict[int, _Striped] = {}
+        self._ids = itertools.count()
+        self._start(misses)
+
+    # -------------------------------------------------------------- submitting
+
+    def _start(self, misses: list[int]) -> None:
+        m, nbytes = self.src.model, self.src.model.file_bytes(self.layer)
+        pieces = m.stripe(self.layer)
+        if pieces is None:
+            reqs = [ReadRequest(e, nbytes, replicas=tuple(m.locations(self.layer, e))) for e in misses]
+        else:
+            reqs = [ReadRequest(e, nbytes, pieces=pieces) for e in misses]
+            for e in misses:
+                self.striped[e] = _Striped(e, self._striped_buffer(e, nbytes), len(pieces))
+        sched = schedule_layer(reqs, self.src._rates, self.src.pool.pending_bytes(), self.src._latency)
+        for r in _rank_order(sched.queues):
+            self._submit(r.expert, r.drive, None if pieces is None else Piece(r.drive, r.offset, r.nbytes))
+
+    def _striped_buffer(self, e: int, nbytes: int) -> memoryview:
+        try:
+            return self.src.pool.buffers.get(nbytes)
+        except (MemoryError, OverflowError, OSError, ValueError) as err:
+            raise ReadError(f"layer {self.layer} expert {e}: cannot allocate a {nbytes:,}-byte buffer ({err}); the "
+                            f"model's manifest gives that size: run 'deltafin verify' on the model") from err
+
+    def _submit(self, e: int, drive: int, piece: Piece | None = None) -> None:
+        src, layer = self.src, self.layer
+        check = into = None
+        if piece is None:
+            path, nbytes = src.model.expert_path(layer, e, drive), src.model.file_bytes(layer)
+            self.tried.setdefault(e, []).append(drive)
+            if src.verify:
+                check = _checker(src.model.checksum(layer, e), path, src.repair_fix)
+        else:
+            path, nbytes = src.model.piece_path(layer, e, piece), piece.nbytes
+            into = self.striped[e].buf[piece.offset : piece.offset + piece.nbytes]
+        aid = next(self._ids)
+        now = time.monotonic()
+        ahead = src.pool.submit(drive, path, nbytes, aid, self.done, into, check)
+        rate = src._rates[drive] if src._rates[drive] > 0 else 0.1
+        due = now + src.deadline.seconds(ahead + nbytes, rate, src._latency[drive])
+        self.live[aid] = _Attempt(e, drive, path, nbytes, now, due, piece)
+
+    # -------------------------------------------------------------- waiting
+
+    def next(self) -> tuple[int, memoryview, int, str]:
+        """The next expert to land; raises the error of an expert none of whose copies could be read."""
+        while True:
+            assert self.live, "experts left with no read in flight"
+            wait = min(a.deadline for a in self.live.values()) - time.monotonic()
+            try:
+                c = self.done.get(timeout=min(max(wait, 0.0), 60.0))  # the OS caps timeouts; loop past it
+            except queue.Empty:
+                self._expire(time.monotonic())
+                continue
+            landed = self._completed(c)
+            if landed is not None:
+                return landed
+
+    def _completed(self, c: Completion) -> tuple[int, memoryview, int, str] | None:
+        a = self.live.pop(c.tag, None)
+        if a is None:
+            return self._late(c)
+        if c.error is not None:
+            self._failed(a, c.error)
+            return None
+        return self._landed(a, c)
+
+    def _late(self, c: Completion) -> tuple[int, memoryview, int, str] | None:
+        """An answer from a read given up on: still the first good copy if its expert is not done."""
+        a = self.given_up.pop(c.tag)
+        if a.piece is None and c.error is None and a.expert in self.left:
+            for aid, other in list(self.live.items()):  # the retry or the next copy is now redundant
+                if other.expert == a.expert:
+                    self.given_up[aid] = self.live.pop(aid)
+            return self._landed(a, c)
+        if a.piece is None and c.buf is not None:
+            self.src.pool.buffers.put(c.buf)
+        return None
+
+    def _landed(self, a: _Attempt, c: Completion) -> tuple[int, memoryview, int, str] | None:
+        if a.piece is None:
+            self.left.discard(a.expert)
+            return a.expert, c.buf, c.nbytes, c.path
+        st = self.striped[a.expert]
+        st.left -= 1
+        if st.left:
+            return None
+        m = self.src.model
+        nbytes = m.file_bytes(self.layer)
+        labels = ", ".join(self.src.readers[p.drive].label for p in m.stripe(self.layer))
+        where = f"layer {self.layer} expert {st.expert} (pieces on {labels})"
+        if self.src.verify:
+            ef.check(st.buf[:nbytes], m.checksum(self.layer, st.expert), where, self.src.repair_fix)
+        self.left.discard(st.expert)
+        return st.expert, st.buf, nbytes, where
+
+    # -------------------------------------------------------------- failures
+
+    def _failed(self, a: _Attempt, err: Exception) -> None:
+        label = self.src.readers[a.drive].label
+        if a.piece is not None:
+            what = err if isinstance(err, DeltafinError) else f"drive {label}: read of {a.path} failed: {err}"
+            raise ReadError(f"{what} (the piece at byte {a.piece.offset} of layer {self.layer} expert {a.expert}, "
+                            f"striped with no other copy; run 'deltafin verify')") from err
+        if not isinstance(err, DeltafinError):
+            err = ReadError(f"drive {label}: read of {a.path} failed: {err}")
+        self._next_copy(a, err)
+
+    def _next_copy(self, a: _Attempt, err: Exception) -> None:
+        """Read the expert from its next untried copy, or raise: every copy failed."""
+        e = a.expert
+        self.failures.setdefault(e, []).append(err)
+        self.src.stats.failed_reads += 1
+        rest = [d for d in self.src.model.locations(self.layer, e) if d not in self.tried[e]]
+        if rest:
+            log.warning("%s; reading the copy on drive %s", err, self.src.readers[rest[0]].label)
+            self._submit(e, rest[0])
+            return
+        errs = self.failures[e]
+        if len(errs) == 1:
+            raise errs[0]
+        raise ReadError(f"layer {self.layer} expert {e}: no copy could be read ({len(errs)} tried): "
+                        + "; ".join(map(str, errs))) from errs[-1]
+
+    def _expire(self, now: float) -> None:
+        for aid, a in list(self.live.items()):
+            if a.deadline > now:
+                continue
+            self.given_up[aid] = self.live.pop(aid)
+            self.src.stats.late_reads += 1
+            key = (a.expert, a.drive if a.piece is None else a.piece.offset)
+            n = self.timeouts[key] = self.timeouts.get(key, 0) + 1
+            label = self.src.readers[a.drive].label
+            msg = (f"drive {label}: read of {a.path} (offset 0, {a.nbytes:,} bytes) did not complete in "
+                   f"{now - a.started:.1f} s")
+            if a.piece is not None:
+                self.src.pool.buffers.retire(self.striped[a.expert].buf)  # the late read may still write to it
+            if n == 1:
+                log.warning("%s; retrying it", msg)
+                self._submit(a.expert, a.drive, a.piece)
+            elif a.piece is None:
+                self._next_copy(a, ReadError(f"{msg}, twice; {SLOW_FIX}"))
+            else:
+                raise ReadError(f"{msg}, twice (the piece at byte {a.piece.offset} of layer {self.layer} expert "
+                                f"{a.expert}, striped with no other copy); {SLOW_FIX}")
+
+
+def _checker(expected: str, path: str, fix: str):
+    def check(data: memoryview) -> None:
+        ef.check(data, expected, path, fix)
+
+    return check

@@ -1,0 +1,103 @@
+"""config.json and the tokenizer checked at the door (``pack --plan`` and ``pack``): every setting the model
+reads has the right type and range, the router picks no more experts than there are, and the embedding,
+the experts and the tokenizer agree with the config. A bad value is one line naming it, before any write."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from deltafin.errors import CheckpointError, DeltafinError
+
+# settings that count something: zero would make an empty model
+POSITIVE = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+            "num_experts_per_token", "kda_num_heads", "kda_head_dim", "routed_expert_hidden_size")
+TOP_K = (("num_experts_per_tok", ("n_routed_experts", "num_experts", "num_local_experts")),
+         ("num_experts_per_token", ("num_experts",)))
+_INT = ("int", "int | None")
+_FLOAT = ("float", "float | None")
+
+
+def check_config(family: str, tc: dict, where: str):
+    """The model's config object built from the text config, or a CheckpointError naming the setting."""
+    from deltafin.models.registry import module_for
+
+    if not isinstance(tc, dict):
+        raise CheckpointError(f"{where}: text_config is a JSON {type(tc).__name__}, not an object; re-download "
+                              f"config.json")
+    cls = module_for(family).Config
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for key, val in tc.items():
+        _check_value(where, key, val, kinds.get(key))
+    try:
+        cfg = cls.from_dict(tc)
+    except DeltafinError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{where}: lacks {e.args[0]!r}, which a {family} model needs; re-download "
+                              f"config.json") from e
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{where}: settings the {family} model cannot use ({e}); re-download config.json") from e
+    for f in dataclasses.fields(cfg):
+        _check_value(where, f.name, getattr(cfg, f.name), str(f.type))
+    for k, totals in TOP_K:
+        top = getattr(cfg, k, None)
+        total = next((getattr(cfg, t) for t in totals if isinstance(getattr(cfg, t, None), int)), None)
+        if isinstance(top, int) and total is not None and top > total:
+            raise CheckpointError(f"{where}: {k} = {top} is more than the {total} experts per layer; the router "
+                                  f"cannot pick them: fix config.json")
+    return cfg
+
+
+def _check_value(where: str, key: str, val, kind: str | None) -> None:
+    if val is None or kind is None:
+        return
+    if kind in _INT:
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0 or (key in POSITIVE and val == 0):
+            need = "a positive integer" if key in POSITIVE else "a non-negative integer"
+            raise CheckpointError(f"{where}: {key} = {json.dumps(val)[:60]} must be {need}; fix config.json")
+    elif kind in _FLOAT:
+        if isinstance(val, bool) or not isinstance(val, int | float) or not math.isfinite(val):
+            raise CheckpointError(f"{where}: {key} = {json.dumps(val)[:60]} must be a finite number; fix config.json")
+    elif kind == "tuple[int, ...]" and isinstance(val, list | tuple):
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in val):
+            raise CheckpointError(f"{where}: {key} must list non-negative integers; fix config.json")
+
+
+def check_embedding(shape_of, embed_name: str | None, cfg, where: str) -> None:
+    """The embedding is [vocab_size, hidden_size]: a config that disagrees with the weights is refused."""
+    if embed_name is None:
+        return
+    dtype, shape = shape_of(embed_name, "")
+    want = (getattr(cfg, "vocab_size", None), getattr(cfg, "hidden_size", None))
+    if None not in want and tuple(shape) != want:
+        raise CheckpointError(f"{embed_name}: shape {list(shape)}, but {where} says vocab_size x hidden_size = "
+                              f"{want[0]} x {want[1]}; the config does not belong to these weights")
+
+
+def check_tokenizer(folder: str, vocab_size: int | None) -> None:
+    """tokenizer.json, when shipped, is a tokenizer (JSON object with a model) whose ids fit the vocabulary."""
+    p = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(p):
+        return
+    try:
+        with open(p, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{p}: not a valid tokenizer ({str(e)[:120]}); re-download it") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
+        raise CheckpointError(f"{p}: not a tokenizer (no 'model' object); re-download it")
+    ids = []
+    vocab = doc["model"].get("vocab")
+    if isinstance(vocab, dict):
+        ids += [v for v in vocab.values() if isinstance(v, int)]
+    elif isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        ids.append(len(vocab) - 1)
+    added = doc.get("added_tokens") or []
+    ids += [t.get("id") for t in added if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise CheckpointError(f"{p}: token id {max(ids)} does not fit the model's vocab_size {vocab_size}; the "
+                              f"tokenizer belongs to another model")

@@ -1,0 +1,114 @@
+"""Fused CPU kernels against the reference dequantize-then-matmul, and the dispatch point.
+
+Tolerance, from the summation order: the decoded weights are exact in float32 (E2M1 x 2^k; int4 x a bf16
+scale needs 12 significant bits; int8 scales are applied after the sum), so the only error is float32
+rounding of the sums. A sum evaluated with at most n roundings on any term's path is within
+gamma_n * sum|w x|, gamma_n = n u / (1 - n u), u = 2^-24 (Higham, Accuracy and Stability of Numerical
+Algorithms, 3.1). The fused kernel accumulates 16 lanes over C/16 steps of 2 products each, then reduces
+the lanes pairwise (4 levels) and applies a scale: n <= C/16 + 8. The tiled path hands the sum to a BLAS
+matmul whose order is unknown: n <= C. Both are checked against a float64 reference of the same weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deltafin import kernels
+from deltafin.kernels import cpu, native, torch_ref
+from deltafin.quant import int4, int8, mxfp4
+from deltafin.quant.record import QTensor, dequantize
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"CPU kernels unavailable: {native.why()}")
+U = 2.0**-24
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    g = n * U / (1 - n * U)
+    return g * (x.double().abs() @ w.double().abs().T)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool) -> None:
+    C = x.shape[1]
+    ref = x.double() @ w.double().T
+    n = C // 16 + 8 if fused else C
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= _bound(x, w, n)), f"max error {err.max():.3g}"
+
+
+def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((R, C)).astype(np.float32) * rng.uniform(0.01, 3, (R, 1)).astype(np.float32)
+    mp, ms = mxfp4.quantize_ref(w)
+    ip, iscale = int4.quantize_ref(w)
+    q, s = int8.quantize_ref(w)
+    return {"mxfp4": QTensor("mxfp4", (R, C), torch.from_numpy(mp), torch.from_numpy(ms)),
+            "int4g32": QTensor("int4g32", (R, C), torch.from_numpy(ip), torch.from_numpy(iscale).to(torch.bfloat16)),
+            "int8": QTensor("int8", (R, C), torch.from_numpy(q), torch.from_numpy(s))}
+
+
+SHAPES = [(1, 32), (77, 96), (33, 256), (130, 512)]  # odd row counts, one block to many
+TOKENS = [1, 3, cpu.FUSED_TOKENS, cpu.FUSED_TOKENS + 1, 40]
+
+
+@pytest.mark.parametrize("R,C", SHAPES)
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int8"])
+def test_fused_kernels_match_reference(fmt, R, C):
+    rec = _records(R, C, seed=R * C)[fmt]
+    w = dequantize(rec)  # float32, exact
+    fn = getattr(cpu, f"{fmt}_linear")
+    for T in TOKENS:
+        x = torch.randn(T, C, generator=torch.Generator().manual_seed(T))
+        y = fn(x, rec.data, rec.scale)
+        assert y.shape == (T, R) and y.dtype == torch.float32
+        _check(y, x, w, fused=T <= cpu.FUSED_TOKENS)
+        _check(torch_ref.matmul(x, rec), x, w, fused=False)  # the reference is within its own bound too
+
+
+def test_int8_odd_width_and_float_int4_scales():
+    rec = _records(45, 96, seed=3)
+    q = rec["int8"].data[:, :83].contiguous()  # a width that is not a multiple of the vector length
+    x = torch.randn(5, 83)
+    _check(cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), fused=True)
+    i4 = rec["int4g32"]
+    x = torch.randn(2, 96)
+    _check(cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
+
+
+def test_portable_build_matches_reference():
+    """The build without AVX-512 (what a machine without it compiles) gives the same answers."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build is the default build off x86")
+    lib = native.library(("-mno-avx512f",))
+    assert lib is not None and lib.df_simd_width() == 1
+    for fmt, rec in _records(77, 96, seed=5).items():
+        for T in (1, 3, 12):
+            x = torch.randn(T, 96)
+            _check(getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib), x, dequantize(rec), fused=T <= 8)
+
+
+def test_nan_scale_propagates_like_the_reference():
+    rec = _records(4, 64, seed=1)["mxfp4"]
+    scales = rec.scale.clone()
+    scales[2, 1] = 255  # OCP MX: E8M0 0xFF is NaN
+    y = cpu.mxfp4_linear(torch.randn(1, 64), rec.data, scales)
+    assert torch.isnan(y[0, 2]) and not torch.isnan(y[0, [0, 1, 3]]).any()
+
+
+def test_dispatch_exact_by_default_fused_inside_fast():
+    rec = _records(33, 64, seed=2)["mxfp4"]
+    x = torch.randn(3, 64)
+    assert torch.equal(kernels.matmul(x, rec), torch_ref.matmul(x, rec))
+    with kernels.fast():
+        assert kernels.fast_enabled()
+        y = kernels.matmul(x, rec)
+        assert torch.equal(y, cpu.mxfp4_linear(x, rec.data, rec.scale))
+        yb = kernels.matmul(x.to(torch.bfloat16), rec)
+        assert yb.dtype == torch.bfloat16
+        plain = torch.randn(5, 64)
+        assert torch.equal(kernels.matmul(x, plain), x @ plain.T)  # not a fused format: the torch path
+    assert not kernels.fast_enabled()
+    assert kernels.backend_name("cpu") == "cpu"

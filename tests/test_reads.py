@@ -1,0 +1,323 @@
+"""Expert reads under faults: errors in reader threads reach the engine, late reads are retried then served by
+a replica or reported, every read is checked against its checksum, and a bad copy fails over to a good one."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+from deltafin.cli import main
+from deltafin.errors import ExpertChecksumError, ReadError
+from deltafin.io.direct import FileDriveReader
+from deltafin.io.pool import BufferPool, ReadDeadline, ReaderPool
+from deltafin.k3_tiny import write_tiny_k3
+from deltafin.models import registry
+from deltafin.models.base import ResidentExperts
+from deltafin.runtime.engine import Engine, EngineOptions
+from deltafin.runtime.source import StreamingExperts
+from deltafin.store import manifest as mf
+from deltafin.store.drives import parse_drives
+from deltafin.store.model_dir import PackedModel
+from deltafin.store.pack import PackOptions, pack
+
+PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
+FAST = ReadDeadline(min_s=0.3, factor=10.0)
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k3reads")
+    write_tiny_k3(root / "src")
+    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
+         PackOptions(progress=False))
+    pm = PackedModel.open(str(root / "model"))
+    model = registry.build(pm.family, pm.text_config, pm.trunk_records())
+    experts = ResidentExperts({(L, e): pm.read_expert(L, e) for L in pm.moe_layers for e in range(pm.num_experts)})
+    ref = model.forward(torch.tensor(PROMPT), model.new_state(64), experts)
+    return root, ref
+
+
+def _copy(k3_root, dst, replicas: bool = False) -> PackedModel:
+    """A copy of the packed model (its drives too); with ``replicas`` every expert also on the other drive."""
+    shutil.copytree(k3_root, dst, symlinks=True)
+    doc = json.load(open(dst / "model" / mf.MANIFEST))
+    for d in doc["drives"]:
+        d["path"] = str(dst / os.path.basename(d["path"]))
+    if replicas:
+        for L, locs in doc["experts"]["locations"].items():
+            for e, loc in enumerate(locs):
+                rel = mf.expert_relpath(doc["model_id"], int(L), e)
+                target = mf.resolve_under(doc["drives"][1 - loc[0]]["path"], rel)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(mf.resolve_under(doc["drives"][loc[0]]["path"], rel), target)
+                loc.append(1 - loc[0])
+    mf.write_json_atomic(str(dst / "model" / mf.MANIFEST), doc)
+    return PackedModel.open(str(dst / "model"))
+
+
+def _bounded(fn, seconds: float = 60.0):
+    """Run ``fn`` in a thread; fail the test (instead of hanging it) when it does not return in time."""
+    out: dict = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s: the engine must never wait forever"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+class HangingReader(FileDriveReader):
+    """A drive whose reads of matching paths never return until released (a hung device); with
+    ``hangs`` only that many reads hang and the later ones are served."""
+
+    def __init__(self, label, root, match: str, hangs: int | None = None):
+        super().__init__(label, root)
+        self.match, self.hangs = match, hangs
+        self.release = threading.Event()
+        self.hung: list[str] = []
+        self._lock = threading.Lock()
+
+    def read_into(self, path, offset, buf):
+        if self.match in path:
+            with self._lock:
+                hang = self.hangs is None or len(self.hung) < self.hangs
+                if hang:
+                    self.hung.append(path)
+            if hang:
+                self.release.wait(120)
+        return super().read_into(path, offset, buf)
+
+
+def _forward(pm: PackedModel, readers=None, deadline=FAST, verify=True):
+    source = StreamingExperts(pm, cache_bytes=0, threads=2, readers=readers, deadline=deadline, verify=verify)
+    model = registry.build(pm.family, pm.text_config, pm.trunk_records())
+    try:
+        return _bounded(lambda: model.forward(torch.tensor(PROMPT), model.new_state(64), source)), source
+    finally:
+        for r in readers or ():
+            if isinstance(r, HangingReader):
+                r.release.set()
+        source.close()
+
+
+def _readers(pm: PackedModel, hang_drive: int, match: str, hangs: int | None = None):
+    return [HangingReader(d.label, d.path, match, hangs) if i == hang_drive else FileDriveReader(d.label, d.path)
+            for i, d in enumerate(pm.drives)]
+
+
+# ------------------------------------------------------------------ errors in reader threads
+
+
+def test_buffer_allocation_failure_reaches_the_consumer(tmp_path):
+    class NoMemory(BufferPool):
+        def get(self, nbytes):
+            raise MemoryError
+
+    (tmp_path / "f").write_bytes(b"x" * 4096)
+    pool = ReaderPool([FileDriveReader("d0", str(tmp_path))], 1, NoMemory())
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    pool.submit(0, str(tmp_path / "f"), 4096, "t", done)
+    c = done.get(timeout=10)
+    pool.close()
+    assert isinstance(c.error, ReadError) and c.tag == "t"
+    assert "cannot allocate a 4,096-byte buffer" in str(c.error) and str(tmp_path / "f") in str(c.error)
+
+
+def test_any_exception_in_a_reader_thread_becomes_a_completion(tmp_path):
+    class Broken(FileDriveReader):
+        def read_into(self, path, offset, buf):
+            raise ZeroDivisionError("bug")
+
+    pool = ReaderPool([Broken("d0", str(tmp_path))], 1)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    pool.submit(0, "p", 4096, 1, done, check=None)
+    assert isinstance(done.get(timeout=10).error, ZeroDivisionError)
+    pool.close()
+
+
+@pytest.mark.parametrize("file_bytes", [10**15, 2**62])
+def test_absurd_file_bytes_is_an_error_not_a_hang(k3, tmp_path, file_bytes):
+    root, _ = k3
+    pm = PackedModel.open(str(root / "model"))
+    for layout in pm.doc["experts"]["layouts"].values():  # what a damaged manifest would say
+        layout["file_bytes"] = file_bytes
+    with pytest.raises(ReadError, match="cannot allocate"):
+        _forward(pm)
+
+
+# ------------------------------------------------------------------ deadlines
+
+
+def test_a_hung_read_is_retried_once_then_served_by_a_replica(k3, tmp_path, caplog):
+    root, ref = k3
+    pm = _copy(root, tmp_path / "m", replicas=True)
+    readers = _readers(pm, 0, "/L0")  # every expert read on d0 hangs
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING"):
+        got, source = _forward(pm, readers)
+    assert torch.equal(got, ref)
+    assert source.stats.late_reads >= 2  # the first read and its retry on d0
+    retried = {r.getMessage().split(" (offset")[0] for r in caplog.records if r.getMessage().endswith("retrying it")}
+    failed_over = [r.getMessage() for r in caplog.records if "twice" in r.getMessage()]
+    assert retried and failed_over and all("reading the copy on drive d1" in m for m in failed_over)
+    assert {m.split(" (offset")[0] for m in failed_over} <= retried  # each failover came after one retry
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_late_read_retried_on_its_drive_succeeds(k3, tmp_path):
+    root, ref = k3
+    pm = _copy(root, tmp_path / "m")
+    readers = _readers(pm, 1, "/L0", hangs=1)  # one read hangs; the drive's other thread serves its retry
+    got, source = _forward(pm, readers)
+    assert torch.equal(got, ref)
+    assert len(readers[1].hung) == 1 and source.stats.late_reads == 1 and source.stats.failed_reads == 0
+
+
+def test_a_hung_drive_without_replica_is_reported(k3, tmp_path):
+    root, _ = k3
+    pm = _copy(root, tmp_path / "m")
+    readers = _readers(pm, 0, "/L0")
+    with pytest.raises(ReadError) as err:
+        _forward(pm, readers)
+    msg = str(err.value)
+    assert f"drive {pm.drives[0].label}" in msg and "did not complete in" in msg and "twice" in msg
+    assert "offset 0" in msg and ".dfx" in msg and "--read-deadline" in msg
+
+
+def test_the_default_deadline_follows_the_drive_rate():
+    d = ReadDeadline()
+    assert d.seconds(4096, 6.0) == d.min_s  # a small read: the floor
+    assert d.seconds(60 * 10**9, 6.0) == pytest.approx(100.0)  # 10 s of queued bytes at 6 GB/s, x10
+    with pytest.raises(ValueError):
+        ReadDeadline(min_s=float("nan"))
+
+
+def test_slow_emulated_reads_are_retried_or_failed_over(k3, tmp_path):
+    from deltafin.io.emulator import emulated_readers
+
+    root, ref = k3
+    pm = _copy(root, tmp_path / "m", replicas=True)
+    readers = emulated_readers("d0:2GBps,lat=100us,slow=0.3x20000;d1:1GBps,lat=100us", pm)
+    got, source = _forward(pm, readers)
+    assert torch.equal(got, ref)
+    assert source.stats.late_reads > 0
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def _flip_bit(path: str, offset: int = 4096 + 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_bit_flip_fails_over_to_a_good_replica(k3, tmp_path):
+    root, ref = k3
+    pm = _copy(root, tmp_path / "m", replicas=True)
+    for e in range(pm.num_experts):
+        _flip_bit(pm.expert_path(pm.moe_layers[0], e))  # the primary copies of a whole layer
+    got, source = _forward(pm)
+    assert torch.equal(got, ref)
+    assert source.stats.failed_reads > 0
+
+
+def test_a_bit_flip_without_replica_names_the_file_and_the_repair(k3, tmp_path):
+    root, ref = k3
+    pm = _copy(root, tmp_path / "m")
+    victim = pm.expert_path(pm.moe_layers[0], 1)
+    _flip_bit(victim)
+    with pytest.raises(ExpertChecksumError) as err:
+        _forward(pm)
+    msg = str(err.value)
+    assert victim in msg and "checksum mismatch" in msg and "--repair" in msg
+    got, _ = _forward(pm, verify=False)  # opted out: the run goes on with the damaged bytes
+    assert got.shape == ref.shape
+
+
+def test_cli_reads_are_verified_by_default_and_can_opt_out(k3, tmp_path, capsys):
+    root, _ = k3
+    pm = _copy(root, tmp_path / "m")
+    for e in range(pm.num_experts):
+        _flip_bit(pm.expert_path(pm.moe_layers[0], e))
+    args = ["run", str(tmp_path / "m" / "model"), "--prompt-ids", "5,17,99", "-n", "2", "--greedy", "--quiet",
+            "--cache-gb", "0"]
+    assert main(args) == 2
+    assert "checksum mismatch" in capsys.readouterr().err
+    assert main(args + ["--verify-reads"]) == 2
+    assert main(args + ["--no-verify-reads"]) == 0
+
+
+def test_a_striped_expert_with_a_bit_flip_is_named(k3, tmp_path):
+    model = str(tmp_path / "model")
+    pack(str(k3[0] / "src"), model, parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
+         PackOptions(placement="stripe-bandwidth", progress=False))
+    pm = PackedModel.open(model)
+    L = pm.moe_layers[0]
+    piece = pm.stripe(L)[0]
+    _flip_bit(pm.piece_path(L, 2, piece), 10)
+    source = StreamingExperts(pm, cache_bytes=0, threads=2, deadline=FAST)
+    try:
+        with pytest.raises(ExpertChecksumError, match=f"layer {L} expert 2 .*--repair"):
+            _bounded(lambda: list(source.fetch(L, [0, 1, 2, 3])))
+    finally:
+        source.close()
+    engine = Engine(model, EngineOptions(cache_gb=0.0, verify_reads=False))  # the opt-out reaches the source
+    assert engine.source.verify is False
+    engine.close()
+
+
+def test_bench_decode_reports_the_checksum_cost_beside_the_drive(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    main(["bench", "decode", "--layers", "1", "--experts", "8", "--k", "4", "--tokens", "1", "--threads", "2",
+          "--io-only", "--dir", str(tmp_path), "--json", str(out)])
+    line = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    assert rec["verify_reads"] is True and rec["xxh3_GBps"] > 0
+    assert rec["verify_cores_at_raw"] == pytest.approx(rec["raw_GBps"] / rec["xxh3_GBps"])
+    assert "reads verified: xxh3" in line and "GB/s on one core vs raw" in line
+    from deltafin.bench.decode import _print
+
+    _print({**rec, "verify_reads": False})  # what --no-verify-reads prints
+    assert "reads not verified (--no-verify-reads)" in capsys.readouterr().out
+
+
+def test_a_late_piece_of_a_striped_expert_is_retried_then_reported(k3, tmp_path):
+    model = str(tmp_path / "model")
+    pack(str(k3[0] / "src"), model, parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
+         PackOptions(placement="stripe-bandwidth", progress=False))
+    pm = PackedModel.open(model)
+    readers = _readers(pm, 0, "/L0", hangs=1)  # one piece read hangs; the drive's other thread serves its retry
+    got, source = _forward(pm, readers)
+    assert torch.equal(got, k3[1]) and source.stats.late_reads == 1
+    assert not source.pool.buffers._retired  # the buffer the late read holds was dropped, not reused
+    readers = _readers(pm, 1, "/L0")  # every piece on d1 hangs: no other copy
+    with pytest.raises(ReadError, match=r"did not complete in .*twice \(the piece at byte \d+ of layer \d+ expert"):
+        _forward(pm, readers)
+
+
+def test_read_deadline_option():
+    from deltafin.errors import UsageError
+    from deltafin.runtime.engine import _deadline
+
+    assert _deadline(None) == ReadDeadline() and _deadline(2.5).min_s == 2.5
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="--read-deadline"):
+            _deadline(bad)
