@@ -194,8 +194,6 @@ class Engine:
                        for d in self.packed.drives]
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
                                        opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
-        if self.cluster is not None:
-            self._join_cluster()
         from deltafin.runtime.tokenizer import load_codec
 
         self.codec = load_codec(self.packed.path, self.packed.config)
@@ -228,11 +226,11 @@ class Engine:
         from deltafin.runtime import distributed as dd
 
         cl = self.cluster
+        assert not isinstance(self.source, dd.DistributedExperts), "an engine joins its cluster once"
         owners = dd.owners_from_manifest(self.packed.doc, cl.world)
-        dd.check_same(cl, "model, expert ownership and routing mode",
-                      (self.packed.model_id, hashlib.sha256(repr(sorted(owners.items())).encode()).hexdigest()[:16],
-                       self.opts.dist_routing,
-                       self.opts.max_len))
+        digest = hashlib.sha256(repr(sorted(owners.items())).encode()).hexdigest()[:16]
+        cl.join("model, ownership digest, routing mode and context",
+                repr((self.packed.model_id, digest, self.opts.dist_routing, self.opts.max_len)))
         self.source = dd.DistributedExperts(self.source, cl, owners, self.opts.dist_routing)
         self.dist = dd.Leader(cl) if cl.leader else None
 
