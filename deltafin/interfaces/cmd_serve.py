@@ -80,6 +80,10 @@ def bind(host: str, port: int) -> socket.socket:
 def prompt_cache(args):
     if not args.prompt_cache_gb:
         return None
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        # a restored state would live on rank 0 only, while every rank runs the same passes on its own states
+        print("[deltafin] prompt cache off under torchrun: each rank keeps its own sequence states", file=sys.stderr)
+        return None
     from deltafin.runtime.prompt_cache import PromptCache
 
     return PromptCache(int(args.prompt_cache_gb * 1e9))

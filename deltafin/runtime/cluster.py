@@ -28,6 +28,7 @@ from deltafin.errors import DistributedError
 
 log = logging.getLogger(__name__)
 BEAT_S = 1.0
+JOIN_S = 1800.0  # how long ranks wait for each other to open a model (trunk loads can take minutes)
 PREFIX = "deltafin/"
 
 
@@ -52,6 +53,7 @@ class Cluster:
     ctl: object  # gloo group for the leader's commands
     store: object
     data: object = None  # None: the default group (gloo on CPU, NCCL on CUDA)
+    joins: int = 0  # engines opened on this group so far (each joins once, in the same order on every rank)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -88,6 +90,37 @@ class Cluster:
         return DistributedError(f"{what} did not complete within {self.timeout_s:g} s on rank {self.rank} although "
                                 f"every rank is alive ({exc}); a rank is stuck (a drive that stopped answering?) or "
                                 f"--dist-timeout is too short for one step")
+
+    def join(self, what: str, mine: str, wait_s: float = JOIN_S) -> None:
+        """Wait for every rank to open the same thing (model, ownership, options), through the store: ranks
+        may finish loading minutes apart (a trunk read from different disks), longer than a collective may
+        wait. A rank that recorded an error, stopped beating or differs is named."""
+        self.joins += 1
+        key = f"join/{self.joins}/"
+        self.store.set(key + str(self.rank), mine)
+        deadline, beats, seen = time.monotonic() + wait_s, {}, {}
+        while True:
+            got = {r: self._get(key + str(r)) for r in range(self.world)}
+            if all(v is not None for v in got.values()):
+                break
+            for r in range(self.world):
+                msg = self._get(f"error/{r}") if r != self.rank else None
+                if msg is not None:
+                    raise DistributedError(f"rank {r} of {self.world} failed ({msg}); the job stops")
+                b = self._beats(r)
+                if b != beats.get(r):
+                    beats[r], seen[r] = b, time.monotonic()
+                elif time.monotonic() - seen[r] > 5 * BEAT_S and got[r] is None:
+                    raise DistributedError(f"rank {r} ({self._get(f'host/{r}') or 'host unknown'}) stopped answering "
+                                           f"while opening the model; the job stops")
+            if time.monotonic() > deadline:
+                late = [r for r, v in got.items() if v is None]
+                raise DistributedError(f"ranks {late} did not open the model within {wait_s:g} s; the job stops")
+            time.sleep(0.2)
+        for r, v in got.items():
+            if v != got[0]:
+                raise DistributedError(f"rank {r} has {what} {v} but rank 0 has {got[0]}; launch every rank with the "
+                                       f"same model and options")
 
     def _get(self, key: str) -> str | None:
         try:

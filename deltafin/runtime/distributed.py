@@ -147,15 +147,6 @@ def gather(cl: Cluster, obj) -> list:
     return out
 
 
-def check_same(cl: Cluster, what: str, mine) -> None:
-    """Every rank opened the same thing (model, ownership, options); else name the rank that differs."""
-    got = gather(cl, mine)
-    for r, v in enumerate(got):
-        if v != got[0]:
-            raise DistributedError(f"rank {r} has {what} {v!r} but rank 0 has {got[0]!r}; launch every rank with the "
-                                   f"same model and options")
-
-
 class Leader:
     """Rank 0's side: sequence handles, step announcements, pings while idle."""
 
@@ -266,8 +257,8 @@ def follow(engine, local_stats: Callable[[], dict]) -> None:
         seqs = [(torch.tensor(ids, dtype=torch.long, device=engine.device), states[h]) for h, ids in batch]
         try:
             engine.local_step(seqs, all_logits)
-        except DistributedError:
+        except DistributedError:  # another rank's failure, already diagnosed
             raise
-        except BaseException as e:
+        except BaseException as e:  # this rank's own: leave it where rank 0 looks
             cl.record_error(e)
             raise

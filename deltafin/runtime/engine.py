@@ -165,6 +165,15 @@ class Engine:
 
             self.cluster = cluster.init(self.device, opts.dist_timeout_s)
             self.device = self.cluster.device
+            try:
+                self._open(model_dir, opts)
+            except BaseException as e:  # the other ranks are waiting for this one: tell them why it left
+                self.cluster.record_error(e)
+                raise
+        else:
+            self._open(model_dir, opts)
+
+    def _open(self, model_dir: str, opts: EngineOptions) -> None:
         own = None if self.cluster is None else own_drives(model_dir, self.cluster.rank)
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
@@ -185,8 +194,6 @@ class Engine:
                        for d in self.packed.drives]
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
                                        opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
-        if self.cluster is not None:
-            self._join_cluster()
         from deltafin.runtime.tokenizer import load_codec
 
         self.codec = load_codec(self.packed.path, self.packed.config)
@@ -204,25 +211,26 @@ class Engine:
 
     def _cache_bytes(self, trunk_bytes: int) -> int:
         """--cache-gb; on a cluster rank without it, the rank's budget from the manifest's ownership; else
-        half of what is free after the trunk, shared by the ranks of this machine."""
+        half of what is free after the trunk (in RAM shared by the ranks of this machine)."""
         if self.opts.cache_gb is not None:
             return int(self.opts.cache_gb * GB)
         if self.cluster is not None:
             rk = self.packed.doc["experts"].get("ranks")
             if rk is not None and rk["ranks"][self.cluster.rank]["cache_gb"] > 0:
                 return int(rk["ranks"][self.cluster.rank]["cache_gb"] * GB)
-            return default_cache_bytes(trunk_bytes, self.device) // self.cluster.local_world
+            share = 1 if self.device.type == "cuda" else self.cluster.local_world  # each GPU has its own memory
+            return default_cache_bytes(trunk_bytes, self.device) // share
         return default_cache_bytes(trunk_bytes, self.device)
 
     def _join_cluster(self) -> None:
         from deltafin.runtime import distributed as dd
 
         cl = self.cluster
+        assert not isinstance(self.source, dd.DistributedExperts), "an engine joins its cluster once"
         owners = dd.owners_from_manifest(self.packed.doc, cl.world)
-        dd.check_same(cl, "model, expert ownership and routing mode",
-                      (self.packed.model_id, hashlib.sha256(repr(sorted(owners.items())).encode()).hexdigest()[:16],
-                       self.opts.dist_routing,
-                       self.opts.max_len))
+        digest = hashlib.sha256(repr(sorted(owners.items())).encode()).hexdigest()[:16]
+        cl.join("model, ownership digest, routing mode and context",
+                repr((self.packed.model_id, digest, self.opts.dist_routing, self.opts.max_len)))
         self.source = dd.DistributedExperts(self.source, cl, owners, self.opts.dist_routing)
         self.dist = dd.Leader(cl) if cl.leader else None
 
