@@ -136,9 +136,12 @@ def test_linear_k3_widths_on_gpu(fmt):
 @gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
                                     "kimi_k3"])
-def test_bf16_kernels_agree_with_float32_reference(family, tmp_path):
-    """Teacher-forced decode of 256 tokens: top-1 of the bf16 path (Triton kernels) equals the float32
-    reference's at >= 99% of positions."""
+def test_bf16_kernels_agree_with_float32_reference(family, tmp_path, monkeypatch):
+    """Teacher-forced decode of 256 tokens in float32 (the reference), in bf16 on the plain torch path and in
+    bf16 through the kernels. On random tiny models many positions are near-ties that bf16 itself flips (the
+    torch bf16 path too), so the kernels must (1) agree with float32 at least as often as the torch bf16 path,
+    less 2 points, and (2) agree at >= 99% of the positions whose float32 top-1 margin exceeds twice the
+    torch bf16 path's largest logit deviation there (where bf16 rounding cannot decide the token)."""
     from deltafin.kernels import cuda as kc
     from deltafin.models import registry
     from deltafin.models.base import ResidentExperts
@@ -161,14 +164,25 @@ def test_bf16_kernels_agree_with_float32_reference(family, tmp_path):
               for dt in (torch.float32, torch.bfloat16)}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, models[torch.float32].vocab_size, (256,), generator=g).cuda()
-    kc.USED.clear()
-    top = {}
-    for dt, m in models.items():
-        st = m.new_state(300)
-        top[dt] = torch.cat([m.forward(tokens[i:i + 1], st, experts).argmax(-1) for i in range(256)])
-    agree = (top[torch.float32] == top[torch.bfloat16]).float().mean().item()
-    assert agree >= 0.99, f"{family}: top-1 agreement {agree:.3f}"
+    logits = {}
+    for name, dt, mode in (("f32", torch.float32, "triton"), ("torch", torch.bfloat16, "torch"),
+                           ("kernels", torch.bfloat16, "triton")):
+        monkeypatch.setenv("DELTAFIN_KERNELS", mode)
+        kc.USED.clear()
+        m, st = models[dt], models[dt].new_state(300)
+        logits[name] = torch.cat([m.forward(tokens[i:i + 1], st, experts).float() for i in range(256)])
     assert any(u.startswith("triton:") for u in kc.USED)
+    ref = logits["f32"]
+    top = ref.argmax(-1)
+    agree_k = (logits["kernels"].argmax(-1) == top).float()
+    agree_t = (logits["torch"].argmax(-1) == top).float()
+    top2 = ref.topk(2, -1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * (logits["torch"] - ref).abs().amax(-1)
+    print(f"{family}: top-1 agreement with float32: kernels {agree_k.mean():.3f}, torch bf16 {agree_t.mean():.3f}; "
+          f"on {int(decided.sum())} decided positions: kernels {agree_k[decided].mean():.3f}")
+    assert agree_k.mean() >= agree_t.mean() - 0.02
+    if decided.any():
+        assert agree_k[decided].mean() >= 0.99
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this compiled")

@@ -109,7 +109,8 @@ def moe_dispatch(
     """
     T, D = x.shape
     k = ids.shape[1]
-    wanted = ids.unique().tolist()
+    ids_host = ids.cpu()  # the one host synchronisation of the layer: which experts to fetch
+    wanted = ids_host.unique().tolist()
     fetched = experts.fetch(layer, wanted)
     if glu is not None and x.dtype == torch.bfloat16:
         from deltafin.kernels import cuda as kc
@@ -118,7 +119,7 @@ def moe_dispatch(
             got = list(fetched)
             assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
             if all(kc.grouped_eligible(x, t) for _, t in got):
-                return kc.grouped_moe(x, ids, weights, got, glu, getattr(experts, "slab", None))
+                return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
             fetched = iter(got)
     out = x.new_zeros(T, k, D)  # [T, k, D]
     seen = 0
