@@ -29,6 +29,7 @@ class RunStats:
     direct_io: bool = True
     device: str = "cpu"
     stop_reason: str = ""
+    kernels: list = field(default_factory=list)  # fast-path kernels used so far ("triton:int8_linear", ...)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -48,6 +49,8 @@ class RunStats:
             f"read {self.bytes_read / 1e6:,.1f} MB in {self.reads:,} reads ({io}); cache hit rate "
             f"{self.cache_hit_rate:.1%} of {self.cache_bytes / 1e9:.2f} GB",
         ]
+        lines.append(f"math on {self.device}: " + (", ".join(self.kernels) if self.kernels
+                                                   else "plain torch path (float32 reference or no fast path)"))
         for label, d in self.per_drive.items():
             rated = f" of its {d['rated_gbps']:.2f} GB/s" if d.get("rated_gbps") else ""
             lines.append(f"  drive {label}: {d['reads']:,} reads, {d['bytes'] / 1e6:,.1f} MB, "
