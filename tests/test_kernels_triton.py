@@ -210,3 +210,27 @@ def test_model_wiring_through_interpreter(tmp_path, monkeypatch):
         logits[mode] = model.forward(ids, model.new_state(8), experts)
     assert {"triton:int8_linear", "triton:grouped_mxfp4"} <= kc.USED
     assert _rel(logits["interpret"], logits["torch"]) < 3e-2
+
+
+def test_streaming_slab_slots_never_reused_within_a_layer():
+    """The streaming source's slab: cached experts take cache slots (evicting the least recent one not in
+    use by the current layer), the rest scratch slots; no slot is handed out twice before the layer's
+    launch, and an evicted expert's slot is reused."""
+    from deltafin.runtime.cache import ExpertCache
+    from deltafin.runtime.source import StreamingExperts
+
+    g = torch.Generator().manual_seed(3)
+    ex = _experts("mxfp4", 1, 64, 32, g)[0]
+    nbytes = sum(t.nbytes for t in ex.values())
+    src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
+    src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
+    src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+    assert src._slab_ready(ex, nbytes) and src.slab.slots == 4
+    layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes)) for e in range(4)]
+    assert sorted(layer0) == [0, 1, 2, 3]  # two cached, two scratch, all distinct
+    assert len(src.cache._entries) == 2
+    assert src._take_slot() == (None, False)  # everything is in use by this layer
+    src._busy = set()  # the next layer: layer 0's launch is queued before any new copy
+    s, cached = src._take_slot()
+    assert cached and s in layer0[:2] and len(src.cache._entries) == 1  # the least recent expert made room
+    torch.testing.assert_close(src.slab.views(layer0[3])["down"].data, ex["down"].data)
