@@ -136,9 +136,12 @@ def test_linear_k3_widths_on_gpu(fmt):
 @gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe_lite", "gpt_oss",
                                     "kimi_k3"])
-def test_bf16_kernels_agree_with_float32_reference(family, tmp_path):
-    """Teacher-forced decode of 256 tokens: top-1 of the bf16 path (Triton kernels) equals the float32
-    reference's at >= 99% of positions."""
+def test_bf16_kernels_agree_with_float32_reference(family, tmp_path, monkeypatch):
+    """Teacher-forced decode of 256 tokens in float32 (the reference), in bf16 on the plain torch path and in
+    bf16 through the kernels. On random tiny models many positions are near-ties that bf16 itself flips (the
+    torch bf16 path too), so the kernels must (1) agree with float32 at least as often as the torch bf16 path,
+    less 2 points, and (2) agree at >= 99% of the positions whose float32 top-1 margin exceeds twice the
+    torch bf16 path's largest logit deviation there (where bf16 rounding cannot decide the token)."""
     from deltafin.kernels import cuda as kc
     from deltafin.models import registry
     from deltafin.models.base import ResidentExperts
@@ -161,14 +164,25 @@ def test_bf16_kernels_agree_with_float32_reference(family, tmp_path):
               for dt in (torch.float32, torch.bfloat16)}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, models[torch.float32].vocab_size, (256,), generator=g).cuda()
-    kc.USED.clear()
-    top = {}
-    for dt, m in models.items():
-        st = m.new_state(300)
-        top[dt] = torch.cat([m.forward(tokens[i:i + 1], st, experts).argmax(-1) for i in range(256)])
-    agree = (top[torch.float32] == top[torch.bfloat16]).float().mean().item()
-    assert agree >= 0.99, f"{family}: top-1 agreement {agree:.3f}"
+    logits = {}
+    for name, dt, mode in (("f32", torch.float32, "triton"), ("torch", torch.bfloat16, "torch"),
+                           ("kernels", torch.bfloat16, "triton")):
+        monkeypatch.setenv("DELTAFIN_KERNELS", mode)
+        kc.USED.clear()
+        m, st = models[dt], models[dt].new_state(300)
+        logits[name] = torch.cat([m.forward(tokens[i:i + 1], st, experts).float() for i in range(256)])
     assert any(u.startswith("triton:") for u in kc.USED)
+    ref = logits["f32"]
+    top = ref.argmax(-1)
+    agree_k = (logits["kernels"].argmax(-1) == top).float()
+    agree_t = (logits["torch"].argmax(-1) == top).float()
+    top2 = ref.topk(2, -1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * (logits["torch"] - ref).abs().amax(-1)
+    print(f"{family}: top-1 agreement with float32: kernels {agree_k.mean():.3f}, torch bf16 {agree_t.mean():.3f}; "
+          f"on {int(decided.sum())} decided positions: kernels {agree_k[decided].mean():.3f}")
+    assert agree_k.mean() >= agree_t.mean() - 0.02
+    if decided.any():
+        assert agree_k[decided].mean() >= 0.99
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run covers this compiled")
@@ -196,3 +210,27 @@ def test_model_wiring_through_interpreter(tmp_path, monkeypatch):
         logits[mode] = model.forward(ids, model.new_state(8), experts)
     assert {"triton:int8_linear", "triton:grouped_mxfp4"} <= kc.USED
     assert _rel(logits["interpret"], logits["torch"]) < 3e-2
+
+
+def test_streaming_slab_slots_never_reused_within_a_layer():
+    """The streaming source's slab: cached experts take cache slots (evicting the least recent one not in
+    use by the current layer), the rest scratch slots; no slot is handed out twice before the layer's
+    launch, and an evicted expert's slot is reused."""
+    from deltafin.runtime.cache import ExpertCache
+    from deltafin.runtime.source import StreamingExperts
+
+    g = torch.Generator().manual_seed(3)
+    ex = _experts("mxfp4", 1, 64, 32, g)[0]
+    nbytes = sum(t.nbytes for t in ex.values())
+    src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
+    src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
+    src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+    assert src._slab_ready(ex, nbytes) and src.slab.slots == 4
+    layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes)) for e in range(4)]
+    assert sorted(layer0) == [0, 1, 2, 3]  # two cached, two scratch, all distinct
+    assert len(src.cache._entries) == 2
+    assert src._take_slot() == (None, False)  # everything is in use by this layer
+    src._busy = set()  # the next layer: layer 0's launch is queued before any new copy
+    s, cached = src._take_slot()
+    assert cached and s in layer0[:2] and len(src.cache._entries) == 1  # the least recent expert made room
+    torch.testing.assert_close(src.slab.views(layer0[3])["down"].data, ex["down"].data)

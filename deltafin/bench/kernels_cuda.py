@@ -312,8 +312,9 @@ def time_trunk(dev, fmt_cfg: dict | None, gbps: float) -> dict:
         x = torch.randn(1, Kd, device=dev).to(torch.bfloat16)
         cfg = _cfg_for(fmt_cfg, "int8", 1, N, Kd) if fmt_cfg else None
         f = _fn("int8")
-        t = _bench(_graph(lambda: [f(x, q[i], s[i], cfg) for i in range(copies)])) / copies
-        tt = _bench(_graph(lambda: [int8.matmul(x, q[i], s[i]) for i in range(copies)])) / copies
+        t = _bench(_graph(lambda f=f, x=x, q=q, s=s, cfg=cfg, c=copies: [f(x, q[i], s[i], cfg) for i in range(c)]))
+        t /= copies
+        tt = _bench(_graph(lambda x=x, q=q, s=s, c=copies: [int8.matmul(x, q[i], s[i]) for i in range(c)])) / copies
         nb = N * Kd + 4 * N
         rows.append({"shape": name, "N": N, "K": Kd, "count": n, "s": t, "GBps": nb / t / 1e9,
                      "ratio": nb / t / 1e9 / gbps, "torch_s": tt, "torch_ratio": nb / tt / 1e9 / gbps})
@@ -329,9 +330,9 @@ def time_prefill(dev) -> list[dict]:
         x = torch.randn(T, Kd, device=dev).to(torch.bfloat16)
         f = _fn(fmt)
         err = _rel(f(x, p[0], s[0]), x.double() @ w.double().T)
-        t = _bench(lambda: f(x, p[0], s[0]))
+        t = _bench(lambda f=f, x=x, p=p, s=s: f(x, p[0], s[0]))
         wb = w.to(torch.bfloat16)
-        tb = _bench(lambda: x @ wb.T)
+        tb = _bench(lambda x=x, wb=wb: x @ wb.T)
         fl = 2 * T * N * Kd
         out.append({"fmt": fmt, "T": T, "N": N, "K": Kd, "rel_err": err, "s": t, "TFLOPs": fl / t / 1e12,
                     "bf16_matmul_TFLOPs": fl / tb / 1e12, "ratio_to_bf16": tb / t})
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
     sets = [_expert_set("mxfp4", 16, dev) for _ in range(4)]
     slabs, exs = [s for s, _ in sets], [e for _, e in sets]
     for T in (1, 8, 64):
-        section(f"moe_T{T}", lambda T=T: moe_step(dev, slabs, exs, T, gbps, tune=not a.quick))
+        section(f"moe_T{T}", lambda T=T, sl=slabs, ex=exs: moe_step(dev, sl, ex, T, gbps, tune=not a.quick))
     del sets, slabs, exs
     section("prefill_gemm", lambda: time_prefill(dev))
     section("prefill_moe", lambda: prefill_moe(dev, _expert_set("mxfp4", 64, dev)[0], gbps))
@@ -430,7 +431,7 @@ def main(argv=None) -> int:
 
 
 def _summary(res: dict, gbps: float) -> None:
-    print("\n=== summary (limit: device-to-device copy %.0f GB/s, same run) ===" % gbps)
+    print(f"\n=== summary (limit: device-to-device copy {gbps:.0f} GB/s, same run) ===")
     for name in ("check_linear", "check_moe"):
         rows = res.get(name)
         if isinstance(rows, list):

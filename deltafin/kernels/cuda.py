@@ -60,10 +60,11 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
         order = [e for e, _ in fetched]
         slab = ExpertSlab.stack([t for _, t in fetched], x.device)
         slot_of = {e: i for i, e in enumerate(order)}
+    ids = ids.cpu()  # already on the host when it comes from moe_dispatch (no second synchronisation)
     table = torch.full((int(ids.max()) + 1,), -1, dtype=torch.int64)
     for e, s in slot_of.items():
         table[e] = s
-    slots = table[ids.cpu()]
+    slots = table[ids]
     act, beta, lbeta = (ACT_SILU, 4.0, 25.0) if glu[0] == "silu" else (ACT_SITU, float(glu[1]), float(glu[2]))
     USED.add(f"triton:grouped_{slab.format}")
     return grouped_glu(x, slots, weights, slab, act, beta, lbeta)

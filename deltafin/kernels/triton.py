@@ -52,16 +52,14 @@ def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
 
 # Programs wanted per launch so that every multiprocessor has a couple of weight streams in flight.
 _TARGET_PROGRAMS = 264
-_CONFIG_OVERRIDE: dict[str, dict] = {}  # filled by the kernel benchmark's tuning sweep (per format)
 
 
 def linear_config(fmt: str, T: int, N: int, K: int) -> dict:
     """Block sizes and split-K for one call: a 16-token tile and split-K for decode, large tiles for
     prefill. Chosen by the H200 sweep of ``deltafin.bench.kernels_cuda`` (BN 64 x BK 256, 4 warps, 3
     stages was fastest or within 3% for every decode shape, int8 and MXFP4)."""
-    o = _CONFIG_OVERRIDE.get(fmt, {})
     if T <= 16:
-        bt, bn, bk, warps, stages = 16, o.get("BN", 64), o.get("BK", 256), o.get("num_warps", 4), o.get("num_stages", 3)
+        bt, bn, bk, warps, stages = 16, 64, 256, 4, 3
     elif T <= 64:
         bt, bn, bk, warps, stages = 64, 64, 128, 4, 3
     else:

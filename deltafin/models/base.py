@@ -117,8 +117,8 @@ def moe_dispatch(
     k = ids.shape[1]
     if hasattr(experts, "agree"):
         ids, weights = experts.agree(layer, ids, weights)
-    out = x.new_zeros(T, k, D)  # [T, k, D]
-    wanted = ids.unique().tolist()
+    ids_host = ids.cpu()  # the one host synchronisation of the layer: which experts to fetch
+    wanted = ids_host.unique().tolist()
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
     fetched = experts.fetch(layer, wanted)
@@ -129,8 +129,9 @@ def moe_dispatch(
             got = list(fetched)
             assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
             if all(kc.grouped_eligible(x, t) for _, t in got):
-                return kc.grouped_moe(x, ids, weights, got, glu, getattr(experts, "slab", None))
+                return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
             fetched = iter(got)
+    out = x.new_zeros(T, k, D)  # [T, k, D]
     seen = 0
     for eid, tensors in fetched:
         tok, slot = (ids == eid).nonzero(as_tuple=True)

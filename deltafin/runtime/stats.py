@@ -29,6 +29,7 @@ class RunStats:
     direct_io: bool = True
     device: str = "cpu"
     stop_reason: str = ""
+    kernels: list = field(default_factory=list)  # fast-path kernels used so far ("triton:int8_linear", ...)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -50,6 +51,8 @@ class RunStats:
             f"read {fmt.size(self.bytes_read)} in {self.reads:,} reads ({io}); cache hit rate "
             f"{self.cache_hit_rate:.1%} of {fmt.size(self.cache_bytes)}",
         ]
+        lines.append(f"math on {self.device}: " + (", ".join(self.kernels) if self.kernels
+                                                   else "plain torch path (float32 reference or no fast path)"))
         run_s = max(total, 1e-9)
         for label, d in self.per_drive.items():
             rated = f", rated {fmt.gbps(d['rated_gbps'])}" if d.get("rated_gbps") else ""
