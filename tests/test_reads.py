@@ -352,3 +352,14 @@ def test_deadlines_assume_the_rate_the_drive_delivers_when_lower():
     slow = DriveCounters(bytes=10**9, active_seconds=2.0)  # 0.5 GB/s delivered
     assert deadline_rate(7.0, slow) == pytest.approx(0.5) and deadline_rate(0.2, slow) == 0.2
     assert deadline_rate(0.0, DriveCounters()) == 0.1  # a rate of 0 never divides
+
+
+def test_emulated_read_failures_are_served_by_replicas(k3, tmp_path):
+    from deltafin.io.emulator import emulated_readers
+
+    root, ref = k3
+    pm = _copy(root, tmp_path / "m", replicas=True)
+    readers = emulated_readers("d0:2GBps,lat=100us,jitter=0.3,fail=0.4;d1:1GBps,lat=100us,jitter=0.3", pm)
+    got, source = _forward(pm, readers)
+    assert torch.equal(got, ref)
+    assert source.stats.failed_reads == readers[0].stats()["failures"] > 0
