@@ -31,9 +31,10 @@ _KDA_ONLY = {"q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "
 _MLA_ONLY = {"q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"}
 BLOCK_BYTES = 64 << 20  # float32 bytes generated at a time
 
-_WRAP = ("import resource, sys\nfrom deltafin import cli\nrc = cli.main(sys.argv[1:])\n"
-         "print(f'peak_rss_bytes={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}', file=sys.stderr)\n"
-         "sys.exit(rc)\n")
+# The child's own high-water mark (VmHWM): ru_maxrss would also count the parent's memory at fork time,
+# which Linux carries across exec.
+_WRAP = ("import sys\nfrom deltafin import cli\nfrom deltafin.store.fileio import peak_rss_bytes\n"
+         "rc = cli.main(sys.argv[1:])\nprint(f'peak_rss_bytes={peak_rss_bytes()}', file=sys.stderr)\nsys.exit(rc)\n")
 
 
 def slice_config(layers: int, experts: int, top_k: int, **widths) -> dict:
@@ -138,8 +139,8 @@ def _child(argv: list[str]) -> tuple[int, str]:
 
 def _baseline() -> int:
     """Peak resident bytes of a process that only imports what pack imports: the floor under every figure."""
-    code = ("import resource, torch, deltafin.store.pack, deltafin.runtime.engine\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    code = ("import torch, deltafin.store.pack, deltafin.runtime.engine\n"
+            "from deltafin.store.fileio import peak_rss_bytes\nprint(peak_rss_bytes())")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 

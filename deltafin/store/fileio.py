@@ -87,3 +87,20 @@ def return_freed_memory() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB
     except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
         pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM where Linux has it (ru_maxrss also counts the memory
+    of the parent at fork time, carried across exec), else ru_maxrss."""
+    import resource
+    import sys
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale

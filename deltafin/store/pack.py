@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import re
-import resource
 import shutil
 import threading
 import time
@@ -37,7 +36,7 @@ from deltafin.store.convert import (
     passthrough_sections,
 )
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
-from deltafin.store.fileio import return_freed_memory
+from deltafin.store.fileio import peak_rss_bytes, return_freed_memory
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -164,7 +163,7 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
     doc = job.manifest(src) | {"fingerprint": digest}
     mf.write_json_atomic(os.path.join(out, mf.MANIFEST), doc)
     os.unlink(os.path.join(out, STATE))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return PackSummary(out, model_id, plan.expert_files, job.written, job.skipped, job.repaired, plan.expert_bytes,
                        job.bytes_written, plan.trunk_bytes, time.perf_counter() - t0, peak, job.per_drive())
 
