@@ -2,7 +2,8 @@
 
 Each family is packed as shipped to users (int8 trunk, MXFP4 experts), then fed the same 256 random tokens
 teacher-forced: the first 240 as one prefill pass (the tiled kernels), the last 16 one at a time (the fused
-one-token kernels; one-token steps are what make the test slow). The greedy choice at every position must agree with the exact path's at >= 99% of them.
+one-token kernels; one-token steps are what make the test slow). The greedy choice at every position must
+agree with the exact path's at >= 99% of them.
 """
 
 from __future__ import annotations
