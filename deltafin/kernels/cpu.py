@@ -13,8 +13,11 @@ import torch
 from deltafin.kernels import native
 from deltafin.quant import int4, mxfp4
 
-FUSED_TOKENS = 8  # from `deltafin bench kernels`: past this the decoded tile + BLAS matmul is faster
-TILE_BYTES = 2 << 20  # decoded float32 rows per tile: about the size of one core's L2
+# Measured on a K3 expert (3072 x 3584, 2 cores): the fused loop costs ~4 ms per token, a decoded tile ~37 ms
+# once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
+# made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
+FUSED_TOKENS = 16
+TILE_BYTES = 8 << 20
 SERIAL_ELEMENTS = 1 << 18  # smaller matrices run on the calling thread: waking the others costs more
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
 _INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
