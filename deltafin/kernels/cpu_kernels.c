@@ -26,11 +26,12 @@ static inline float scale_at(const void *scales, int kind, const float *e8m0, in
 }
 
 #ifdef __AVX512F__
-/* One block of 16 bytes -> its 16 even and 16 odd elements (unscaled: the block's partial sum is scaled once). */
-static inline void q4_decode_block(const uint8_t *p, __m512 tab, __m512 *we, __m512 *wo) {
+/* One block of 16 bytes -> its 16 even and 16 odd elements, times the block's scale. */
+static inline void q4_decode_block(const uint8_t *p, __m512 tab, float scale, __m512 *we, __m512 *wo) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *we = _mm512_permutexvar_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)), tab);
-    *wo = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab);
+    const __m512 s = _mm512_set1_ps(scale);
+    *we = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)), tab), s);
+    *wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab), s);
 }
 #endif
 
@@ -41,38 +42,38 @@ static void q4_rows(int kind, const uint8_t *packed, const void *scales, const f
 #ifdef __AVX512F__
     const __m512 tab = _mm512_loadu_ps(lut);
     int64_t r = r0;
-    if (T == 1) /* four rows at a time: independent FMA chains hide the FMA latency; same sums as below */
+    if (T == 1) /* four rows at a time: eight independent FMA chains hide the FMA latency */
         for (; r + 4 <= r1; r += 4) {
-            __m512 a[4];
-            for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
+            __m512 ae[4], ao[4];
+            for (int i = 0; i < 4; i++) ae[i] = ao[i] = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const __m512 x0 = _mm512_loadu_ps(xe + b * 16), x1 = _mm512_loadu_ps(xo + b * 16);
                 for (int i = 0; i < 4; i++) {
                     __m512 we, wo;
-                    q4_decode_block(packed + (r + i) * H + b * 16, tab, &we, &wo);
-                    const __m512 part = _mm512_fmadd_ps(we, x0, _mm512_mul_ps(wo, x1));
-                    a[i] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale_at(scales, kind, e8m0, (r + i) * nb + b)), a[i]);
+                    q4_decode_block(packed + (r + i) * H + b * 16, tab,
+                                    scale_at(scales, kind, e8m0, (r + i) * nb + b), &we, &wo);
+                    ae[i] = _mm512_fmadd_ps(we, x0, ae[i]);
+                    ao[i] = _mm512_fmadd_ps(wo, x1, ao[i]);
                 }
             }
-            for (int i = 0; i < 4; i++) out[r + i] = _mm512_reduce_add_ps(a[i]);
+            for (int i = 0; i < 4; i++) out[r + i] = _mm512_reduce_add_ps(_mm512_add_ps(ae[i], ao[i]));
         }
-    __m512 acc[TT]; /* the same sums, token by token, for the rest */
+    __m512 acce[TT], acco[TT]; /* the same sums, token by token, for the rest */
     for (; r < r1; r++) {
         const uint8_t *row = packed + r * H;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             const int64_t nt = T - t0 < TT ? T - t0 : TT;
-            for (int64_t t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < nt; t++) acce[t] = acco[t] = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 __m512 we, wo;
-                q4_decode_block(row + b * 16, tab, &we, &wo);
-                const __m512 s = _mm512_set1_ps(scale_at(scales, kind, e8m0, r * nb + b));
+                q4_decode_block(row + b * 16, tab, scale_at(scales, kind, e8m0, r * nb + b), &we, &wo);
                 for (int64_t t = 0; t < nt; t++) {
                     const float *pe = xe + (t0 + t) * H + b * 16, *po = xo + (t0 + t) * H + b * 16;
-                    const __m512 part = _mm512_fmadd_ps(we, _mm512_loadu_ps(pe), _mm512_mul_ps(wo, _mm512_loadu_ps(po)));
-                    acc[t] = _mm512_fmadd_ps(part, s, acc[t]);
+                    acce[t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(pe), acce[t]);
+                    acco[t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(po), acco[t]);
                 }
             }
-            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(acc[t]);
+            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(_mm512_add_ps(acce[t], acco[t]));
         }
     }
 #else
