@@ -124,3 +124,11 @@ def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
     many = fn(x, rec.data, rec.scale)
     for t in (0, 5, cpu.FUSED_TOKENS - 1):
         assert torch.equal(fn(x[t : t + 1], rec.data, rec.scale)[0], many[t])
+
+
+def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why", {})
+    assert native.library() is None
+    assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
