@@ -72,6 +72,9 @@ def _synthetic_bench(sub, name: str, help_: str, layers: int, experts: int) -> a
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
     b.add_argument("--json", metavar="PATH")
+    from deltafin.interfaces.cmd_run import add_compute_args
+
+    add_compute_args(b)
     return b
 
 

@@ -112,3 +112,23 @@ def test_dispatch_exact_by_default_fused_inside_fast():
         assert torch.equal(kernels.matmul(x, plain), x @ plain.T)  # not a fused format: the torch path
     assert not kernels.fast_enabled()
     assert kernels.backend_name("cpu") == "cpu"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int8"])
+def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
+    """Up to FUSED_TOKENS, each token's sums run in one order (one token takes a four-row path with the same
+    arithmetic), so batching requests together cannot change a greedy choice."""
+    rec = _records(37, 128, seed=9)[fmt]
+    fn = getattr(cpu, f"{fmt}_linear")
+    x = torch.randn(cpu.FUSED_TOKENS, 128)
+    many = fn(x, rec.data, rec.scale)
+    for t in (0, 5, cpu.FUSED_TOKENS - 1):
+        assert torch.equal(fn(x[t : t + 1], rec.data, rec.scale)[0], many[t])
+
+
+def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why", {})
+    assert native.library() is None
+    assert "apt install gcc" in native.why() and "plain torch path" in caplog.text

@@ -37,7 +37,9 @@ def run(args) -> dict:
         from deltafin.errors import UsageError
 
         raise UsageError("--inputs, --tokens and --batch must be >= 1")
-    with synthetic_run(args, "classify") as run_:
+    from deltafin import kernels
+
+    with synthetic_run(args, "classify") as run_, kernels.fast(not args.exact):
         pm, nbytes = run_.pm, run_.nbytes
         rng = random.Random(args.seed)
         inputs = [_routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, rng) for _ in range(args.inputs)]

@@ -13,8 +13,12 @@ import torch
 from deltafin.kernels import native
 from deltafin.quant import int4, mxfp4
 
-FUSED_TOKENS = 8  # from `deltafin bench kernels`: past this the decoded tile + BLAS matmul is faster
-TILE_BYTES = 2 << 20  # decoded float32 rows per tile: about the size of one core's L2
+# Measured on a K3 expert (3072 x 3584, 2 cores): the fused loop costs ~4 ms per token, a decoded tile ~37 ms
+# once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
+# made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
+FUSED_TOKENS = 16
+TILE_BYTES = 8 << 20
+SERIAL_ELEMENTS = 1 << 18  # smaller matrices run on the calling thread: waking the others costs more
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
 _INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
 _E8M0 = torch.exp2(torch.arange(256, dtype=torch.float64) - 127).to(torch.float32)
@@ -23,6 +27,10 @@ _E8M0[255] = float("nan")  # OCP MX: E8M0 0xFF is NaN
 
 def available() -> bool:
     return native.library() is not None
+
+
+def _threads(R: int, C: int, T: int) -> int:
+    return 1 if R * C * T < SERIAL_ELEMENTS else torch.get_num_threads()
 
 
 def _x32(x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +44,7 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     T, C = x.shape
     R = packed.shape[0]
     assert packed.shape[-1] * 2 == C and packed.dtype == torch.uint8 and packed.is_contiguous()
-    nt = torch.get_num_threads()
+    nt = _threads(R, C, T)
     x = _x32(x)
     if T <= FUSED_TOKENS:
         xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # [T, C/2]: each nibble lane meets its column
@@ -79,7 +87,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
     if T <= FUSED_TOKENS:
         out = torch.empty(T, R, dtype=torch.float32)
-        lib.df_i8_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, torch.get_num_threads())
+        lib.df_i8_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T))
         return out
     rows = max(16, TILE_BYTES // (4 * C))
     out = torch.empty(T, R, dtype=torch.float32)

@@ -25,31 +25,55 @@ static inline float scale_at(const void *scales, int kind, const float *e8m0, in
     return f;
 }
 
+#ifdef __AVX512F__
+/* One block of 16 bytes -> its 16 even and 16 odd elements, times the block's scale. */
+static inline void q4_decode_block(const uint8_t *p, __m512 tab, float scale, __m512 *we, __m512 *wo) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512 s = _mm512_set1_ps(scale);
+    *we = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)), tab), s);
+    *wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab), s);
+}
+#endif
+
 static void q4_rows(int kind, const uint8_t *packed, const void *scales, const float *lut, const float *e8m0,
                     const float *xe, const float *xo, float *out, int64_t r0, int64_t r1, int64_t R, int64_t C,
                     int64_t T) {
     const int64_t H = C / 2, nb = C / 32;
 #ifdef __AVX512F__
     const __m512 tab = _mm512_loadu_ps(lut);
-    const __m512i m15 = _mm512_set1_epi32(15);
-    __m512 acc[TT];
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+    if (T == 1) /* four rows at a time: eight independent FMA chains hide the FMA latency */
+        for (; r + 4 <= r1; r += 4) {
+            __m512 ae[4], ao[4];
+            for (int i = 0; i < 4; i++) ae[i] = ao[i] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m512 x0 = _mm512_loadu_ps(xe + b * 16), x1 = _mm512_loadu_ps(xo + b * 16);
+                for (int i = 0; i < 4; i++) {
+                    __m512 we, wo;
+                    q4_decode_block(packed + (r + i) * H + b * 16, tab,
+                                    scale_at(scales, kind, e8m0, (r + i) * nb + b), &we, &wo);
+                    ae[i] = _mm512_fmadd_ps(we, x0, ae[i]);
+                    ao[i] = _mm512_fmadd_ps(wo, x1, ao[i]);
+                }
+            }
+            for (int i = 0; i < 4; i++) out[r + i] = _mm512_reduce_add_ps(_mm512_add_ps(ae[i], ao[i]));
+        }
+    __m512 acce[TT], acco[TT]; /* the same sums, token by token, for the rest */
+    for (; r < r1; r++) {
         const uint8_t *row = packed + r * H;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             const int64_t nt = T - t0 < TT ? T - t0 : TT;
-            for (int64_t t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < nt; t++) acce[t] = acco[t] = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b * 16)));
-                const __m512 s = _mm512_set1_ps(scale_at(scales, kind, e8m0, r * nb + b));
-                const __m512 we = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(q, m15), tab), s);
-                const __m512 wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab), s);
+                __m512 we, wo;
+                q4_decode_block(row + b * 16, tab, scale_at(scales, kind, e8m0, r * nb + b), &we, &wo);
                 for (int64_t t = 0; t < nt; t++) {
                     const float *pe = xe + (t0 + t) * H + b * 16, *po = xo + (t0 + t) * H + b * 16;
-                    acc[t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(pe), acc[t]);
-                    acc[t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(po), acc[t]);
+                    acce[t] = _mm512_fmadd_ps(we, _mm512_loadu_ps(pe), acce[t]);
+                    acco[t] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(po), acco[t]);
                 }
             }
-            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(acc[t]);
+            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(_mm512_add_ps(acce[t], acco[t]));
         }
     }
 #else
@@ -124,7 +148,27 @@ static void i8_rows(const int8_t *q, const float *s, const float *x, float *out,
 #else
     float acc[TT][16];
 #endif
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+#ifdef __AVX512F__
+    if (T == 1) /* four rows at a time: independent FMA chains hide the FMA latency; same sums as below */
+        for (; r + 4 <= r1; r += 4) {
+            __m512 a[4];
+            for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C16; c += 16) {
+                const __m512 xv = _mm512_loadu_ps(x + c);
+                for (int i = 0; i < 4; i++) {
+                    const __m128i b = _mm_loadu_si128((const __m128i *)(q + (r + i) * C + c));
+                    a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), xv, a[i]);
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                float sum = _mm512_reduce_add_ps(a[i]);
+                for (int64_t c = C16; c < C; c++) sum += (float)q[(r + i) * C + c] * x[c];
+                out[r + i] = sum * s[r + i];
+            }
+        }
+#endif
+    for (; r < r1; r++) {
         const int8_t *row = q + r * C;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             const int64_t nt = T - t0 < TT ? T - t0 : TT;

@@ -89,7 +89,10 @@ def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, ver, _cpu_id(), *FLAGS, *extra]).encode())
             cache = Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache" / "deltafin")) / "kernels"
             path = cache / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-            err = None if path.exists() else _compile(cc, extra, path)
+            try:
+                err = None if path.exists() else _compile(cc, extra, path)
+            except OSError as e:  # e.g. a read-only home: point DELTAFIN_CACHE somewhere writable
+                err = f"cannot write {path.parent}: {e.strerror}; set DELTAFIN_CACHE to a writable folder"
             if err:
                 why = f"building the CPU kernels failed ({err}); {INSTALL_HINT}"
             else:
