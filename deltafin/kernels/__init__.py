@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 FUSED_FORMATS = ("mxfp4", "int4g32", "int8")
 _FAST: contextvars.ContextVar[bool] = contextvars.ContextVar("deltafin_fast_kernels", default=False)
 _BACKENDS: dict[str, ModuleType | None] = {}
+USED: set[str] = set()  # fused kernels run so far in this process ("cpu:mxfp4_linear"), for the stats line
 
 
 @contextlib.contextmanager
@@ -85,6 +86,7 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     if _FAST.get():
         fn = getattr(backend(x.device.type), f"{w.format}_linear", None)
         if fn is not None:
+            USED.add(f"{backend_name(x.device.type)}:{w.format}_linear")
             lead = x.shape[:-1]
             y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
             return y.reshape(*lead, w.shape[0]).to(x.dtype)

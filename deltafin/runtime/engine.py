@@ -443,10 +443,9 @@ class Engine:
         end = time.perf_counter()
         src = self.source.stats
         stats.tokens = emitted
-        if self.device.type == "cuda":
-            from deltafin.kernels import cuda as kc
+        from deltafin.kernels import cuda as kc
 
-            stats.kernels = sorted(kc.USED)
+        stats.kernels = sorted(kernels.USED | kc.USED)
         stats.text = self.codec.decode([t for t in emitted if t not in self.eos_ids]) if self.codec else ""
         if "stop string" in stats.stop_reason:
             stats.text = text
