@@ -145,7 +145,10 @@ class StreamingExperts:
             if set(tensors) != set(ExpertSlab.ROLES) or any(
                     getattr(t, "format", None) not in MOE_FORMATS for t in tensors.values()):
                 return False
-            self._slab_cache_slots = self.cache.budget // nbytes
+            # the cache budget in slots, but never past what the device can hold beside the scratch ring
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fit = max(int(free - (2 << 30)) // nbytes - self.SCRATCH_SLOTS, 0)
+            self._slab_cache_slots = min(self.cache.budget // nbytes, fit)
             self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device)
             self._free = list(range(self._slab_cache_slots))
         return self.slab.fits(tensors)
