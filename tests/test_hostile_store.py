@@ -471,5 +471,6 @@ def test_k3_slice_at_real_widths_packs_and_runs(tmp_path):
 
     rec = run(str(tmp_path), layers=3, experts=16, tokens=2)
     assert rec["pack_peak_rss_bytes"] <= rec["limit_bytes"], rec
-    assert rec["pack_peak_rss_bytes"] < rec["largest_tensor_bytes"] + rec["baseline_rss_bytes"], rec
+    # converted a block of rows at a time: far below the 2.35 GB embedding (0.18x measured)
+    assert rec["pack_peak_rss_bytes"] < 0.5 * rec["largest_tensor_bytes"] + rec["baseline_rss_bytes"], rec
     assert len(rec["run_tokens"]) == 2 and all(0 <= t < 163840 for t in rec["run_tokens"])

@@ -198,7 +198,7 @@ def _check_experts(grouped, moe_layers: list[int], n: int, shape_of: _Shapes, fa
                         dt, s = shape_of(name, ExpertPart(L, e, role, kind))
                         dt0, s0 = ref_shapes[name0]
                         if (dt, tuple(s)) != (dt0, tuple(s0)):
-                            raise CheckpointError(f"{shape_of.file(name)}: {name} is {dt} {list(s)}, expected {dt0} "
+                            raise CheckpointError(f"{shape_of.file(name)}: {name}: {dt} {list(s)}, expected {dt0} "
                                                   f"{list(s0)} as {name0}"
                                                   + (" (transposed)" if tuple(s) == tuple(s0)[::-1] else "")
                                                   + "; the checkpoint is inconsistent (corrupt or mixed shards)")
@@ -302,7 +302,7 @@ def _role_source(L: int, role: str, kinds: dict[str, str], shape_of: _Shapes, ex
     if shape_of.family.name in _SWIGLU_FAMILIES and role in ("gate", "up", "down"):
         want = shapes.swiglu_expert_shape(role, shape_of.tc)
         if tuple(s) != want:
-            raise CheckpointError(f"{shape_of.file(kinds['weight'])}: {kinds['weight']} is {list(s)}, but config.json "
+            raise CheckpointError(f"{shape_of.file(kinds['weight'])}: {kinds['weight']}: {list(s)}, but config.json "
                                   f"makes a {role} expert [out, in] = {list(want)}"
                                   + (" (the tensor is transposed)" if tuple(s) == want[::-1] else "")
                                   + "; the checkpoint and its config do not match")
