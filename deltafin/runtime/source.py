@@ -146,9 +146,11 @@ class StreamingExperts:
                     getattr(t, "format", None) not in MOE_FORMATS for t in tensors.values()):
                 return False
             # the cache budget in slots, but never past what the device can hold beside the scratch ring
-            free, _ = torch.cuda.mem_get_info(self.device)
-            fit = max(int(free - (2 << 30)) // nbytes - self.SCRATCH_SLOTS, 0)
-            self._slab_cache_slots = min(self.cache.budget // nbytes, fit)
+            slots = self.cache.budget // nbytes
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                slots = min(slots, max(int(free - (2 << 30)) // nbytes - self.SCRATCH_SLOTS, 0))
+            self._slab_cache_slots = slots
             self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device)
             self._free = list(range(self._slab_cache_slots))
         return self.slab.fits(tensors)
