@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 
 import pytest
 
@@ -15,6 +14,7 @@ from deltafin.errors import UsageError
 from deltafin.jobs.classify import gather_inputs
 from deltafin.runtime.sampling import SamplingParams
 from tests.tiny import pack_tiny
+from tests.waiting import bounded
 
 ENGINE_ARGS = ["--cache-gb", "0.05", "--max-len", "256", "--threads", "2", "--quiet", "--no-progress"]
 
@@ -25,21 +25,7 @@ def model_dir(tmp_path_factory):
 
 
 def _bounded(fn, seconds: float = 120.0):
-    out: dict = {}
-
-    def body():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"the job still runs after {seconds} s: an input must never hang it"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    return bounded(fn, seconds, "an input must never hang the job")
 
 
 def _batch(model_dir, tmp_path, line: str, *extra) -> int:

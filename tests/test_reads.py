@@ -26,6 +26,7 @@ from deltafin.store import manifest as mf
 from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel
 from deltafin.store.pack import PackOptions, pack
+from tests.waiting import bounded
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
 FAST = ReadDeadline(min_s=0.3, factor=10.0)
@@ -63,22 +64,7 @@ def _copy(k3_root, dst, replicas: bool = False) -> PackedModel:
 
 
 def _bounded(fn, seconds: float = 60.0):
-    """Run ``fn`` in a thread; fail the test (instead of hanging it) when it does not return in time."""
-    out: dict = {}
-
-    def body():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still waiting after {seconds} s: the engine must never wait forever"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    return bounded(fn, seconds, "the engine must never wait forever")
 
 
 class HangingReader(FileDriveReader):
