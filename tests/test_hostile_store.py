@@ -474,3 +474,21 @@ def test_k3_slice_at_real_widths_packs_and_runs(tmp_path):
     # converted a block of rows at a time: far below the 2.35 GB embedding (0.18x measured)
     assert rec["pack_peak_rss_bytes"] < 0.5 * rec["largest_tensor_bytes"] + rec["baseline_rss_bytes"], rec
     assert len(rec["run_tokens"]) == 2 and all(0 <= t < 163840 for t in rec["run_tokens"])
+
+
+def test_tiktoken_tokenizer_that_does_not_fit_the_vocabulary_is_refused(tmp_path, capsys):
+    from deltafin.k3_tiny import TINY_TOKENIZER_VOCAB, write_tiny_k3_tokenizer
+
+    src = tmp_path / "k3"
+    write_tiny_k3(src, vocab_size=TINY_TOKENIZER_VOCAB)
+    write_tiny_k3_tokenizer(src)
+    (tmp_path / "d0").mkdir()
+    plan = ["pack", "--plan", str(src), "--drive", f"{tmp_path}/d0=2"]
+    assert cli.main(plan) == 0  # ranks and specials fit: planned
+    capsys.readouterr()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["vocab_size"] = 200  # 256 byte ranks cannot fit
+    (src / "config.json").write_text(json.dumps(cfg))
+    _expect_error(capsys, plan, "tiktoken.model: token id", "does not fit the model's vocab_size 200")
+    (src / "tiktoken.model").write_text("not base64 at all\n")
+    _expect_error(capsys, plan, "tiktoken.model:1: bad rank line")

@@ -79,7 +79,10 @@ def check_embedding(shape_of, embed_name: str | None, cfg, where: str) -> None:
 
 
 def check_tokenizer(folder: str, vocab_size: int | None) -> None:
-    """tokenizer.json, when shipped, is a tokenizer (JSON object with a model) whose ids fit the vocabulary."""
+    """tokenizer.json, when shipped, is a tokenizer (JSON object with a model) whose ids fit the vocabulary;
+    so are a tiktoken rank file (Kimi) and the added tokens of tokenizer_config.json beside it."""
+    if os.path.isfile(os.path.join(folder, "tiktoken.model")):
+        _check_tiktoken(folder, vocab_size)
     p = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(p):
         return
@@ -101,3 +104,17 @@ def check_tokenizer(folder: str, vocab_size: int | None) -> None:
     if vocab_size is not None and ids and max(ids) >= vocab_size:
         raise CheckpointError(f"{p}: token id {max(ids)} does not fit the model's vocab_size {vocab_size}; the "
                               f"tokenizer belongs to another model")
+
+
+def _check_tiktoken(folder: str, vocab_size: int | None) -> None:
+    from pathlib import Path
+
+    from deltafin.tokenizers.kimi_k3 import RANKS_FILE, load_ranks, read_added_tokens
+
+    ranks = load_ranks(Path(folder) / RANKS_FILE)  # a malformed file is one line naming it
+    added = read_added_tokens(Path(folder)) or {}
+    top = max([len(ranks) - 1, *added])
+    if vocab_size is not None and top >= vocab_size:
+        what = "tokenizer_config.json's added tokens" if added and max(added) == top else RANKS_FILE
+        raise CheckpointError(f"{os.path.join(folder, RANKS_FILE)}: token id {top} ({what}) does not fit the "
+                              f"model's vocab_size {vocab_size}; the tokenizer belongs to another model")
