@@ -252,23 +252,26 @@ static void q8_quantize(const float *x, int64_t T, int64_t C, int K, float mult,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_VNNI 1
+/* Software prefetch of the next rows, a row ahead: measured 1.5x on a K3 expert read from memory (the
+ * hardware prefetcher alone left the one-token loop waiting on memory). */
+#ifndef PF
+#define PF 1
+#endif
 /* The weight scales of 16 blocks from block i (n < 16 in a last, partial run), as float32. E8M0 by its bits:
- * e << 23 is 2^(e - 127) for e in 1..254; 0 (2^-127, a subnormal) and 255 (NaN) are patched in. */
+ * e << 23 is 2^(e - 127) for e in 1..254; 0 (2^-127, a subnormal) and 255 (NaN) are patched in. Scales past n
+ * meet zero activation scales. */
 static inline __m512 q8_wscale16(int kind, const void *scales, const float *e8m0, int64_t i, int n) {
-    if (n == 16) {
-        if (kind == 0) {
-            const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)scales + i)));
-            __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-            f = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), f, _mm512_set1_ps(e8m0[0]));
-            return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), f, _mm512_set1_ps(e8m0[255]));
-        }
-        if (kind == 2) return _mm512_loadu_ps((const float *)scales + i);
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __mmask16 m = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); /* past n: 2^-127 or 0 */
+    if (kind == 0) {
+        const __m128i b = _mm_maskz_loadu_epi8(m, (const uint8_t *)scales + i);
+        const __m512i e = _mm512_cvtepu8_epi32(b);
+        __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+        f = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), f, _mm512_set1_ps(e8m0[0]));
+        return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), f, _mm512_set1_ps(e8m0[255]));
     }
-    float s[16] = {0.0f};
-    for (int j = 0; j < n; j++) s[j] = scale_at(scales, kind, e8m0, i + j);
-    return _mm512_loadu_ps(s);
+    if (kind == 2) return _mm512_maskz_loadu_ps(m, (const float *)scales + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)scales + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* One token's contribution of one group (4 blocks) of one row: the 16 int32 lanes of the group's exact block
@@ -315,6 +318,7 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
                     const __mmask64 m = n == QG ? ~(__mmask64)0 : (((__mmask64)1 << (16 * n)) - 1);
                     for (int i = 0; i < 4; i++) {
                         __m512i lo, hi;
+                        if (PF && r + 4 + i < r1) _mm_prefetch((const char *)(packed + (r + 4 + i) * H + g * 64), _MM_HINT_T0);
                         q8_decode(packed + (r + i) * H + g * 64, m, tab, &lo, &hi);
                         acc[i] = q8_group(lo, hi, sc[i], spread[g - g0], q->xe + g * 64, q->xo + g * 64,
                                           q->corr + g * 16, acc[i]);
@@ -336,6 +340,7 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
                     const int n = nb - g * QG < QG ? (int)(nb - g * QG) : QG;
                     const __mmask64 m = n == QG ? ~(__mmask64)0 : (((__mmask64)1 << (16 * n)) - 1);
                     __m512i lo, hi;
+                    if (PF && r + 1 < r1) _mm_prefetch((const char *)(row + H + g * 64), _MM_HINT_T0);
                     q8_decode(row + g * 64, m, tab, &lo, &hi);
                     for (int64_t t = 0; t < nt; t++) {
                         const int64_t u = t0 + t;
