@@ -65,13 +65,11 @@ def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert torch.all(bound <= 0.05 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
-def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, lib=None) -> None:
-    """The bound of the path the kernel takes for this format and token count."""
-    T = x.shape[0]
-    if fmt != "int8" and T <= cpu.q8_tokens(lib):
+def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool, lib=None) -> None:
+    if fused and fmt != "int8" and cpu.q8_enabled(lib):
         _check_q8(y, x, w)
     else:
-        _check(y, x, w, fused=T <= cpu.FUSED_TOKENS)
+        _check(y, x, w, fused)
 
 
 def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
@@ -86,7 +84,7 @@ def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
 
 
 SHAPES = [(1, 32), (77, 96), (33, 256), (130, 512), (7, 640)]  # odd row counts, one block to many
-TOKENS = [1, 3, cpu.FUSED_TOKENS, cpu.FUSED_TOKENS + 1, 40, cpu.Q8_TOKENS + 1]
+TOKENS = [1, 3, cpu.FUSED_TOKENS, cpu.FUSED_TOKENS + 1, 40]
 
 
 @pytest.mark.parametrize("R,C", SHAPES)
@@ -99,7 +97,7 @@ def test_fused_kernels_match_reference(fmt, R, C):
         x = torch.randn(T, C, generator=torch.Generator().manual_seed(T))
         y = fn(x, rec.data, rec.scale)
         assert y.shape == (T, R) and y.dtype == torch.float32
-        _check_fmt(fmt, y, x, w)
+        _check_fmt(fmt, y, x, w, fused=T <= cpu.FUSED_TOKENS)
         _check(torch_ref.matmul(x, rec), x, w, fused=False)  # the reference is within its own bound too
 
 
@@ -110,7 +108,7 @@ def test_int8_odd_width_and_float_int4_scales():
     _check(cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), fused=True)
     i4 = rec["int4g32"]
     x = torch.randn(2, 96)
-    _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4))
+    _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
 
 
 def test_portable_build_matches_reference():
@@ -122,10 +120,10 @@ def test_portable_build_matches_reference():
     lib = native.library(("-mno-avx512f",))
     assert lib is not None and lib.df_simd_width() == 1
     for fmt, rec in _records(77, 96, seed=5).items():
-        for T in (1, 3, 12, cpu.FUSED_TOKENS + 1):
+        for T in (1, 3, 12):
             x = torch.randn(T, 96)
             y = getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib)
-            _check_fmt(fmt, y, x, dequantize(rec), lib=lib)
+            _check_fmt(fmt, y, x, dequantize(rec), fused=T <= cpu.FUSED_TOKENS, lib=lib)
 
 
 @pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
@@ -145,7 +143,7 @@ def test_smallest_e8m0_scale_is_two_to_the_minus_127():
     y = cpu.mxfp4_linear(x, rec.data, scales)
     w = dequantize(QTensor("mxfp4", (4, 512), rec.data, scales))
     assert torch.all(w.abs().sum(1) > 0)
-    _check_fmt("mxfp4", y, x, w)
+    _check_fmt("mxfp4", y, x, w, fused=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32"])
@@ -179,15 +177,13 @@ def test_dispatch_exact_by_default_fused_inside_fast():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int8"])
 def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
-    """Up to FUSED_TOKENS (4-bit: up to the Q8 limit, over several tiles of 32 tokens), each token's sums run in
-    one order (one token takes a four-row path with the same arithmetic), so batching requests together cannot
-    change a greedy choice."""
+    """Up to FUSED_TOKENS, each token's sums run in one order (one token takes a four-row path with the same
+    arithmetic), so batching requests together cannot change a greedy choice."""
     rec = _records(37, 128, seed=9)[fmt]
     fn = getattr(cpu, f"{fmt}_linear")
-    n = cpu.FUSED_TOKENS if fmt == "int8" else max(cpu.FUSED_TOKENS, cpu.q8_tokens())
-    x = torch.randn(n, 128)
+    x = torch.randn(cpu.FUSED_TOKENS, 128)
     many = fn(x, rec.data, rec.scale)
-    for t in (0, 5, n - 1):
+    for t in (0, 5, cpu.FUSED_TOKENS - 1):
         assert torch.equal(fn(x[t : t + 1], rec.data, rec.scale)[0], many[t])
 
 

@@ -5,7 +5,7 @@ every token (never a float copy of the matrix); rows are split over ``torch.get_
 more tokens (prefill) a tile of rows is decoded once into a small float32 buffer and multiplied by torch's
 matmul for all tokens. Accumulation is float32 whatever x's dtype; the result is float32 [T, out].
 
-4-bit weights up to ``Q8_TOKENS`` tokens (``FUSED_TOKENS`` without VNNI) take the Q8 path by default: each token's row is quantized to int8
+4-bit weights up to ``FUSED_TOKENS`` tokens take the Q8 path by default: each token's row is quantized to int8
 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums run in int8 x int8 -> int32
 (AVX-512 VNNI), about 3x less arithmetic than decoding to float. It rounds the activations (|x - d q| <= d / 2
 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode loop. On a CPU with
@@ -26,9 +26,6 @@ from deltafin.quant import int4, mxfp4
 # made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
 FUSED_TOKENS = 16
 TILE_BYTES = 8 << 20
-# The Q8 loop (AVX-512 VNNI) on the same expert, 2 cores: 6.7 ms at 16 tokens, 46 ms at 128, 107 at 256, against
-# 96 / 116 / 140 ms for the decoded tile, so 4-bit matrices stay on it up to 128 tokens (prefill chunks included).
-Q8_TOKENS = 128
 SERIAL_ELEMENTS = 1 << 18  # smaller matrices run on the calling thread: waking the others costs more
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
 _INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
@@ -49,17 +46,8 @@ def _threads(R: int, C: int, T: int) -> int:
     return 1 if R * C * T < SERIAL_ELEMENTS else torch.get_num_threads()
 
 
-def q8_tokens(lib=None) -> int:
-    """Up to how many tokens 4-bit matmuls take the Q8 path (0: off): Q8_TOKENS with VNNI, FUSED_TOKENS for the
-    plain C loop of a build without AVX-512."""
-    lib = lib or native.library()
-    if not q8_enabled(lib):
-        return 0
-    return Q8_TOKENS if lib.df_q8_vnni() else FUSED_TOKENS
-
-
 def q8_enabled(lib=None) -> bool:
-    """Whether 4-bit matmuls take the Q8 path for few tokens (see the module docstring)."""
+    """Whether 4-bit matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
     lib = lib or native.library()
     if os.environ.get("DELTAFIN_CPU_Q8", "1") == "0":
         return False
@@ -79,7 +67,7 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     assert packed.shape[-1] * 2 == C and packed.dtype == torch.uint8 and packed.is_contiguous()
     nt = _threads(R, C, T)
     x = _x32(x)
-    if T <= q8_tokens(lib):
+    if T <= FUSED_TOKENS and q8_enabled(lib):
         tab, k, mult = _Q8[kind]
         out = torch.empty(T, R, dtype=torch.float32)
         rc = lib.df_q4q8_mm(kind, packed.data_ptr(), scales.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(),
