@@ -354,7 +354,6 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
         }
     }
 #else
-    (void)K;
     int v[16];
     for (int j = 0; j < 16; j++) v[j] = (int)tab8[j] - K;
     for (int64_t r = r0; r < r1; r++) {
