@@ -7,6 +7,13 @@ gamma_n * sum|w x|, gamma_n = n u / (1 - n u), u = 2^-24 (Higham, Accuracy and S
 Algorithms, 3.1). The fused kernel accumulates 16 lanes over C/16 steps of 2 products each, then reduces
 the lanes pairwise (4 levels) and applies a scale: n <= C/16 + 8. The tiled path hands the sum to a BLAS
 matmul whose order is unknown: n <= C. Both are checked against a float64 reference of the same weights.
+
+The Q8 path (4-bit weights, up to FUSED_TOKENS tokens, the default) also rounds the activations: per block b of
+32, d_b = max|x| / 127 and x is replaced by xq = d_b q, q = round(x / d_b), so |x - xq| <= d_b / 2 (plus 2^-10
+d_b of slack for x * (127 / max) rounding in float32). The block sums of integers are exact (|sum| < 2^24) and
+w x xq = the sum the kernel evaluates, so |y - w.x| <= sum_c |w_c| d_b(c) (1/2 + 2^-10) + gamma_n sum_c |w_c|
+|xq_c|, with |xq_c| <= |x_c| + d_b(c) (1/2 + 2^-10) and n <= C/32 + 8 roundings (one scale product and one
+fused multiply-add per block at most, a 4-level lane reduction).
 """
 
 from __future__ import annotations
@@ -37,6 +44,34 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool) -> No
     assert torch.all(err <= _bound(x, w, n)), f"max error {err.max():.3g}"
 
 
+Q8_SLACK = 0.5 + 2.0**-10
+
+
+def _q8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    T, C = x.shape
+    d = x.double().abs().view(T, C // 32, 32).amax(-1, keepdim=True).div(127).expand(T, C // 32, 32).reshape(T, C)
+    aw = w.double().abs()
+    n = C // 32 + 8
+    g = n * U / (1 - n * U)
+    return (d * Q8_SLACK) @ aw.T + g * ((x.double().abs() + d * Q8_SLACK) @ aw.T)
+
+
+def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = x.double() @ w.double().T
+    err = (y.double() - ref).abs()
+    bound = _q8_bound(x, w)
+    assert torch.all(err <= bound), f"max error {err.max():.3g}"
+    # the bound is a real constraint: a few percent of sum |w x| (a wrong block or scale lands far outside it)
+    assert torch.all(bound <= 0.05 * (x.double().abs() @ w.double().abs().T) + 1e-30)
+
+
+def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool, lib=None) -> None:
+    if fused and fmt != "int8" and cpu.q8_enabled(lib):
+        _check_q8(y, x, w)
+    else:
+        _check(y, x, w, fused)
+
+
 def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((R, C)).astype(np.float32) * rng.uniform(0.01, 3, (R, 1)).astype(np.float32)
@@ -48,7 +83,7 @@ def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
             "int8": QTensor("int8", (R, C), torch.from_numpy(q), torch.from_numpy(s))}
 
 
-SHAPES = [(1, 32), (77, 96), (33, 256), (130, 512)]  # odd row counts, one block to many
+SHAPES = [(1, 32), (77, 96), (33, 256), (130, 512), (7, 640)]  # odd row counts, one block to many
 TOKENS = [1, 3, cpu.FUSED_TOKENS, cpu.FUSED_TOKENS + 1, 40]
 
 
@@ -62,7 +97,7 @@ def test_fused_kernels_match_reference(fmt, R, C):
         x = torch.randn(T, C, generator=torch.Generator().manual_seed(T))
         y = fn(x, rec.data, rec.scale)
         assert y.shape == (T, R) and y.dtype == torch.float32
-        _check(y, x, w, fused=T <= cpu.FUSED_TOKENS)
+        _check_fmt(fmt, y, x, w, fused=T <= cpu.FUSED_TOKENS)
         _check(torch_ref.matmul(x, rec), x, w, fused=False)  # the reference is within its own bound too
 
 
@@ -73,7 +108,7 @@ def test_int8_odd_width_and_float_int4_scales():
     _check(cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), fused=True)
     i4 = rec["int4g32"]
     x = torch.randn(2, 96)
-    _check(cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
+    _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
 
 
 def test_portable_build_matches_reference():
@@ -87,15 +122,41 @@ def test_portable_build_matches_reference():
     for fmt, rec in _records(77, 96, seed=5).items():
         for T in (1, 3, 12):
             x = torch.randn(T, 96)
-            _check(getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib), x, dequantize(rec), fused=T <= 8)
+            y = getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib)
+            _check_fmt(fmt, y, x, dequantize(rec), fused=T <= cpu.FUSED_TOKENS, lib=lib)
 
 
-def test_nan_scale_propagates_like_the_reference():
-    rec = _records(4, 64, seed=1)["mxfp4"]
+@pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
+def test_nan_scale_propagates_like_the_reference(C):
+    rec = _records(4, C, seed=1)["mxfp4"]
     scales = rec.scale.clone()
     scales[2, 1] = 255  # OCP MX: E8M0 0xFF is NaN
-    y = cpu.mxfp4_linear(torch.randn(1, 64), rec.data, scales)
+    y = cpu.mxfp4_linear(torch.randn(1, C), rec.data, scales)
     assert torch.isnan(y[0, 2]) and not torch.isnan(y[0, [0, 1, 3]]).any()
+
+
+def test_smallest_e8m0_scale_is_two_to_the_minus_127():
+    """E8M0 0 is 2^-127 (a float32 subnormal), not the 0 its bits would give."""
+    rec = _records(4, 512, seed=4)["mxfp4"]
+    scales = torch.full_like(rec.scale, 0)
+    x = torch.full((1, 512), 2.0**100)
+    y = cpu.mxfp4_linear(x, rec.data, scales)
+    w = dequantize(QTensor("mxfp4", (4, 512), rec.data, scales))
+    assert torch.all(w.abs().sum(1) > 0)
+    _check_fmt("mxfp4", y, x, w, fused=True)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32"])
+def test_q8_off_selects_the_float_decode_loop(fmt, monkeypatch):
+    rec = _records(37, 256, seed=6)[fmt]
+    x = torch.randn(3, 256)
+    fn = getattr(cpu, f"{fmt}_linear")
+    q8 = fn(x, rec.data, rec.scale)
+    monkeypatch.setenv("DELTAFIN_CPU_Q8", "0")
+    assert not cpu.q8_enabled()
+    y = fn(x, rec.data, rec.scale)
+    _check(y, x, dequantize(rec), fused=True)  # the float loop's own, tighter bound
+    assert not torch.equal(y, q8)
 
 
 def test_dispatch_exact_by_default_fused_inside_fast():
