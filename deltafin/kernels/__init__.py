@@ -86,7 +86,10 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     if _FAST.get():
         fn = getattr(backend(x.device.type), f"{w.format}_linear", None)
         if fn is not None:
-            USED.add(f"{backend_name(x.device.type)}:{w.format}_linear")
+            be = backend(x.device.type)
+            tokens = x.numel() // max(x.shape[-1], 1)
+            name = be.kernel_name(w.format, tokens) if hasattr(be, "kernel_name") else f"{w.format}_linear"
+            USED.add(f"{backend_name(x.device.type)}:{name}")
             lead = x.shape[:-1]
             y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
             return y.reshape(*lead, w.shape[0]).to(x.dtype)

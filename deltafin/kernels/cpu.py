@@ -93,6 +93,15 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     return out
 
 
+def kernel_name(fmt: str, tokens: int) -> str:
+    """What runs for a ``fmt`` matmul of ``tokens`` tokens, for the stats line."""
+    if fmt in ("mxfp4", "int4g32"):
+        if tokens > FUSED_TOKENS:
+            return f"{fmt}_tile"
+        return f"{fmt}_q8" if q8_enabled() else f"{fmt}_linear"
+    return f"{fmt}_linear"
+
+
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None) -> torch.Tensor:
     """x [T, in] @ W^T for MXFP4 W (packed uint8 [out, in/2], E8M0 scales uint8 [out, in/32]) -> float32 [T, out]."""
     return _q4(0, _E2M1, x, packed.contiguous(), scales.contiguous(), lib)
