@@ -6,6 +6,7 @@ compared with the checkpoint's own tensors, by their Hugging Face names.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -481,7 +482,8 @@ def k3_checkpoint(tmp_path_factory):
         weight_map.update({n: fname for n in tensors})
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps(_k3_config(tiny)))
-    (src / "tiktoken.model").write_text("placeholder tokenizer file\n")
+    # a small valid rank file (pack checks it against the vocabulary, then copies it)
+    (src / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(16)))
     tensors = {n: t for s in shards.values() for n, t in s.items()}
     return src, tensors
 
