@@ -41,10 +41,11 @@ def ref(model_dir):
 
 
 @contextmanager
-def live(app):
+def live(app, config=None):
+    """``app`` served from a thread on a free loopback port (``config``: uvicorn settings); yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + T

@@ -26,6 +26,7 @@ from deltafin.serve.app import create_app  # noqa: E402
 from deltafin.serve.gate import uvicorn_config  # noqa: E402
 from deltafin.serve.protocol import Limits  # noqa: E402
 from deltafin.serve.worker import Worker  # noqa: E402
+from tests.test_serve import live as serve_live  # noqa: E402
 from tests.tiny import pack_tiny  # noqa: E402
 
 MODEL = "tiny-qwen"
@@ -38,23 +39,10 @@ PROBE_BOUND_S = 8.0
 
 @contextmanager
 def live(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     cfg = uvicorn_config(app, idle_timeout_s=IDLE_TIMEOUT, headers_timeout_s=HEADERS_TIMEOUT,
                          timeout_graceful_shutdown=2)
-    server = uvicorn.Server(cfg)
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + T
-    while not server.started:
-        assert th.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        th.join(T)
-        sock.close()
+    with serve_live(app, cfg) as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
