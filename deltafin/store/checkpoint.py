@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deltafin.errors import CheckpointError
-from deltafin.store.fileio import pread_full
+from deltafin.store.fileio import read_exact
 from deltafin.store.safetensors_io import read_header
 
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -178,14 +178,4 @@ def read_into(ckpt: Checkpoint, name: str, out: memoryview, row: int | tuple[int
         raise CheckpointError(f"{name}: {size} bytes do not fit a {len(out)}-byte section; the plan is stale")
     p = os.path.join(ckpt.path, ti.shard)
     what = name if row is None else f"{name}[{row}]" if isinstance(row, int) else f"{name}[{a}:{b}]"
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError as e:
-        raise CheckpointError(f"{p}: cannot open ({e.strerror}); download the shard again") from e
-    try:
-        got = pread_full(fd, out, off, p, CheckpointError)
-    finally:
-        os.close(fd)
-    if got != size:
-        raise CheckpointError(f"{p}: short read of {what} at offset {off + got:,} ({got:,} of {size:,} bytes); the "
-                              f"shard is truncated: download it again")
+    read_exact(p, out, off, CheckpointError, "the shard is truncated or unreadable: download it again", what)

@@ -29,8 +29,10 @@ def pread_full(fd: int, buf: memoryview, offset: int, path: str, error: type[Del
     return total
 
 
-def read_exact(path: str, buf: memoryview, offset: int, error: type[DeltafinError], fix: str) -> None:
-    """Fill ``buf`` from ``path`` at ``offset``, or raise ``error`` naming the file, offset and bytes."""
+def read_exact(path: str, buf: memoryview, offset: int, error: type[DeltafinError], fix: str,
+               what: str | None = None) -> None:
+    """Fill ``buf`` from ``path`` at ``offset``, or raise ``error`` naming the file, offset and bytes (and
+    ``what`` was being read, e.g. a tensor)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -40,8 +42,9 @@ def read_exact(path: str, buf: memoryview, offset: int, error: type[DeltafinErro
     finally:
         os.close(fd)
     if got != len(buf):
-        raise error(f"{path}: short read at offset {offset:,}: {got:,} of {len(buf):,} bytes (the file ends "
-                    f"early); {fix}")
+        of = f" of {what}" if what else ""
+        raise error(f"{path}: short read{of} at offset {offset + got:,} ({got:,} of {len(buf):,} bytes; the file "
+                    f"ends early); {fix}")
 
 
 def write_full(fd: int, data: memoryview, path: str, offset: int | None = None) -> None:
