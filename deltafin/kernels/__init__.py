@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+from deltafin.kernels import cuda as kc
 from deltafin.kernels import torch_ref
 from deltafin.quant.record import QTensor
 
@@ -72,12 +73,18 @@ def backend_name(device_type: str) -> str:
     return "torch" if be is None else be.__name__.rsplit(".", 1)[-1]
 
 
+def used() -> list[str]:
+    """Every fused kernel run so far in this process, as ``backend:kernel``, for the stats line."""
+    names = set(USED) | set(kc.USED)
+    for dev, be in _BACKENDS.items():
+        names |= {f"{backend_name(dev)}:{n}" for n in getattr(be, "USED", ())}
+    return sorted(names)
+
+
 def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W^T for a weight record [out, in] in any format; the result is in x's dtype."""
     if not (isinstance(w, QTensor) and w.format in FUSED_FORMATS and len(w.shape) == 2):
         return torch_ref.matmul(x, w)
-    from deltafin.kernels import cuda as kc
-
     if kc.enabled(x):  # bf16 activations on CUDA are the fast path's (float32, the reference, is not)
         lead = x.shape[:-1]
         y = kc.linear(x.reshape(-1, x.shape[-1]), w)
@@ -86,10 +93,8 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     if _FAST.get():
         fn = getattr(backend(x.device.type), f"{w.format}_linear", None)
         if fn is not None:
-            be = backend(x.device.type)
-            tokens = x.numel() // max(x.shape[-1], 1)
-            name = be.kernel_name(w.format, tokens) if hasattr(be, "kernel_name") else f"{w.format}_linear"
-            USED.add(f"{backend_name(x.device.type)}:{name}")
+            if not hasattr(backend(x.device.type), "USED"):  # backends that name their own variants keep them
+                USED.add(f"{backend_name(x.device.type)}:{w.format}_linear")
             lead = x.shape[:-1]
             y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
             return y.reshape(*lead, w.shape[0]).to(x.dtype)

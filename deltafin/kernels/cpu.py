@@ -47,12 +47,18 @@ def _threads(R: int, C: int, T: int) -> int:
     return 1 if R * C * T < SERIAL_ELEMENTS else torch.get_num_threads()
 
 
+USED: set[str] = set()  # kernel variants run so far ("mxfp4_q8", "int8_linear", ...), for the stats line
+_Q8_BUILT: dict[int, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
+
+
 def q8_enabled(lib=None) -> bool:
     """Whether 4-bit matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
-    lib = lib or native.library()
     if os.environ.get("DELTAFIN_CPU_Q8", "1") == "0":
         return False
-    return bool(lib.df_q8_vnni()) or lib.df_simd_width() == 1
+    lib = lib or native.library()
+    if id(lib) not in _Q8_BUILT:  # asked once per library: this runs on every matmul
+        _Q8_BUILT[id(lib)] = bool(lib.df_q8_vnni()) or lib.df_simd_width() == 1
+    return _Q8_BUILT[id(lib)]
 
 
 def _x32(x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +66,7 @@ def _x32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-        lib=None) -> torch.Tensor:
+        lib=None, fmt: str = "mxfp4") -> torch.Tensor:
     """Legend: T tokens, C inputs, R outputs; packed [R, C/2] bytes (element 2k low nibble of byte k)."""
     lib = lib or native.library()
     T, C = x.shape
@@ -69,6 +75,7 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     nt = _threads(R, C, T)
     x = _x32(x)
     if T <= FUSED_TOKENS and q8_enabled(lib):
+        USED.add(f"{fmt}_q8")
         tab, k, mult = _Q8[kind]
         out = torch.empty(T, R, dtype=torch.float32)
         rc = lib.df_q4q8_mm(kind, packed.data_ptr(), scales.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(),
@@ -77,11 +84,13 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
             raise MemoryError(f"Q8 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
         return out
     if T <= FUSED_TOKENS:
+        USED.add(f"{fmt}_linear")
         xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # [T, C/2]: each nibble lane meets its column
         out = torch.empty(T, R, dtype=torch.float32)
         lib.df_q4_mm(kind, packed.data_ptr(), scales.data_ptr(), lut.data_ptr(), _E8M0.data_ptr(), xe.data_ptr(),
                      xo.data_ptr(), out.data_ptr(), R, C, T, nt)
         return out
+    USED.add(f"{fmt}_tile")
     rows = max(16, TILE_BYTES // (4 * C))
     out = torch.empty(T, R, dtype=torch.float32)
     w = torch.empty(min(rows, R), C, dtype=torch.float32)  # one tile, reused
@@ -91,15 +100,6 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
                          w.data_ptr(), r0, n, C, nt)
         torch.mm(x, w[:n].T, out=out[:, r0 : r0 + n])
     return out
-
-
-def kernel_name(fmt: str, tokens: int) -> str:
-    """What runs for a ``fmt`` matmul of ``tokens`` tokens, for the stats line."""
-    if fmt in ("mxfp4", "int4g32"):
-        if tokens > FUSED_TOKENS:
-            return f"{fmt}_tile"
-        return f"{fmt}_q8" if q8_enabled() else f"{fmt}_linear"
-    return f"{fmt}_linear"
 
 
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None) -> torch.Tensor:
@@ -114,8 +114,8 @@ def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     assert int4.GROUP == mxfp4.BLOCK
     bytes_ = packed.contiguous().view(torch.uint8)  # [out, in/2]
     if scales.dtype == torch.bfloat16:
-        return _q4(1, _INT4, x, bytes_, scales.contiguous(), lib)
-    return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib)
+        return _q4(1, _INT4, x, bytes_, scales.contiguous(), lib, "int4g32")
+    return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib, "int4g32")
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:
@@ -124,6 +124,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
     T, C = x.shape
     R = q.shape[0]
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
+    USED.add("int8_linear" if T <= FUSED_TOKENS else "int8_tile")
     if T <= FUSED_TOKENS:
         out = torch.empty(T, R, dtype=torch.float32)
         lib.df_i8_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T))

@@ -443,9 +443,7 @@ class Engine:
         end = time.perf_counter()
         src = self.source.stats
         stats.tokens = emitted
-        from deltafin.kernels import cuda as kc
-
-        stats.kernels = sorted(kernels.USED | kc.USED)
+        stats.kernels = kernels.used()
         stats.text = self.codec.decode([t for t in emitted if t not in self.eos_ids]) if self.codec else ""
         if "stop string" in stats.stop_reason:
             stats.text = text
