@@ -103,7 +103,7 @@ def striping_records(shape: MoEShape = KIMI_K3, *, tokens: int = 4, seed: int = 
     base = report_drives(4)
     fast = (replace(base[0], gbps=2 * base[0].gbps),) + tuple(base[1:])
     out = []
-    for set_name, drives in (("report's 4 drives", base), ("internal 2x faster + 3", fast)):
+    for set_name, drives in (("M5 Max write-up's 4 drives", base), ("internal 2x faster + 3", fast)):
         for layout in ("bandwidth", "raid0", "stripe"):
             rec = simulate(SimConfig(shape, drives, name=f"{set_name}, {layout}", tokens=tokens, prompt=0, seed=seed,
                                      layout="placed" if layout == "bandwidth" else layout))
