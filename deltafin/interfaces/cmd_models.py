@@ -48,7 +48,7 @@ def _candidates(folders: list[str]) -> list[str]:
     seen = [p for p, _ in entries()]
     for f in folders:
         if not os.path.isdir(f):
-            raise UsageError(f"{f}: no such folder")
+            raise UsageError(f"{f}: no such folder; give a folder that holds packed models (or none, for the recorded ones)")
         subs = [f] + [os.path.join(f, n) for n in sorted(os.listdir(f))]
         seen += [os.path.abspath(s) for s in subs if os.path.isfile(os.path.join(s, MANIFEST))]
     return list(dict.fromkeys(seen))

@@ -31,7 +31,7 @@ def _read_file(path: str) -> str:
     except OSError as e:
         raise UsageError(f"-f {path}: cannot read the prompt file ({e.strerror})") from None
     except UnicodeDecodeError:
-        raise UsageError(f"-f {path}: the prompt file is not UTF-8 text") from None
+        raise UsageError(f"-f {path}: the prompt file is not UTF-8 text; save it as UTF-8") from None
 
 
 def prompt_text(args, stdin=None) -> str | None:

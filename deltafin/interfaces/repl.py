@@ -110,7 +110,8 @@ class ChatSession:
             ids = self.eng.codec.chat(self.messages, add_generation_prompt=False, **self.opts)
             if len(ids) >= self.max_len:
                 self.reset()
-                raise ValueError(f"the conversation is {len(ids):,} tokens, over the context of {self.max_len:,}")
+                raise ValueError(f"the conversation is {len(ids):,} tokens, over the context of {self.max_len:,}; "
+                                 f"restart with a larger -c")
             self.eng.prefill([ids], [self.state])
             self.fed = list(ids)
         self.say(f"loaded {len(msgs)} messages from {path} ({self.state.pos:,} tokens read)")

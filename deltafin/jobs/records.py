@@ -44,7 +44,7 @@ def read_jsonl(path: str, allowed: tuple[str, ...]) -> list[Record]:
         except ValueError as e:  # an integer of more digits than Python converts
             raise UsageError(f"{where}: invalid JSON ({str(e).split(';')[0]})") from None
         except RecursionError:
-            raise UsageError(f"{where}: invalid JSON (nested too deeply)") from None
+            raise UsageError(f"{where}: invalid JSON (nested too deeply to read); flatten the record") from None
         if not isinstance(rec, dict):
             raise UsageError(f"{where}: expected a JSON object, got {type(rec).__name__}")
         for k in rec:
