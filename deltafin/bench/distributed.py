@@ -82,9 +82,9 @@ def _launch(world: int, root: str, args, work: str) -> dict:
     opts = {k: getattr(args, k) for k in ("device", "spec", "scale", "k", "tokens", "warmup", "threads", "seed",
                                           "io_only", "resident", "timeout")}
     res = os.path.join(work, f"result-{world}.json")
-    if world == 1:
+    if world == 1 and opts["device"] != "cuda":
         _rank_main(0, 1, 0, root, opts, res)
-    else:
+    else:  # on CUDA the one-rank run gets its own process too: this one keeps no GPU memory between runs
         ctx = mp.get_context("spawn")
         port = _free_port()
         procs = [ctx.Process(target=_rank_main, args=(r, world, port, root, opts, res)) for r in range(world)]
