@@ -99,6 +99,79 @@ def test_grouped_experts_match_reference(fmt, act, dtype):
     assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemv_matches_reference(dtype):
+    """The decode GEMV form (1-4 tokens), whole-K and split-K, odd row counts and widths."""
+    from deltafin.kernels.triton_gemv import int8_gemv, int8_gemv_config
+
+    g = torch.Generator().manual_seed(11)
+    for T, N, Kd, target in ((1, 40, 96, 1), (2, 17, 160, 8), (4, 33, 1000, 16), (3, 5, 48, 64)):
+        w = _record("int8", N, Kd, g).to(DEV)
+        x = torch.randn(T, Kd, generator=g).to(DEV, dtype)
+        cfg = int8_gemv_config(N, Kd, BN=16, BK=64, target=target)
+        y = int8_gemv(x, w.data, w.scale, cfg)
+        assert y.dtype == dtype and y.shape == (T, N)
+        assert _rel(y, x.double() @ dequantize(w).double().T) < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("act,dtype", [(ACT_SITU, torch.float32), (ACT_SILU, torch.bfloat16),
+                                       (ACT_SITU, torch.bfloat16)])
+def test_grouped_gemv_matches_reference(act, dtype):
+    """MXFP4 experts in the GEMV form: one program per (token, expert) pair, tokens sharing an expert."""
+    from deltafin.kernels.triton_gemv import moe_gemv_config
+
+    g = torch.Generator().manual_seed(5)
+    E, D, inter = 4, 64, 96
+    experts = _experts("mxfp4", E, D, inter, g)
+    slab = ExpertSlab.stack(experts, DEV)
+    for T, k in ((1, 3), (3, 2)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        wts = torch.rand(T, k, generator=g)
+        x = torch.randn(T, D, generator=g).to(DEV, dtype)
+        y = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64))
+        assert y.dtype == dtype and y.shape == (T, D)
+        assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+def test_e2m1_gemv_decode_covers_every_byte():
+    """Every packed byte under a spread of E8M0 scales: the down GEMV of unit vectors gives W back exactly."""
+    from deltafin.kernels.triton_gemv import _gemv_down_kernel
+    from deltafin.quant import mxfp4
+
+    g = torch.Generator().manual_seed(2)
+    packed = torch.arange(256, dtype=torch.uint8).reshape(1, 8, 32)  # one slot: W [8, 64], every byte once
+    scales = torch.randint(100, 150, (1, 8, 2), generator=g, dtype=torch.uint8)
+    w = mxfp4.dequantize(packed[0], scales[0]).double()
+    h = torch.eye(64, dtype=torch.float32, device=DEV)  # pair p multiplies unit vector p
+    y = torch.empty(64, 8, dtype=torch.float32, device=DEV)
+    _gemv_down_kernel[(64, 1)](h, torch.arange(64, dtype=torch.int32, device=DEV),
+                               torch.zeros(64, dtype=torch.int32, device=DEV), torch.ones(64, device=DEV),
+                               packed.to(DEV), scales.to(DEV), y, 256, 16, I=64, D=8, BN=8, BK=64)
+    assert torch.equal(y.double().cpu(), w.T)
+
+
+def test_gemv_flags_route_decode_calls(monkeypatch):
+    """With the flags on, int8 linears of <= 4 tokens and decode MoE plans take the GEMV kernels (the same
+    numbers as calling them directly); more tokens keep the tensor-core kernels."""
+    from deltafin.kernels import triton_gemv as G
+    from deltafin.kernels.triton_moe import moe_config, plan_moe
+
+    monkeypatch.setattr(G, "GEMV_INT8", True)
+    monkeypatch.setattr(G, "GEMV_MOE", True)
+    g = torch.Generator().manual_seed(3)
+    w = _record("int8", 24, 64, g).to(DEV)
+    x = torch.randn(2, 64, generator=g).to(DEV)
+    assert torch.equal(K.int8_linear(x, w.data, w.scale), G.int8_gemv(x, w.data, w.scale))
+    assert plan_moe(torch.tensor([[0, 3], [3, 1]]), DEV, 64, 32).cfg["gemv"]
+    assert moe_config(16, 16, 64, 32)["gemv"] and "gemv" not in moe_config(64, 16, 64, 32)
+    assert "gemv" not in plan_moe(torch.zeros(8, 2, dtype=torch.long), DEV, 64, 32).cfg
+    experts = _experts("int4g32", 3, 64, 32, g)  # no GEMV form: the plan is laid out for the tensor-core kernel
+    slab = ExpertSlab.stack(experts, DEV)
+    ids, wts = torch.tensor([[0, 2]]), torch.rand(1, 2, generator=g)
+    y = grouped_glu(x[:1], ids, wts, slab, ACT_SILU)
+    assert _rel(y, _moe_ref(x[:1], ids, wts, experts, ACT_SILU)) < 1e-5
+
+
 def test_slab_recognises_its_own_views():
     g = torch.Generator().manual_seed(1)
     experts = _experts("mxfp4", 3, 64, 32, g)
@@ -130,6 +203,31 @@ def test_linear_k3_widths_on_gpu(fmt):
     for i, (T, N, Kd) in enumerate(((1, 3072, 3584), (1, 1536, 7168), (64, 3584, 3072), (300, 576, 7168))):
         for dtype in (torch.float32, torch.bfloat16):
             _check_linear(fmt, T, N, Kd, dtype, seed=i)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gemv_k3_widths_on_gpu():
+    """The GEMV kernels compiled at Kimi K3 widths: int8 trunk shapes at 1-4 tokens, 16 MXFP4 experts."""
+    from deltafin.kernels.triton_gemv import int8_gemv, moe_gemv_config
+
+    g = torch.Generator().manual_seed(9)
+    for T, N, Kd in ((1, 12288, 7168), (4, 1536, 7168), (3, 7168, 1536), (1, 576, 7168)):
+        w = _record("int8", N, Kd, g).to(DEV)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(T, Kd, generator=g).to(DEV, dtype)
+            y = int8_gemv(x, w.data, w.scale)
+            assert _rel(y, x.double() @ dequantize(w).double().T) < (1e-5 if dtype == torch.float32 else 8e-3)
+    experts = _experts("mxfp4", 16, 3584, 3072, g)
+    slab = ExpertSlab.stack(experts, DEV)
+    for T in (1, 4):
+        ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(T)])
+        wts = torch.rand(T, 8, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(T, 3584, generator=g) * 0.5).to(DEV, dtype)
+            y = grouped_glu(x, ids, wts, slab, ACT_SITU, cfg=moe_gemv_config())
+            ref = _moe_ref(x, ids.to(DEV), wts.to(DEV), experts, ACT_SITU)
+            assert _rel(y, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafin.kernels import triton_gemv
 from deltafin.kernels.triton_tiles import (
     FMT_INT4G32,
     FMT_INT8,
@@ -93,6 +94,8 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T, K = x2.shape
+    if fmt == "int8" and (cfg.get("gemv") if cfg else triton_gemv.GEMV_INT8 and T <= triton_gemv.MAX_TOKENS):
+        return triton_gemv.int8_gemv(x2, p, s, cfg).reshape(*lead, N)  # decode: the GEMV form
     c = cfg or linear_config(fmt, T, N, K)
     # one split writes the result in x's dtype directly; several write float32 partial sums
     part = torch.empty(c["splits"], T, N, device=x.device, dtype=torch.float32 if c["splits"] > 1 else x.dtype)

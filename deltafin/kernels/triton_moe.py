@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafin.kernels import triton_gemv
 from deltafin.kernels.triton import format_code
 from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
 
@@ -160,6 +161,8 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
     """Rows per block from the average rows per expert: 16 for decode, 64 or 128 for prefill (H200 sweep of
     ``deltafin.bench.kernels_cuda``: decode BN 64 x BK 128, 4 warps, 4 stages; prefill 128 x 128 x 64)."""
     avg = pairs / max(experts, 1)
+    if triton_gemv.GEMV_MOE and avg <= 1:  # each expert read once by one pair: the GEMV form (decode)
+        return triton_gemv.moe_gemv_config()
     if avg <= 16:
         c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     elif avg <= 256:
@@ -187,9 +190,19 @@ def plan_moe(slots: torch.Tensor | np.ndarray, device: torch.device | str, K: in
     s = slots.detach().cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
     s = s.astype(np.int64)
     T, k = s.shape
+    if cfg is None and triton_gemv.GEMV_MOE and T <= triton_gemv.MAX_TOKENS:
+        cfg = triton_gemv.moe_gemv_config()
     c = cfg or moe_config(T * k, len(np.unique(s)), K, I)
     rows, blk = block_layout(s, c["BT"])
     return MoePlan(torch.from_numpy(rows).to(device), torch.from_numpy(blk).to(device), T, k, c)
+
+
+def _unit_blocks(p: MoePlan) -> tuple[MoePlan, dict]:
+    """A one-pair-per-block (GEMV) plan as the tensor-core kernels' layout: each pair alone in a block of 16."""
+    c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "BN_down": 64, "BK_down": 128}
+    rows = torch.full((p.rows.numel(), 16), -1, dtype=p.rows.dtype, device=p.rows.device)
+    rows[:, 0] = p.rows
+    return MoePlan(rows.reshape(-1), p.blk, p.tokens, p.k, c), c
 
 
 def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor, slab: ExpertSlab,
@@ -205,6 +218,10 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
     I, K = slab.shapes["gate"]
     p = plan or plan_moe(slots, x.device, K, I, cfg)
     c, k = p.cfg, p.k
+    if c.get("gemv"):
+        if slab.format == "mxfp4":
+            return triton_gemv.grouped_glu_gemv(x, p.rows, p.blk, k, weights, slab, act, beta, lbeta, c)
+        p, c = _unit_blocks(p)  # no GEMV form for this format: one pair per padded tensor-core block
     dev = x.device
     x = x.contiguous()
     ieee = x.dtype == torch.float32 or INTERPRET
