@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 import traceback
 
@@ -383,6 +384,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="no tuning sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--gemv", action="store_true", help="only the decode GEMV kernels beside the tensor-core ones")
     a = ap.parse_args(argv)
     if a.smoke:
         _shrink()
@@ -409,6 +411,16 @@ def main(argv=None) -> int:
 
     section("copy_GBps", lambda: copy_gbps(dev))
     gbps = res["copy_GBps"]
+    if a.gemv:
+        from deltafin.bench import kernels_gemv
+
+        section("gemv_int8", lambda: kernels_gemv.int8(sys.modules[__name__], dev, gbps))
+        gsets = [_expert_set("mxfp4", 16, dev) for _ in range(1 if SMOKE else 4)]
+        section("gemv_moe", lambda: kernels_gemv.moe(sys.modules[__name__], dev, [s for s, _ in gsets],
+                                                     [e for _, e in gsets], gbps))
+        save()
+        print("\n".join(kernels_gemv.summary(res, gbps)))
+        return 0
     section("check_linear", lambda: check_linear(dev))
     section("check_moe", lambda: check_moe(dev))
     if not a.quick:
@@ -422,6 +434,10 @@ def main(argv=None) -> int:
     slabs, exs = [s for s, _ in sets], [e for _, e in sets]
     for T in (1, 8, 64):
         section(f"moe_T{T}", lambda T=T, sl=slabs, ex=exs: moe_step(dev, sl, ex, T, gbps, tune=not a.quick))
+    from deltafin.bench import kernels_gemv
+
+    section("gemv_moe", lambda sl=slabs, ex=exs: kernels_gemv.moe(sys.modules[__name__], dev, sl, ex, gbps))
+    section("gemv_int8", lambda: kernels_gemv.int8(sys.modules[__name__], dev, gbps))
     del sets, slabs, exs
     section("prefill_gemm", lambda: time_prefill(dev))
     section("prefill_moe", lambda: prefill_moe(dev, _expert_set("mxfp4", 64, dev)[0], gbps))
@@ -470,6 +486,9 @@ def _summary(res: dict, gbps: float) -> None:
     if isinstance(pm, dict) and "s" in pm:
         print(f"prefill moe 4096 tok x 16 of 64 experts: {pm['s'] * 1e3:.1f} ms = {pm['TFLOPs']:.0f} TFLOP/s, "
               f"{pm['tok_s_per_layer']:.0f} tok/s per layer; cfg {pm['cfg']}")
+    from deltafin.bench import kernels_gemv
+
+    print("\n".join(kernels_gemv.summary(res, gbps)))
 
 
 if __name__ == "__main__":

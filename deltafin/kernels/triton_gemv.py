@@ -116,10 +116,10 @@ def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
 
 
-def moe_gemv_config(BN: int = 32, BK: int = 512, num_warps: int = 4, BN_down: int | None = None,
-                    BK_down: int | None = None) -> dict:
+def moe_gemv_config(BN: int = 32, BK: int = 512, num_warps: int = 4, num_stages: int = 3,
+                    BN_down: int | None = None, BK_down: int | None = None) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep."""
-    return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps,
+    return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
             "BN_down": BN_down or BN, "BK_down": BK_down or BK}
 
 
@@ -139,12 +139,13 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
         x, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(),
-        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, num_warps=c["num_warps"])
+        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, num_warps=c["num_warps"],
+        num_stages=c.get("num_stages", 3))
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
         h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
-        I=I, D=D, BN=c["BN_down"], BK=bk_d, num_warps=c["num_warps"])
+        I=I, D=D, BN=c["BN_down"], BK=bk_d, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
     return y.view(T, k, D).sum(1).to(x.dtype)
 
 
@@ -172,14 +173,16 @@ def _int8_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_x, K_PER_SPLIT
 _TARGET_PROGRAMS = 528  # a few weight streams per multiprocessor (132 on an H200)
 
 
-def int8_gemv_config(N: int, K: int, BN: int = 16, BK: int = 512, num_warps: int = 4,
+def int8_gemv_config(N: int, K: int, BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3,
                      target: int = _TARGET_PROGRAMS) -> dict:
     """Block sizes and split-K for one T <= 4 call. Defaults from the H200 sweep."""
     bk = min(BK, max(16, triton.next_power_of_2(K)))
     progs = triton.cdiv(N, BN)
     splits = max(1, min(triton.cdiv(target, progs), triton.cdiv(K, bk)))
-    k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
-    return {"gemv": True, "BN": BN, "BK": bk, "num_warps": num_warps, "splits": triton.cdiv(K, k_per),
+    # a power-of-two count of BK steps per split: few distinct compiled variants over all the shapes
+    k_per = triton.next_power_of_2(triton.cdiv(triton.cdiv(K, splits), bk)) * bk
+    return {"gemv": True, "BN": BN, "BK": bk, "num_warps": num_warps, "num_stages": num_stages,
+            "splits": triton.cdiv(K, k_per),
             "k_per_split": k_per}
 
 
@@ -196,6 +199,6 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: dict | Non
     part = torch.empty(sp, T, N, device=x.device, dtype=torch.float32 if sp > 1 else x.dtype)
     _int8_gemv_kernel[(T, triton.cdiv(N, c["BN"]), sp)](
         x2, q, s.to(torch.float32), part, T, N, K, x2.stride(0), K_PER_SPLIT=c["k_per_split"],
-        BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"])
+        BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
     y = part[0] if sp == 1 else part.sum(0)
     return y.to(x.dtype).reshape(*lead, N)
