@@ -105,10 +105,11 @@ def test_int8_gemv_matches_reference(dtype):
     from deltafin.kernels.triton_gemv import int8_gemv, int8_gemv_config
 
     g = torch.Generator().manual_seed(11)
-    for T, N, Kd, target in ((1, 40, 96, 1), (2, 17, 160, 8), (4, 33, 1000, 16), (3, 5, 48, 64)):
+    for T, N, Kd, target, magic in ((1, 40, 96, 1, True), (2, 17, 160, 8, False), (4, 33, 1000, 16, True),
+                                    (3, 5, 48, 64, True)):
         w = _record("int8", N, Kd, g).to(DEV)
         x = torch.randn(T, Kd, generator=g).to(DEV, dtype)
-        cfg = int8_gemv_config(N, Kd, BN=16, BK=64, target=target)
+        cfg = int8_gemv_config(N, Kd, BN=16, BK=64, target=target, magic=magic)
         y = int8_gemv(x, w.data, w.scale, cfg)
         assert y.dtype == dtype and y.shape == (T, N)
         assert _rel(y, x.double() @ dequantize(w).double().T) < (1e-5 if dtype == torch.float32 else 8e-3)
@@ -128,7 +129,7 @@ def test_grouped_gemv_matches_reference(act, dtype):
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
         wts = torch.rand(T, k, generator=g)
         x = torch.randn(T, D, generator=g).to(DEV, dtype)
-        y = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64))
+        y = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64, decode=T % 2))
         assert y.dtype == dtype and y.shape == (T, D)
         assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
@@ -143,11 +144,12 @@ def test_e2m1_gemv_decode_covers_every_byte():
     scales = torch.randint(100, 150, (1, 8, 2), generator=g, dtype=torch.uint8)
     w = mxfp4.dequantize(packed[0], scales[0]).double()
     h = torch.eye(64, dtype=torch.float32, device=DEV)  # pair p multiplies unit vector p
-    y = torch.empty(64, 8, dtype=torch.float32, device=DEV)
-    _gemv_down_kernel[(64, 1)](h, torch.arange(64, dtype=torch.int32, device=DEV),
-                               torch.zeros(64, dtype=torch.int32, device=DEV), torch.ones(64, device=DEV),
-                               packed.to(DEV), scales.to(DEV), y, 256, 16, I=64, D=8, BN=8, BK=64)
-    assert torch.equal(y.double().cpu(), w.T)
+    for decode in (0, 1):
+        y = torch.empty(64, 8, dtype=torch.float32, device=DEV)
+        _gemv_down_kernel[(64, 1)](h, torch.arange(64, dtype=torch.int32, device=DEV),
+                                   torch.zeros(64, dtype=torch.int32, device=DEV), torch.ones(64, device=DEV),
+                                   packed.to(DEV), scales.to(DEV), y, 256, 16, I=64, D=8, BN=8, BK=64, DECODE=decode)
+        assert torch.equal(y.double().cpu(), w.T)
 
 
 def test_gemv_flags_route_decode_calls(monkeypatch):
@@ -208,7 +210,8 @@ def test_linear_k3_widths_on_gpu(fmt):
 @pytest.mark.gpu
 @gpu
 def test_gemv_k3_widths_on_gpu():
-    """The GEMV kernels compiled at Kimi K3 widths: int8 trunk shapes at 1-4 tokens, 16 MXFP4 experts."""
+    """The GEMV kernels compiled at Kimi K3 widths: int8 trunk shapes at 1-4 tokens, MXFP4 experts (both
+    decodes) at 1 and 4 tokens."""
     from deltafin.kernels.triton_gemv import int8_gemv, moe_gemv_config
 
     g = torch.Generator().manual_seed(9)
@@ -218,14 +221,14 @@ def test_gemv_k3_widths_on_gpu():
             x = torch.randn(T, Kd, generator=g).to(DEV, dtype)
             y = int8_gemv(x, w.data, w.scale)
             assert _rel(y, x.double() @ dequantize(w).double().T) < (1e-5 if dtype == torch.float32 else 8e-3)
-    experts = _experts("mxfp4", 16, 3584, 3072, g)
+    experts = _experts("mxfp4", 6, 3584, 3072, g)
     slab = ExpertSlab.stack(experts, DEV)
     for T in (1, 4):
-        ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(T)])
-        wts = torch.rand(T, 8, generator=g)
+        ids = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(T)])
+        wts = torch.rand(T, 4, generator=g)
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(T, 3584, generator=g) * 0.5).to(DEV, dtype)
-            y = grouped_glu(x, ids, wts, slab, ACT_SITU, cfg=moe_gemv_config())
+            y = grouped_glu(x, ids, wts, slab, ACT_SITU, cfg=moe_gemv_config(decode=T % 2))
             ref = _moe_ref(x, ids.to(DEV), wts.to(DEV), experts, ACT_SITU)
             assert _rel(y, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 

@@ -417,7 +417,7 @@ def main(argv=None) -> int:
         section("gemv_int8", lambda: kernels_gemv.int8(sys.modules[__name__], dev, gbps))
         gsets = [_expert_set("mxfp4", 16, dev) for _ in range(1 if SMOKE else 4)]
         section("gemv_moe", lambda: kernels_gemv.moe(sys.modules[__name__], dev, [s for s, _ in gsets],
-                                                     [e for _, e in gsets], gbps))
+                                                     [e for _, e in gsets], gbps, (1,) if a.quick else (1, 8)))
         save()
         print("\n".join(kernels_gemv.summary(res, gbps)))
         return 0
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
         section(f"moe_T{T}", lambda T=T, sl=slabs, ex=exs: moe_step(dev, sl, ex, T, gbps, tune=not a.quick))
     from deltafin.bench import kernels_gemv
 
-    section("gemv_moe", lambda sl=slabs, ex=exs: kernels_gemv.moe(sys.modules[__name__], dev, sl, ex, gbps))
+    section("gemv_moe", lambda sl=slabs, ex=exs: kernels_gemv.moe(sys.modules[__name__], dev, sl, ex, gbps, (1, 8)))
     section("gemv_int8", lambda: kernels_gemv.int8(sys.modules[__name__], dev, gbps))
     del sets, slabs, exs
     section("prefill_gemm", lambda: time_prefill(dev))

@@ -13,12 +13,15 @@ from types import ModuleType
 
 import torch
 
-# (BN, BK, num_warps, num_stages); the MoE one is used for gate/up and down alike
-MOE_CFGS = ((16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 4, 3), (32, 512, 8, 3), (64, 256, 4, 3),
-            (64, 512, 8, 3), (32, 1024, 8, 3), (16, 1024, 4, 3))
-# (BN, BK, num_warps, num_stages, target programs for split-K)
-INT8_CFGS = ((16, 512, 4, 3, 528), (8, 512, 4, 3, 528), (16, 1024, 4, 3, 528), (32, 512, 8, 3, 528),
-             (16, 512, 4, 3, 1056), (8, 1024, 4, 3, 1056), (16, 256, 4, 3, 1056), (32, 256, 4, 3, 264))
+# (BN, BK, num_warps, num_stages, decode); the MoE one is used for gate/up and down alike. The H200 sweep
+# over BN 16-64 x BK 256-1024 x 4-8 warps (fp16 decode) put BN 16 x BK 512 and BN 32 x BK 256 at 4 warps
+# first (0.28 of copy at T=1; T=8 0.04: each pair re-reads its expert); these are the finalists.
+MOE_CFGS = ((16, 512, 4, 3, 0), (16, 512, 4, 3, 1), (32, 256, 4, 3, 0), (32, 256, 4, 3, 1), (16, 256, 4, 3, 1),
+            (8, 512, 4, 3, 1))
+# (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
+# BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
+INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),
+             (8, 1024, 4, 3, 1056, True), (16, 512, 4, 3, 528, True), (8, 256, 4, 3, 1056, True))
 
 
 @contextlib.contextmanager
@@ -34,7 +37,7 @@ def _flags_off():
         G.GEMV_INT8, G.GEMV_MOE = saved
 
 
-def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1, 8)) -> list[dict]:
+def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1,)) -> list[dict]:
     """Every token routed to all 16 experts (k = 16): each expert's bytes are read once per step. kc: the
     running ``kernels_cuda`` module (its widths, shrunk by --smoke, and timing helpers)."""
     from deltafin.kernels.triton_gemv import moe_gemv_config
@@ -50,7 +53,7 @@ def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1, 8)) -> list[dict]:
         ref = kc._moe_ref(x, ids, wts, exs[0], 1)
         with _flags_off():
             cands = [("tensor-core", moe_config(T * k, k, lat, inter))]
-        cands += [("gemv", moe_gemv_config(bn, bk, w, st)) for bn, bk, w, st in MOE_CFGS[:2 if kc.SMOKE else None]]
+        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d)) for bn, bk, w, st, d in MOE_CFGS[:2 if kc.SMOKE else None]]
         for kind, cfg in cands:
             row = {"T": T, "kernel": kind, "cfg": cfg}
             try:
@@ -80,7 +83,8 @@ def int8(kc: ModuleType, dev, gbps: float) -> list[dict]:
         ref = x.double() @ w.double().T
         nb = N * Kd + 4 * N
         cands = [("tensor-core", K.linear_config("int8", 1, N, Kd))]
-        cands += [("gemv", int8_gemv_config(N, Kd, bn, bk, wp, st, tg)) for bn, bk, wp, st, tg in INT8_CFGS[:2 if kc.SMOKE else None]]
+        cands += [("gemv", int8_gemv_config(N, Kd, bn, bk, wp, st, tg, mg))
+                  for bn, bk, wp, st, tg, mg in INT8_CFGS[:2 if kc.SMOKE else None]]
         for i, (kind, cfg) in enumerate(cands):
             row = {"shape": name, "N": N, "K": Kd, "count": n, "kernel": kind, "cfg_index": i, "cfg": cfg}
             try:
@@ -104,7 +108,7 @@ def summary(res: dict, gbps: float) -> list[str]:
         for T in sorted({r["T"] for r in rows}):
             for r in (r for r in rows if r["T"] == T):
                 c = r["cfg"]
-                tag = f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')}"
+                tag = f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')} dec {c.get('decode', '-')}"
                 fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"
                        + ("" if r["ok"] else " FAIL")) if "s" in r else r.get("error", "")
                 lines.append(f"moe T={T} {r['kernel']:<11} {tag:<28} {fig}")
@@ -119,7 +123,7 @@ def summary(res: dict, gbps: float) -> list[str]:
                 ts = sum(r["s"] * r["count"] for r in sel)
                 c = sel[0]["cfg"]
                 lines.append(f"int8 T=1 cfg {i} {sel[0]['kernel']:<11} BN {c['BN']} BK {c['BK']} w {c['num_warps']}"
-                             f" target {INT8_CFGS[i - 1][4] if i else '-'}: {nb / ts / 1e9 / gbps:.2f} of copy "
+                             f" target {INT8_CFGS[i - 1][4] if i else '-'} magic {c.get('magic', '-')}: {nb / ts / 1e9 / gbps:.2f} of copy "
                              f"bytes-weighted; worst shape {min(r['ratio'] for r in sel):.2f}")
         best = {}
         for r in ok:

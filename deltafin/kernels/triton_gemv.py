@@ -8,8 +8,9 @@ with a few integer ops per element and multiplies it by one token row in float32
   pairs sorted by slab slot (pairs sharing an expert run side by side, so repeated reads hit L2). Gate and
   up with the GLU activation fused, then down times the routing weight. The grid depends on (T, k) only, so
   the launch can be captured in a CUDA graph.
-- ``int8_gemv``: int8 per-row weights (trunk linears), split over the input dimension into float32
-  partial sums added in a fixed order (no atomics: a result never depends on arrival order).
+- ``int8_gemv``: int8 per-row weights (trunk linears) in one launch, split over the input dimension into
+  float32 partial sums that the last split to finish adds in split order (a result never depends on
+  arrival order).
 
 E2M1 decode: a magnitude code c = e<<1 | m placed at bits 9..11 of an fp16 (sign at bit 15) is the fp16
 2^(e-15) * (1 + m/2), or m * 2^-15 as a subnormal for e = 0: exactly the E2M1 value times 2^-14 for every
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton_tiles import e8m0_value
+from deltafin.kernels.triton_tiles import e2m1_bits, e8m0_value
 
 # Set from the H200 measurements of ``deltafin.bench.kernels_cuda`` (gemv section): True sends the T <= 4
 # int8 linears / decode MoE steps here from ``triton._linear`` / ``triton_moe.plan_moe``.
@@ -45,24 +46,32 @@ def _e2m1_x2p14(b):
 
 @triton.jit
 def _mx_gemv_acc(acc, p_ptr, s_ptr, x_ptr, offs_n, k0, N, K: tl.constexpr, BN: tl.constexpr,
-                 G: tl.constexpr):
+                 G: tl.constexpr, DECODE: tl.constexpr):
     """acc [BN, G] += (block sums of W[offs_n, k0:k0+32G] * x[k0:k0+32G]) * block scale, W MXFP4 packed
-    [N, K/2] uint8 (even element in the low nibble) with E8M0 scales [N, K/32]."""
+    [N, K/2] uint8 (even element in the low nibble) with E8M0 scales [N, K/32]. DECODE 0: through fp16
+    (a conversion per element); 1: float32 bits from integer ops alone (``e2m1_bits``)."""
     offs_g = k0 // 32 + tl.arange(0, G)
     j = tl.arange(0, 16)
     gm = offs_g < K // 32
     nm = offs_n < N
     m3 = nm[:, None, None] & gm[None, :, None]
     b = tl.load(p_ptr + offs_n[:, None, None] * (K // 2) + offs_g[None, :, None] * 16 + j[None, None, :],
-                mask=m3, other=0).to(tl.int32)  # [BN, G, 16]
+                mask=m3, other=0)  # [BN, G, 16]
     xo = offs_g[:, None] * 32 + 2 * j[None, :]
     xlo = tl.load(x_ptr + xo, mask=gm[:, None], other=0.0).to(tl.float32)  # [G, 16] even elements
     xhi = tl.load(x_ptr + xo + 1, mask=gm[:, None], other=0.0).to(tl.float32)
-    wlo, whi = _e2m1_x2p14(b)
+    if DECODE == 0:
+        wlo, whi = _e2m1_x2p14(b.to(tl.int32))
+        unit = 16384.0  # the 2^14 the fp16 route leaves out
+    else:
+        bu = b.to(tl.uint32)
+        wlo = e2m1_bits(bu & 15).to(tl.float32, bitcast=True)
+        whi = e2m1_bits(bu >> 4).to(tl.float32, bitcast=True)
+        unit = 1.0
     part = tl.sum(wlo * xlo[None, :, :] + whi * xhi[None, :, :], axis=2)  # [BN, G]
     s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_g[None, :], mask=nm[:, None] & gm[None, :],
                 other=127).to(tl.uint32)
-    return acc + part * (e8m0_value(s) * 16384.0)  # OCP MX: scale = 2**(e - 127); 2^14 from the decode
+    return acc + part * (e8m0_value(s) * unit)  # OCP MX: scale = 2**(e - 127)
 
 
 @triton.jit
@@ -83,7 +92,8 @@ def _act(g, u, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr):
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
                          TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
-                         BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         DECODE: tl.constexpr):
     """h[pair, n] = act(gate x_t, up x_t) for the pair rows[b] (token t = pair // TOPK) and n-tile pid_n."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
@@ -93,16 +103,18 @@ def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stri
     acc_g = tl.zeros((BN, BK // 32), dtype=tl.float32)
     acc_u = tl.zeros((BN, BK // 32), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        acc_g = _mx_gemv_acc(acc_g, gp + slot * p_slot, gs + slot * s_slot, xp, offs_n, k0, I, K, BN, BK // 32)
+        acc_g = _mx_gemv_acc(acc_g, gp + slot * p_slot, gs + slot * s_slot, xp, offs_n, k0, I, K, BN, BK // 32,
+                             DECODE)
         acc_u = _mx_gemv_acc(acc_u, upp + slot * p_slot, ups + slot * s_slot, xp, offs_n, k0, I, K, BN,
-                             BK // 32)
+                             BK // 32, DECODE)
     h = _act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ACT, BETA, LBETA)
     tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
 @triton.jit
 def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
-                      I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      DECODE: tl.constexpr):
     """y[pair, n] = rw[pair] * (down h[pair])[n] in float32."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
@@ -111,16 +123,16 @@ def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s
     acc = tl.zeros((BN, BK // 32), dtype=tl.float32)
     for k0 in range(0, I, BK):
         acc = _mx_gemv_acc(acc, dp + slot * p_slot, ds + slot * s_slot, h_ptr + pair * I, offs_n, k0, D, I, BN,
-                           BK // 32)
+                           BK // 32, DECODE)
     w = tl.load(rw_ptr + pair)
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
 
 
-def moe_gemv_config(BN: int = 32, BK: int = 512, num_warps: int = 4, num_stages: int = 3,
+def moe_gemv_config(BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int = 0,
                     BN_down: int | None = None, BK_down: int | None = None) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep."""
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
-            "BN_down": BN_down or BN, "BK_down": BK_down or BK}
+            "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK}
 
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
@@ -139,21 +151,26 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
         x, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(),
-        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, num_warps=c["num_warps"],
-        num_stages=c.get("num_stages", 3))
+        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=c.get("decode", 0),
+        num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
         h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
-        I=I, D=D, BN=c["BN_down"], BK=bk_d, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
+        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=c.get("decode", 0), num_warps=c["num_warps"],
+        num_stages=c.get("num_stages", 3))
     return y.view(T, k, D).sum(1).to(x.dtype)
 
 
 @triton.jit
-def _int8_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_x, K_PER_SPLIT: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr):
-    """y_part[split, t, n] = s[n] * sum over this split's k of x[t, k] * q[n, k]; token t is the fastest
-    program axis so the programs of one weight tile run together and share its reads in L2."""
+def _int8_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_x, splits,
+                      K_PER_SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAGIC: tl.constexpr):
+    """y[t, n] = s[n] * sum_k x[t, k] * q[n, k] in y's dtype. With several splits each program stores its
+    float32 partial sum and the last of a tile's splits to arrive (a counter) adds them in split order, so
+    one launch does it all and the result never depends on arrival order. Token t is the fastest program
+    axis: the programs of one weight tile run together and share its reads in L2. MAGIC: int8 to float32
+    by the bits of 1.5 * 2^23 + q (integer add, float subtract: full-rate ops, exact) instead of a
+    conversion instruction."""
     t, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nm = offs_n < N
@@ -165,16 +182,34 @@ def _int8_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, T, N, K, stride_x, K_PER_SPLIT
         km = offs_k < K
         q = tl.load(rowp + offs_k[None, :], mask=nm[:, None] & km[None, :], other=0)
         xv = tl.load(x_ptr + t * stride_x + offs_k, mask=km, other=0.0).to(tl.float32)
-        acc += q.to(tl.float32) * xv[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(s_ptr + offs_n, mask=nm, other=0.0)
-    tl.store(y_ptr + (pid_k * T + t) * N + offs_n, y.to(y_ptr.dtype.element_ty), mask=nm)
+        if MAGIC:
+            w = (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        else:
+            w = q.to(tl.float32)
+        acc += w * xv[None, :]
+    y = tl.sum(acc, axis=1)
+    out = y_ptr + t * N + offs_n
+    if splits == 1:
+        tl.store(out, (y * tl.load(s_ptr + offs_n, mask=nm, other=0.0)).to(y_ptr.dtype.element_ty), mask=nm)
+    else:
+        tl.store(part_ptr + (pid_k * T + t) * N + offs_n, y, mask=nm)
+        # release our partial, acquire the others' (gpu scope): the last arrival sees every partial
+        done = tl.atomic_add(cnt_ptr + t * tl.num_programs(1) + pid_n, 1, sem="acq_rel")
+        if done == splits - 1:
+            tot = tl.zeros((BN,), dtype=tl.float32)
+            sp = 0
+            while sp < splits:  # split order: a fixed summation order
+                tot += tl.load(part_ptr + (sp * T + t) * N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
+                sp += 1
+            tl.store(out, (tot * tl.load(s_ptr + offs_n, mask=nm, other=0.0)).to(y_ptr.dtype.element_ty),
+                     mask=nm)
 
 
 _TARGET_PROGRAMS = 528  # a few weight streams per multiprocessor (132 on an H200)
 
 
-def int8_gemv_config(N: int, K: int, BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3,
-                     target: int = _TARGET_PROGRAMS) -> dict:
+def int8_gemv_config(N: int, K: int, BN: int = 8, BK: int = 512, num_warps: int = 4, num_stages: int = 3,
+                     target: int = _TARGET_PROGRAMS, magic: bool = True) -> dict:
     """Block sizes and split-K for one T <= 4 call. Defaults from the H200 sweep."""
     bk = min(BK, max(16, triton.next_power_of_2(K)))
     progs = triton.cdiv(N, BN)
@@ -182,8 +217,7 @@ def int8_gemv_config(N: int, K: int, BN: int = 16, BK: int = 512, num_warps: int
     # a power-of-two count of BK steps per split: few distinct compiled variants over all the shapes
     k_per = triton.next_power_of_2(triton.cdiv(triton.cdiv(K, splits), bk)) * bk
     return {"gemv": True, "BN": BN, "BK": bk, "num_warps": num_warps, "num_stages": num_stages,
-            "splits": triton.cdiv(K, k_per),
-            "k_per_split": k_per}
+            "splits": triton.cdiv(K, k_per), "k_per_split": k_per, "magic": magic}
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
@@ -195,10 +229,14 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: dict | Non
     T, K = x2.shape
     N = q.shape[0]
     c = cfg or int8_gemv_config(N, K)
-    sp = c["splits"]
-    part = torch.empty(sp, T, N, device=x.device, dtype=torch.float32 if sp > 1 else x.dtype)
-    _int8_gemv_kernel[(T, triton.cdiv(N, c["BN"]), sp)](
-        x2, q, s.to(torch.float32), part, T, N, K, x2.stride(0), K_PER_SPLIT=c["k_per_split"],
-        BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
-    y = part[0] if sp == 1 else part.sum(0)
-    return y.to(x.dtype).reshape(*lead, N)
+    sp, tiles = c["splits"], triton.cdiv(N, c["BN"])
+    y = torch.empty(T, N, device=x.device, dtype=x.dtype)
+    part, cnt = y, y  # unused with one split
+    if sp > 1:
+        part = torch.empty(sp, T, N, device=x.device, dtype=torch.float32)
+        cnt = torch.zeros(T * tiles, device=x.device, dtype=torch.int32)
+    _int8_gemv_kernel[(T, tiles, sp)](
+        x2, q, s.to(torch.float32), y, part, cnt, T, N, K, x2.stride(0), sp, K_PER_SPLIT=c["k_per_split"],
+        BN=c["BN"], BK=c["BK"], MAGIC=c.get("magic", True), num_warps=c["num_warps"],
+        num_stages=c.get("num_stages", 3))
+    return y.reshape(*lead, N)
