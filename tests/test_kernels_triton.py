@@ -120,6 +120,7 @@ def test_int8_gemv_matches_reference(dtype):
 def test_grouped_gemv_matches_reference(act, dtype):
     """MXFP4 experts in the GEMV form: one program per (token, expert) pair, tokens sharing an expert."""
     from deltafin.kernels.triton_gemv import moe_gemv_config
+    from deltafin.kernels.triton_moe import MoePlan
 
     g = torch.Generator().manual_seed(5)
     E, D, inter = 4, 64, 96
@@ -129,9 +130,16 @@ def test_grouped_gemv_matches_reference(act, dtype):
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
         wts = torch.rand(T, k, generator=g)
         x = torch.randn(T, D, generator=g).to(DEV, dtype)
+        ref = _moe_ref(x, ids, wts, experts, act)
         y = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64, decode=T % 2))
         assert y.dtype == dtype and y.shape == (T, D)
-        assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+        assert _rel(y, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+    # the CUDA-graph runner's fixed layout: pair j alone at the head of padded block j, in routing order
+    rows = torch.full((T * k, 16), -1, dtype=torch.int32)
+    rows[:, 0] = torch.arange(T * k, dtype=torch.int32)
+    plan = MoePlan(rows.reshape(-1).to(DEV), ids.reshape(-1).to(torch.int32).to(DEV), T, k,
+                   moe_gemv_config(BN=16, BK=64))
+    assert _rel(grouped_glu(x, None, wts, slab, act, plan=plan), ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
 def test_e2m1_gemv_decode_covers_every_byte():
@@ -148,7 +156,8 @@ def test_e2m1_gemv_decode_covers_every_byte():
         y = torch.empty(64, 8, dtype=torch.float32, device=DEV)
         _gemv_down_kernel[(64, 1)](h, torch.arange(64, dtype=torch.int32, device=DEV),
                                    torch.zeros(64, dtype=torch.int32, device=DEV), torch.ones(64, device=DEV),
-                                   packed.to(DEV), scales.to(DEV), y, 256, 16, I=64, D=8, BN=8, BK=64, DECODE=decode)
+                                   packed.to(DEV), scales.to(DEV), y, 256, 16, RS=1, I=64, D=8, BN=8, BK=64,
+                                   DECODE=decode)
         assert torch.equal(y.double().cpu(), w.T)
 
 
@@ -164,9 +173,11 @@ def test_gemv_flags_route_decode_calls(monkeypatch):
     w = _record("int8", 24, 64, g).to(DEV)
     x = torch.randn(2, 64, generator=g).to(DEV)
     assert torch.equal(K.int8_linear(x, w.data, w.scale), G.int8_gemv(x, w.data, w.scale))
-    assert plan_moe(torch.tensor([[0, 3], [3, 1]]), DEV, 64, 32).cfg["gemv"]
+    assert G.use_int8_gemv(4, 24, 64) and not G.use_int8_gemv(5, 24, 64)
+    assert not G.use_int8_gemv(1, 12288, 7168)  # the largest trunk weights stay on the tensor-core kernel
+    assert plan_moe(torch.tensor([[0, 3], [2, 1]]), DEV, 64, 32).cfg["gemv"]  # every pair its own expert
+    assert "gemv" not in plan_moe(torch.tensor([[0, 3], [3, 1]]), DEV, 64, 32).cfg  # a shared expert
     assert moe_config(16, 16, 64, 32)["gemv"] and "gemv" not in moe_config(64, 16, 64, 32)
-    assert "gemv" not in plan_moe(torch.zeros(8, 2, dtype=torch.long), DEV, 64, 32).cfg
     experts = _experts("int4g32", 3, 64, 32, g)  # no GEMV form: the plan is laid out for the tensor-core kernel
     slab = ExpertSlab.stack(experts, DEV)
     ids, wts = torch.tensor([[0, 2]]), torch.rand(1, 2, generator=g)

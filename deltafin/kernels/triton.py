@@ -94,7 +94,7 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T, K = x2.shape
-    if fmt == "int8" and (cfg.get("gemv") if cfg else triton_gemv.GEMV_INT8 and T <= triton_gemv.MAX_TOKENS):
+    if fmt == "int8" and (cfg.get("gemv") if cfg else triton_gemv.use_int8_gemv(T, N, K)):
         return triton_gemv.int8_gemv(x2, p, s, cfg).reshape(*lead, N)  # decode: the GEMV form
     c = cfg or linear_config(fmt, T, N, K)
     # one split writes the result in x's dtype directly; several write float32 partial sums

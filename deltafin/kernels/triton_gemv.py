@@ -26,11 +26,22 @@ import triton.language as tl
 
 from deltafin.kernels.triton_tiles import e2m1_bits, e8m0_value
 
-# Set from the H200 measurements of ``deltafin.bench.kernels_cuda`` (gemv section): True sends the T <= 4
-# int8 linears / decode MoE steps here from ``triton._linear`` / ``triton_moe.plan_moe``.
-GEMV_INT8 = False
-GEMV_MOE = False
+# Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,250 GB/s in the run):
+# - MoE: the 16-expert K3 step at one token 0.236 ms = 0.28 of copy here vs 0.269 ms = 0.25 through the
+#   tensor-core kernel; but with several pairs per expert each pair re-reads it (T=8, all 16 experts shared:
+#   0.04 vs 0.24), so only plans whose pairs all have distinct experts take it (``moe_config``).
+# - int8 at T=1: ahead of the tensor-core kernel up to ~44M weights (latent_up 0.49 vs 0.38, shared
+#   gate_up 0.55 vs 0.46, router 0.17 vs 0.14), behind on the 88M ones (kda.qkvg 0.59 vs 0.67): over the
+#   K3 trunk shapes bytes-weighted 0.54 with this cut-off vs 0.51 tensor-core alone, 0.50 GEMV alone.
+GEMV_INT8 = True
+GEMV_MOE = True
 MAX_TOKENS = 4
+INT8_MAX_WEIGHTS = 50_000_000
+
+
+def use_int8_gemv(T: int, N: int, K: int) -> bool:
+    """Whether an int8 linear of T tokens with an [N, K] weight takes the GEMV kernel (see above)."""
+    return GEMV_INT8 and T <= MAX_TOKENS and N * K <= INT8_MAX_WEIGHTS
 
 
 @triton.jit
@@ -91,13 +102,13 @@ def _act(g, u, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr):
 
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
-                         TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
+                         RS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
                          BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          DECODE: tl.constexpr):
-    """h[pair, n] = act(gate x_t, up x_t) for the pair rows[b] (token t = pair // TOPK) and n-tile pid_n."""
+    """h[pair, n] = act(gate x_t, up x_t) for the pair rows[b * RS] (token t = pair // TOPK), n-tile pid_n."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
-    pair = tl.load(rows_ptr + b)
+    pair = tl.load(rows_ptr + b * RS)
     xp = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     offs_n = pid_n * BN + tl.arange(0, BN)
     acc_g = tl.zeros((BN, BK // 32), dtype=tl.float32)
@@ -112,13 +123,13 @@ def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stri
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
+def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot, RS: tl.constexpr,
                       I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       DECODE: tl.constexpr):
     """y[pair, n] = rw[pair] * (down h[pair])[n] in float32."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
-    pair = tl.load(rows_ptr + b).to(tl.int64)
+    pair = tl.load(rows_ptr + b * RS).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros((BN, BK // 32), dtype=tl.float32)
     for k0 in range(0, I, BK):
@@ -137,11 +148,13 @@ def moe_gemv_config(BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages:
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
                      slab, act: int, beta: float, lbeta: float, c: dict) -> torch.Tensor:
-    """The decode form of ``triton_moe.grouped_glu`` for an MXFP4 slab: rows [T*k] pair indices sorted by
-    slot, blk [T*k] their slots (``block_layout`` with one row per block). Returns [T, D] in x's dtype."""
+    """The decode form of ``triton_moe.grouped_glu`` for an MXFP4 slab: blk [T*k] the slab slot of each
+    block, rows [T*k*RS] with block b's one pair at rows[b * RS] (``block_layout`` with one row per block,
+    RS = 1, sorted by slot; or a fixed layout of one pair per padded block). Returns [T, D] in x's dtype."""
     T, D = x.shape
     I, K = slab.shapes["gate"]
-    assert slab.format == "mxfp4" and rows.numel() == blk.numel() == T * k
+    rs = rows.numel() // max(blk.numel(), 1)
+    assert slab.format == "mxfp4" and blk.numel() == T * k and rows.numel() == rs * T * k
     dev = x.device
     x = x.contiguous()
     bk = min(c["BK"], max(32, triton.next_power_of_2(K)))
@@ -150,13 +163,13 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
     _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
         x, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
-        g[0].numel(), slab.scale["gate"][0].numel(),
+        g[0].numel(), slab.scale["gate"][0].numel(), RS=rs,
         TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=c.get("decode", 0),
         num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
-        h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
+        h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
         I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=c.get("decode", 0), num_warps=c["num_warps"],
         num_stages=c.get("num_stages", 3))
     return y.view(T, k, D).sum(1).to(x.dtype)

@@ -161,7 +161,7 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
     """Rows per block from the average rows per expert: 16 for decode, 64 or 128 for prefill (H200 sweep of
     ``deltafin.bench.kernels_cuda``: decode BN 64 x BK 128, 4 warps, 4 stages; prefill 128 x 128 x 64)."""
     avg = pairs / max(experts, 1)
-    if triton_gemv.GEMV_MOE and avg <= 1:  # each expert read once by one pair: the GEMV form (decode)
+    if triton_gemv.GEMV_MOE and avg <= 1:  # every pair has its own expert (decode): the GEMV form
         return triton_gemv.moe_gemv_config()
     if avg <= 16:
         c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
@@ -190,8 +190,6 @@ def plan_moe(slots: torch.Tensor | np.ndarray, device: torch.device | str, K: in
     s = slots.detach().cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
     s = s.astype(np.int64)
     T, k = s.shape
-    if cfg is None and triton_gemv.GEMV_MOE and T <= triton_gemv.MAX_TOKENS:
-        cfg = triton_gemv.moe_gemv_config()
     c = cfg or moe_config(T * k, len(np.unique(s)), K, I)
     rows, blk = block_layout(s, c["BT"])
     return MoePlan(torch.from_numpy(rows).to(device), torch.from_numpy(blk).to(device), T, k, c)
