@@ -14,6 +14,7 @@ the two kernels.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -225,6 +226,9 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
     src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
     src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+    src.model = SimpleNamespace(moe_layers=[1], num_experts=1)  # a model of one expert: one cache slot
+    assert src._slab_ready(ex, nbytes) and src.slab.slots == 3
+    src.slab, src.model = None, SimpleNamespace(moe_layers=[1, 2], num_experts=8)  # the budget decides
     assert src._slab_ready(ex, nbytes) and src.slab.slots == 4
     layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes)) for e in range(4)]
     assert sorted(layer0) == [0, 1, 2, 3]  # two cached, two scratch, all distinct
