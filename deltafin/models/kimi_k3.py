@@ -282,7 +282,7 @@ class Model(DecoderLM):
         if T == 1:
             o, st.S = kda.recurrent(q, k, v, g, beta, st.S)
         else:
-            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk)
+            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk, self.cfg.gate_lower_bound)
         gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
