@@ -68,3 +68,14 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
     act, beta, lbeta = (ACT_SILU, 4.0, 25.0) if glu[0] == "silu" else (ACT_SITU, float(glu[1]), float(glu[2]))
     USED.add(f"triton:grouped_{slab.format}")
     return grouped_glu(x, slots, weights, slab, act, beta, lbeta)
+
+
+def kda_states(W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, decay: torch.Tensor, S: torch.Tensor):
+    """KDA's chunk-to-chunk state loop in one Triton launch (``kda._states``'s contract), or None where the
+    tile shapes do not fit the kernel and the torch loop applies. Callers ask ``enabled`` first."""
+    from deltafin.kernels import triton_kda
+
+    if not triton_kda.fits(W.shape[2], W.shape[3], U.shape[3]):
+        return None
+    USED.add("triton:kda_states")
+    return triton_kda.kda_states(W, U, kd, decay, S)

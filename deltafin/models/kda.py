@@ -12,6 +12,7 @@ full [c, c, K] decay tensor (slow, the float32 reference in tests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ L2_EPS = 1e-6  # §3.1 step 4 (fla l2norm): x / sqrt(sum(x^2) + 1e-6), eps added
 CHUNK = 64  # §3.1 chunked prefill: fla naive_chunk_kda uses 64-token chunks
 SUB = 16  # sub-block of a chunk inside which decays are factored through one reference (see _intra)
 EXP_LIMIT = 80.0  # largest exponent a factor may take: K * e^80 stays far below float32's max (e^88.7)
+StatesFn = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]  # kda_states of a kernel backend
 SEGMENT = 8192  # tokens whose chunks are batched at once (bounds the temporaries: ~12 x T*H*K floats)
 
 
@@ -87,11 +89,13 @@ def chunked(
     S: torch.Tensor,
     chunk: int = CHUNK,
     gate_bound: float | None = None,
+    states: StatesFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`recurrent`, in the WY form with every chunk's S-independent part computed at once.
 
     Only the state update passes from chunk to chunk (two batched matmuls each). ``gate_bound`` is a lower
-    bound of g (the config's gate_lower_bound); None takes min(g), which costs one device sync.
+    bound of g (the config's gate_lower_bound); None takes min(g), which costs one device sync. ``states``
+    may run that loop instead of :func:`_states` (a fused kernel; it returns None where it does not apply).
     """
     T, H, K = q.shape
     if T == 0:
@@ -102,7 +106,7 @@ def chunked(
     outs = []
     for t0 in range(0, T, seg):
         sl = slice(t0, t0 + seg)
-        o, S = _segment(q[sl], k[sl], v[sl], g[sl], beta[sl], S, chunk, sub)
+        o, S = _segment(q[sl], k[sl], v[sl], g[sl], beta[sl], S, chunk, sub, states)
         outs.append(o)
     return torch.cat(outs), S
 
@@ -137,7 +141,7 @@ def _blocks(x: torch.Tensor, N: int, c: int) -> torch.Tensor:
     return F.pad(x, pad).view(N, c, *x.shape[1:]).transpose(1, 2).contiguous()
 
 
-def _segment(q, k, v, g, beta, S, c: int, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment(q, k, v, g, beta, S, c: int, sub: int, states: StatesFn | None) -> tuple[torch.Tensor, torch.Tensor]:
     T, H, _ = q.shape
     N = -(-T // c)
     q, k, v, g = (_blocks(x, N, c) for x in (q, k, v, g))  # [N, H, c, *]
@@ -149,7 +153,9 @@ def _segment(q, k, v, g, beta, S, c: int, sub: int) -> tuple[torch.Tensor, torch
     W, U = M @ (k * eG), M @ v  # the WY factors
     last = G[:, :, -1:]  # [N, H, 1, K]
     kd = (k * (last - G).exp()).transpose(-1, -2)  # [N, H, K, c]
-    S_in, Vn = _states(W, U, kd, last.transpose(-1, -2).exp(), S)
+    decay = last.transpose(-1, -2).exp()  # [N, H, K, 1]
+    fused = states(W, U, kd, decay, S) if states is not None else None
+    S_in, Vn = fused if fused is not None else _states(W, U, kd, decay, S)
     o = torch.baddbmm((Aqk.tril() @ Vn).flatten(0, 1), (q * eG).flatten(0, 1), S_in[:N].flatten(0, 1))
     return o.view(N, H, c, -1).transpose(1, 2).reshape(N * c, H, -1)[:T], S_in[N].clone()
 
