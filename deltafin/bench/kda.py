@@ -5,12 +5,16 @@ at the given widths (float32, decays from K3's lower-bound gate). For each lengt
 ``kda.chunked`` and the per-chunk ``kda.chunked_reference`` (the former default), the largest difference
 between them, and two floors measured on the same device: the form's matmul FLOPs at the measured float32
 GEMM rate, and its unavoidable bytes (q, k, v, g, beta in; o out) at the measured device copy rate.
-``--parts`` also times the pieces of one segment (in-chunk products, WY inverse, state loop).
+``--parts`` also times the pieces of one segment (in-chunk products, WY inverse, state loop); on CUDA the
+fused Triton state loop is timed beside the torch loop (``--bv`` value columns per program). ``--slice``
+also times the K3 slice prefill (``deltafin bench prefill --synthetic k3-slice``) with the per-chunk form,
+the figure to set beside that command's own run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -73,16 +77,43 @@ def flops(T: int, H: int, K: int, V: int, c: int = kda.CHUNK, sub: int = kda.SUB
     return -(-T // c) * H * per
 
 
-def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, rates: tuple[float, float]) -> dict:
+def _rel_diff(a, b) -> float:
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b, strict=True))
+
+
+def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, rates: tuple[float, float],
+               bvs: list[int]) -> dict:
     x = inputs(T, H, K, V, device)
     new = timed(lambda: kda.chunked(*x, gate_bound=BOUND), device, reps)
     old = timed(lambda: kda.chunked_reference(*x), device, 1)
-    (o1, s1), (o0, s0) = kda.chunked(*x, gate_bound=BOUND), kda.chunked_reference(*x)
-    err = max(((o1 - o0).abs().max() / o0.abs().max()).item(), ((s1 - s0).abs().max() / s0.abs().max()).item())
+    ref = kda.chunked_reference(*x)
     f_floor = flops(T, H, K, V) / rates[0]
     b_floor = 4 * T * H * (3 * K + 2 * V + 1) / rates[1]
-    return {"tokens": T, "new_s": new, "old_s": old, "speedup": old / new, "max_rel_diff": err,
-            "flop_floor_s": f_floor, "byte_floor_s": b_floor, "floor_ratio": new / max(f_floor, b_floor)}
+    r = {"tokens": T, "new_s": new, "old_s": old, "speedup": old / new,
+         "max_rel_diff": _rel_diff(kda.chunked(*x, gate_bound=BOUND), ref),
+         "flop_floor_s": f_floor, "byte_floor_s": b_floor, "floor_ratio": new / max(f_floor, b_floor)}
+    if device.type == "cuda":
+        from deltafin.kernels import triton_kda
+
+        for bv in bvs:
+            fused = functools.partial(triton_kda.kda_states, bv=bv)
+            r[f"triton_bv{bv}_s"] = timed(lambda f=fused: kda.chunked(*x, gate_bound=BOUND, states=f), device, reps)
+            r[f"triton_bv{bv}_rel_diff"] = _rel_diff(kda.chunked(*x, gate_bound=BOUND, states=fused), ref)
+    return r
+
+
+def slice_prefill(tokens: int, layers: int, experts: int) -> dict:
+    """The K3 slice prefill with the per-chunk KDA form swapped in (the figure before the batched form)."""
+    from deltafin.bench import k3_slice_gpu
+
+    batched = kda.chunked
+    kda.chunked = lambda q, k, v, g, beta, S, chunk=kda.CHUNK, *_: kda.chunked_reference(q, k, v, g, beta, S, chunk)
+    try:
+        a = argparse.Namespace(layers=layers, experts=experts, json=None, smoke=False, tokens=0, torch_steps=0,
+                               prefill=[tokens])
+        return k3_slice_gpu.run(a, "prefill")[f"prefill_{tokens}"]
+    finally:
+        kda.chunked = batched
 
 
 def parts(T: int, H: int, K: int, V: int, device: torch.device, reps: int) -> dict:
@@ -108,7 +139,14 @@ def parts(T: int, H: int, K: int, V: int, device: torch.device, reps: int) -> di
         "solve_triangular_s": timed(
             lambda: torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True), device, reps),
         "states_s": timed(lambda: kda._states(W, U, kd, dec, S), device, reps),
-    }
+    } | ({"states_triton_s": timed(lambda: _fused_states(W, U, kd, dec, S), device, reps)}
+         if device.type == "cuda" else {})
+
+
+def _fused_states(*a):
+    from deltafin.kernels import triton_kda
+
+    return triton_kda.kda_states(*a)
 
 
 def main(argv=None) -> int:
@@ -119,6 +157,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128, help="key and value width per head")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--bv", type=int, nargs="*", default=[16, 32, 64], help="Triton state loop widths to time")
+    ap.add_argument("--slice", type=int, default=0, metavar="TOKENS",
+                    help="also the K3 slice prefill of TOKENS with the per-chunk form (CUDA)")
+    ap.add_argument("--layers", type=int, default=5, help="slice layers (with --slice)")
+    ap.add_argument("--experts", type=int, default=32, help="slice experts per layer (with --slice)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -129,19 +172,29 @@ def main(argv=None) -> int:
     print(f"KDA chunked on {res['device']}, H={a.heads}, K=V={a.dim}, float32: GEMM {rates[0] / 1e12:.1f} TFLOP/s, "
           f"copy {rates[1] / 1e9:.0f} GB/s (measured)")
     for T in a.tokens:
-        r = run_length(T, a.heads, a.dim, a.dim, dev, a.reps, rates)
+        r = run_length(T, a.heads, a.dim, a.dim, dev, a.reps, rates, a.bv)
         res["lengths"].append(r)
         print(f"T={T}: batched {r['new_s'] * 1e3:.2f} ms vs per-chunk {r['old_s'] * 1e3:.1f} ms "
               f"({r['speedup']:.1f}x); floor {max(r['flop_floor_s'], r['byte_floor_s']) * 1e3:.2f} ms "
               f"(FLOPs {r['flop_floor_s'] * 1e3:.2f}, bytes {r['byte_floor_s'] * 1e3:.2f}): "
-              f"{r['floor_ratio']:.1f}x the floor; max rel diff {r['max_rel_diff']:.1e}")
+              f"{r['floor_ratio']:.1f}x the floor; max rel diff {r['max_rel_diff']:.1e}"
+              + "".join(f"; Triton state loop BV {bv}: {r[f'triton_bv{bv}_s'] * 1e3:.2f} ms "
+                        f"(diff {r[f'triton_bv{bv}_rel_diff']:.1e})" for bv in a.bv if f"triton_bv{bv}_s" in r))
+        _save(a.json, res)
     if a.parts:
         res["parts"] = parts(min(a.tokens), a.heads, a.dim, a.dim, dev, a.reps)
         print("parts (ms): " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in res["parts"].items()))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        _save(a.json, res)
+    if a.slice:
+        res["slice_per_chunk_form"] = slice_prefill(a.slice, a.layers, a.experts)
+        _save(a.json, res)
     return 0
+
+
+def _save(path: str | None, res: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
