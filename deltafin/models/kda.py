@@ -137,8 +137,9 @@ def chunked_reference(
 
 def _blocks(x: torch.Tensor, N: int, c: int) -> torch.Tensor:
     """[T, H, *] -> [N, H, c, *], zero-padded to N*c tokens (a zero k, v, beta and g leaves S unchanged)."""
-    pad = [0, 0] * (x.dim() - 1) + [0, N * c - x.shape[0]]
-    return F.pad(x, pad).view(N, c, *x.shape[1:]).transpose(1, 2).contiguous()
+    if N * c > x.shape[0]:
+        x = F.pad(x, [0, 0] * (x.dim() - 1) + [0, N * c - x.shape[0]])
+    return x.reshape(N, c, *x.shape[1:]).transpose(1, 2).contiguous()
 
 
 def _segment(q, k, v, g, beta, S, c: int, sub: int, states: StatesFn | None) -> tuple[torch.Tensor, torch.Tensor]:
