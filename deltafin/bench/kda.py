@@ -6,7 +6,7 @@ at the given widths (float32, decays from K3's lower-bound gate). For each lengt
 between them, and two floors measured on the same device: the form's matmul FLOPs at the measured float32
 GEMM rate, and its unavoidable bytes (q, k, v, g, beta in; o out) at the measured device copy rate.
 ``--parts`` also times the pieces of one segment (in-chunk products, WY inverse, state loop); on CUDA the
-fused Triton state loop is timed beside the torch loop (``--bv`` value columns per program). ``--slice``
+fused Triton state loop is timed beside the torch loop (``--triton`` tile configurations). ``--slice``
 also times the K3 slice prefill (``deltafin bench prefill --synthetic k3-slice``) with the per-chunk form,
 the figure to set beside that command's own run.
 """
@@ -82,7 +82,7 @@ def _rel_diff(a, b) -> float:
 
 
 def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, rates: tuple[float, float],
-               bvs: list[int]) -> dict:
+               configs: list[str]) -> dict:
     x = inputs(T, H, K, V, device)
     new = timed(lambda: kda.chunked(*x, gate_bound=BOUND), device, reps)
     old = timed(lambda: kda.chunked_reference(*x), device, 1)
@@ -95,10 +95,14 @@ def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, 
     if device.type == "cuda":
         from deltafin.kernels import triton_kda
 
-        for bv in bvs:
-            fused = functools.partial(triton_kda.kda_states, bv=bv)
-            r[f"triton_bv{bv}_s"] = timed(lambda f=fused: kda.chunked(*x, gate_bound=BOUND, states=f), device, reps)
-            r[f"triton_bv{bv}_rel_diff"] = _rel_diff(kda.chunked(*x, gate_bound=BOUND, states=fused), ref)
+        for cfg in configs:
+            bv, warps, stages = (int(t) for t in cfg.split(":"))
+            fused = functools.partial(triton_kda.kda_states, bv=bv, warps=warps, stages=stages)
+            try:
+                r[f"triton_{cfg}_s"] = timed(lambda f=fused: kda.chunked(*x, gate_bound=BOUND, states=f), device, reps)
+                r[f"triton_{cfg}_rel_diff"] = _rel_diff(kda.chunked(*x, gate_bound=BOUND, states=fused), ref)
+            except Exception as e:  # a tile configuration the compiler refuses (shared memory, registers)
+                r[f"triton_{cfg}_error"] = str(e)[:200]
     return r
 
 
@@ -157,7 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128, help="key and value width per head")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", action="store_true")
-    ap.add_argument("--bv", type=int, nargs="*", default=[16, 32, 64], help="Triton state loop widths to time")
+    ap.add_argument("--triton", nargs="*", default=["32:4:1", "16:4:1", "64:8:1", "32:4:2", "32:8:2"],
+                    help="Triton state loop configurations to time, BV:WARPS:STAGES")
     ap.add_argument("--slice", type=int, default=0, metavar="TOKENS",
                     help="also the K3 slice prefill of TOKENS with the per-chunk form (CUDA)")
     ap.add_argument("--layers", type=int, default=5, help="slice layers (with --slice)")
@@ -172,14 +177,14 @@ def main(argv=None) -> int:
     print(f"KDA chunked on {res['device']}, H={a.heads}, K=V={a.dim}, float32: GEMM {rates[0] / 1e12:.1f} TFLOP/s, "
           f"copy {rates[1] / 1e9:.0f} GB/s (measured)")
     for T in a.tokens:
-        r = run_length(T, a.heads, a.dim, a.dim, dev, a.reps, rates, a.bv)
+        r = run_length(T, a.heads, a.dim, a.dim, dev, a.reps, rates, a.triton)
         res["lengths"].append(r)
         print(f"T={T}: batched {r['new_s'] * 1e3:.2f} ms vs per-chunk {r['old_s'] * 1e3:.1f} ms "
               f"({r['speedup']:.1f}x); floor {max(r['flop_floor_s'], r['byte_floor_s']) * 1e3:.2f} ms "
               f"(FLOPs {r['flop_floor_s'] * 1e3:.2f}, bytes {r['byte_floor_s'] * 1e3:.2f}): "
               f"{r['floor_ratio']:.1f}x the floor; max rel diff {r['max_rel_diff']:.1e}"
-              + "".join(f"; Triton state loop BV {bv}: {r[f'triton_bv{bv}_s'] * 1e3:.2f} ms "
-                        f"(diff {r[f'triton_bv{bv}_rel_diff']:.1e})" for bv in a.bv if f"triton_bv{bv}_s" in r))
+              + "".join(f"; Triton state loop {c}: {r[f'triton_{c}_s'] * 1e3:.2f} ms "
+                        f"(diff {r[f'triton_{c}_rel_diff']:.1e})" for c in a.triton if f"triton_{c}_s" in r))
         _save(a.json, res)
     if a.parts:
         res["parts"] = parts(min(a.tokens), a.heads, a.dim, a.dim, dev, a.reps)

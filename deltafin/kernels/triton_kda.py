@@ -16,6 +16,7 @@ import triton.language as tl
 from deltafin.kernels.triton_tiles import INTERPRET
 
 BV = 32  # value columns per program: 96 heads x 128 / 32 = 384 programs, ~3 per H200 multiprocessor
+WARPS, STAGES = 4, 1  # one stage: the [c, K] tiles of W and kd (32 KB each) are not multi-buffered
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def fits(C: int, K: int, V: int, bv: int = BV) -> bool:
 
 
 def kda_states(W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, decay: torch.Tensor, S: torch.Tensor,
-               bv: int = BV) -> tuple[torch.Tensor, torch.Tensor]:
+               bv: int = BV, warps: int = WARPS, stages: int = STAGES) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, H, c, K], U [N, H, c, V], kd [N, H, K, c], decay [N, H, K, 1], S [H, K, V], all float32."""
     N, H, C, K = W.shape
     V = U.shape[-1]
@@ -69,5 +70,5 @@ def kda_states(W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, decay: torch.
     kd_rows = kd.transpose(-1, -2).contiguous()  # [N, H, c, K]: a no-op for kda's transposed view
     _states_kernel[(H, V // bv)](W.contiguous(), U.contiguous(), kd_rows, decay.reshape(N, H, K).contiguous(),
                                  S.contiguous(), S_in, Vn, N, H, C=C, K=K, V=V, BV=bv, INTERP=INTERPRET,
-                                 num_warps=4)
+                                 num_warps=warps, num_stages=stages)
     return S_in, Vn
