@@ -93,16 +93,20 @@ def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, 
          "max_rel_diff": _rel_diff(kda.chunked(*x, gate_bound=BOUND), ref),
          "flop_floor_s": f_floor, "byte_floor_s": b_floor, "floor_ratio": new / max(f_floor, b_floor)}
     if device.type == "cuda":
+        from deltafin.kernels import cuda as kc
         from deltafin.kernels import triton_kda
 
-        for cfg in configs:
+        variants = {"products": {"products": kc.kda_products}}
+        for cfg in configs:  # the fused products with each state loop configuration
             bv, warps, stages = (int(t) for t in cfg.split(":"))
-            fused = functools.partial(triton_kda.kda_states, bv=bv, warps=warps, stages=stages)
+            fn = functools.partial(triton_kda.kda_states, bv=bv, warps=warps, stages=stages)
+            variants[f"fused_{cfg}"] = {"products": kc.kda_products, "states": fn}
+        for name, kw in variants.items():
             try:
-                r[f"triton_{cfg}_s"] = timed(lambda f=fused: kda.chunked(*x, gate_bound=BOUND, states=f), device, reps)
-                r[f"triton_{cfg}_rel_diff"] = _rel_diff(kda.chunked(*x, gate_bound=BOUND, states=fused), ref)
+                r[f"triton_{name}_s"] = timed(lambda kw=kw: kda.chunked(*x, gate_bound=BOUND, **kw), device, reps)
+                r[f"triton_{name}_rel_diff"] = _rel_diff(kda.chunked(*x, gate_bound=BOUND, **kw), ref)
             except Exception as e:  # a tile configuration the compiler refuses (shared memory, registers)
-                r[f"triton_{cfg}_error"] = str(e)[:200]
+                r[f"triton_{name}_error"] = str(e)[:200]
     return r
 
 
@@ -143,14 +147,15 @@ def parts(T: int, H: int, K: int, V: int, device: torch.device, reps: int) -> di
         "solve_triangular_s": timed(
             lambda: torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True), device, reps),
         "states_s": timed(lambda: kda._states(W, U, kd, dec, S), device, reps),
-    } | ({"states_triton_s": timed(lambda: _fused_states(W, U, kd, dec, S), device, reps)}
-         if device.type == "cuda" else {})
+        "products_s": timed(lambda: kda._products(qb, kb, G, bb, sub), device, reps),
+    } | (_fused_parts(qb, kb, G, bb, sub, (W, U, kd, dec, S), device, reps) if device.type == "cuda" else {})
 
 
-def _fused_states(*a):
-    from deltafin.kernels import triton_kda
+def _fused_parts(q, k, G, b, sub, states_args, device, reps) -> dict:
+    from deltafin.kernels import cuda as kc
 
-    return triton_kda.kda_states(*a)
+    return {"products_triton_s": timed(lambda: kc.kda_products(q, k, G, b, sub), device, reps),
+            "states_triton_s": timed(lambda: kc.kda_states(*states_args), device, reps)}
 
 
 def main(argv=None) -> int:
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--triton", nargs="*", default=["32:4:1", "16:4:1", "64:8:1", "32:4:2", "32:8:2"],
-                    help="Triton state loop configurations to time, BV:WARPS:STAGES")
+                    help="Triton state loop configurations to time (with the fused products), BV:WARPS:STAGES")
     ap.add_argument("--slice", type=int, default=0, metavar="TOKENS",
                     help="also the K3 slice prefill of TOKENS with the per-chunk form (CUDA)")
     ap.add_argument("--layers", type=int, default=5, help="slice layers (with --slice)")
@@ -183,8 +188,8 @@ def main(argv=None) -> int:
               f"({r['speedup']:.1f}x); floor {max(r['flop_floor_s'], r['byte_floor_s']) * 1e3:.2f} ms "
               f"(FLOPs {r['flop_floor_s'] * 1e3:.2f}, bytes {r['byte_floor_s'] * 1e3:.2f}): "
               f"{r['floor_ratio']:.1f}x the floor; max rel diff {r['max_rel_diff']:.1e}"
-              + "".join(f"; Triton state loop {c}: {r[f'triton_{c}_s'] * 1e3:.2f} ms "
-                        f"(diff {r[f'triton_{c}_rel_diff']:.1e})" for c in a.triton if f"triton_{c}_s" in r))
+              + "".join(f"; Triton {k[7:-2]}: {v * 1e3:.2f} ms (diff {r[k[:-2] + '_rel_diff']:.1e})"
+                        for k, v in r.items() if k.startswith("triton_") and k.endswith("_s")))
         _save(a.json, res)
     if a.parts:
         res["parts"] = parts(min(a.tokens), a.heads, a.dim, a.dim, dev, a.reps)

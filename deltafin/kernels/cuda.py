@@ -79,3 +79,15 @@ def kda_states(W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, decay: torch.
         return None
     USED.add("triton:kda_states")
     return triton_kda.kda_states(W, U, kd, decay, S)
+
+
+def kda_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: torch.Tensor, sub: int):
+    """KDA's in-chunk products L and P (``kda._products``'s contract) in one Triton pass, or None where the
+    sub-block is too small for the kernel's tiles and the torch form applies. Callers ask ``enabled`` first."""
+    from deltafin.kernels import triton_kda
+    from deltafin.models.kda import EXP_LIMIT
+
+    if not triton_kda.products_fit(k.shape[2], k.shape[3], sub):
+        return None
+    USED.add("triton:kda_products")
+    return triton_kda.kda_products(q, k, G, b, sub, EXP_LIMIT)
