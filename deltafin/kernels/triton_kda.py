@@ -9,6 +9,9 @@ the decays are factored per sub-block exactly as ``kda._intra`` documents.
 state S_in [N+1, H, K, V] and V' [N, H, c, V], like ``kda._states`` (the torch loop, the reference). One
 program holds a [K, BV] slice of one head's state in registers for the whole sequence, so the loop costs no
 launches; products are full float32 (no TF32), so only the summation order differs from the torch loop.
+Measured on the H200 at K3 widths (``python -m deltafin.bench.kda --parts``, 4,096 tokens): the products
+kernel 1.4 ms vs 2.9 ms for the torch form, so the model uses it on the fast CUDA path; the state loop 4.6 ms
+vs 3.9 ms for the torch loop, so the model keeps the torch loop (this kernel stays for tuning and tests).
 """
 
 from __future__ import annotations

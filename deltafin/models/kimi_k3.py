@@ -283,9 +283,9 @@ class Model(DecoderLM):
         if T == 1:
             o, st.S = kda.recurrent(q, k, v, g, beta, st.S)
         else:
-            fast = kc.enabled(x)  # on the fast CUDA path the in-chunk products and the state loop are fused
+            products = kc.kda_products if kc.enabled(x) else None  # fused in-chunk products on the fast CUDA path
             o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk, self.cfg.gate_lower_bound,
-                                  kc.kda_states if fast else None, kc.kda_products if fast else None)
+                                  products=products)
         gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
