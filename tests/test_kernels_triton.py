@@ -209,7 +209,7 @@ def test_model_wiring_through_interpreter(tmp_path, monkeypatch):
         monkeypatch.setenv("DELTAFIN_KERNELS", mode)
         kc.USED.clear()
         logits[mode] = model.forward(ids, model.new_state(8), experts)
-    assert {"triton:int8_linear", "triton:grouped_mxfp4"} <= kc.USED
+    assert {"triton:int8_linear", "triton:grouped_mxfp4", "triton:kda_products"} <= kc.USED
     assert _rel(logits["interpret"], logits["torch"]) < 3e-2
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import cuda as kc
 from deltafin.models import kda, mla
 from deltafin.models.base import (
     ExpertSource,
@@ -282,7 +283,9 @@ class Model(DecoderLM):
         if T == 1:
             o, st.S = kda.recurrent(q, k, v, g, beta, st.S)
         else:
-            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk)
+            products = kc.kda_products if kc.enabled(x) else None  # fused in-chunk products on the fast CUDA path
+            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk, self.cfg.gate_lower_bound,
+                                  products=products)
         gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
