@@ -84,11 +84,16 @@ def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Te
 
 class SequenceState:
     """One sequence's state: the next position and one model-specific object per layer (KV cache,
-    latent cache, recurrent state...). Models create it with ``Model.new_state()``."""
+    latent cache, recurrent state...). Models create it with ``Model.new_state()``.
+
+    ``at``, when set, holds ``pos`` as a one-element device tensor for a one-token step recorded into a CUDA
+    graph (``runtime/cuda_graphs.py``): a model that supports it then reads the position from there, not
+    from the Python int, so a replay at any later position computes the right thing."""
 
     def __init__(self, layers: list):
         self.pos = 0
         self.layers = layers
+        self.at: torch.Tensor | None = None
 
 
 def moe_dispatch(

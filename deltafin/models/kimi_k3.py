@@ -165,6 +165,16 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
     return act.to(g.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A latent MoE layer's tensors before its routed experts run (``Model.moe_begin``)."""
+
+    ids: torch.Tensor  # [T, k] long: the chosen experts
+    weights: torch.Tensor  # [T, k] float32: their routing weights (scaling factor included)
+    z: torch.Tensor  # [T, Lat]: the latent the routed experts take
+    shared: torch.Tensor | None  # [T, D]: the shared experts' output, None without shared experts
+
+
 _KDA_NAMES = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
               "b_proj", "g_proj", "o_norm", "o_proj")
 _MLA_NAMES = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -244,7 +254,8 @@ class Model(DecoderLM):
             blocks, p = (*blocks, p), None
         x = rms_norm(h, self.vec[pre + "input_layernorm.weight"], eps)
         st = state.layers[i]
-        a = self._kda(pre + "self_attn.", x, st) if self.cfg.is_kda(i) else self._mla(pre + "self_attn.", x, st, state.pos)
+        a = self._kda(pre + "self_attn.", x, st) if self.cfg.is_kda(i) else \
+            self._mla(pre + "self_attn.", x, st, state.pos, state.at)
         return Carry(a if p is None else p + a, blocks)
 
     def mlp_part(self, i: int, carry: Carry, experts: ExpertSource) -> Carry:
@@ -273,32 +284,41 @@ class Model(DecoderLM):
             y, h = kda.short_conv(y, vec[pre + f"{n}_conv1d.weight"], st.conv[j])
             qkv.append(y.view(T, H, K))
             hist.append(h)
-        st.conv = torch.stack(hist)
+        st.conv.copy_(torch.stack(hist))  # in place: a replayed CUDA graph holds these buffers
         q = kda.l2norm(qkv[0]) * K**-0.5  # fla's default scale K^-1/2 (§3.1 step 4)
         k, v = kda.l2norm(qkv[1]), qkv[2]
         z = linear(linear(x, w[pre + "f_a_proj.weight"]), w[pre + "f_b_proj.weight"]).float() + vec[pre + "dt_bias"]
         g = kda.lower_bound_gate(z.view(T, H, K), vec[pre + "A_log"], self.cfg.gate_lower_bound)  # [T, H, K]
         beta = torch.sigmoid(linear(x, w[pre + "b_proj.weight"]).float())  # [T, H]
         if T == 1:
-            o, st.S = kda.recurrent(q, k, v, g, beta, st.S)
+            o, S = kda.recurrent(q, k, v, g, beta, st.S)
         else:
-            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk)
+            o, S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk)
+        st.S.copy_(S)
         gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
 
-    def _mla(self, pre: str, x: torch.Tensor, cache: GrowingCache, pos: int) -> torch.Tensor:
-        """Gated MLA without rope (§3.2): latent cache; absorbed form for one token, expanded for more."""
+    def _mla(self, pre: str, x: torch.Tensor, cache: GrowingCache, pos: int, at: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Gated MLA without rope (§3.2): latent cache; absorbed form for one token, expanded for more.
+        ``at`` (one token only): the position as a device tensor; the token attends over the cache's whole
+        buffer with the rows past it masked, so nothing here depends on the Python int (a CUDA graph)."""
         c, T, w = self.cfg, x.shape[0], self.w
         if pos + T > cache.max_len:
             raise ValueError(f"MLA cache holds {cache.max_len} tokens; cannot add {T} at position {pos}; "
                              f"create the state with a larger max_len")
         H, dn, r, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         q, latent, k_pe = mla.project(x, lambda n: w.get(pre + n), H, dn, r, R)  # k_pe stays un-rotated
-        rows = cache.write(pos, torch.cat((latent, k_pe), -1))  # [S, R+r]
-        attend = mla.attend_absorbed if T == 1 else mla.attend_expanded
         scale = (dn + r) ** -0.5  # §3.2 step 4: 192^-0.5 for K3
-        ctx = attend(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn, c.v_head_dim, scale, pos)
+        if at is not None and T == 1:
+            rows = cache.write_at(at, torch.cat((latent, k_pe), -1))  # [capacity, R+r]
+            ctx = mla.attend_absorbed_at(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn,
+                                         c.v_head_dim, scale, at)
+        else:
+            rows = cache.write(pos, torch.cat((latent, k_pe), -1))  # [S, R+r]
+            attend = mla.attend_absorbed if T == 1 else mla.attend_expanded
+            ctx = attend(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn, c.v_head_dim, scale, pos)
         if c.mla_use_output_gate:
             ctx = ctx * torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).to(ctx.dtype)
         return linear(ctx, w[pre + "o_proj.weight"])
@@ -328,17 +348,38 @@ class Model(DecoderLM):
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
+        r = self._moe_begin(i, x)
+        y = moe_dispatch(r.z, r.ids, r.weights, i, experts, self._expert, self.glu)  # [T, Lat] over slots
+        return self._moe_finish(i, y, r.shared)
+
+    @property
+    def glu(self) -> tuple:
+        """The routed experts' activation, as the grouped CUDA kernels name it."""
+        return ("situ", self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
+
+    def moe_begin(self, i: int, carry: Carry) -> Routed:
+        """MoE layer i up to its routed experts (mlp_part's input mix and norm, router, latent down
+        projection, shared experts): what a runner needs before the one host synchronisation of the layer."""
+        return self._moe_begin(i, self._mlp_input(i, carry))
+
+    def moe_end(self, i: int, carry: Carry, r: Routed, y: torch.Tensor) -> Carry:
+        """The rest of ``mlp_part`` given y [T, Lat], the routing-weighted sum of the routed experts on r.z.
+        moe_end(i, c, r, moe_dispatch(r.z, r.ids, r.weights, ...)) equals mlp_part(i, c, ...) bit for bit."""
+        return Carry(carry.p + self._moe_finish(i, y, r.shared), carry.blocks)
+
+    def _moe_begin(self, i: int, x: torch.Tensor) -> Routed:
         pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
         ids, wts = self._router(i, x)
         z = linear(x, w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
-        glu = ("situ", self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
-        y = moe_dispatch(z, ids, wts, i, experts, self._expert, glu)  # [T, Lat] weighted sum over slots
+        shared = self._situ_mlp(pre + "shared_experts.", x) if self.cfg.num_shared_experts else None
+        return Routed(ids, wts, z, shared)
+
+    def _moe_finish(self, i: int, y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        pre = f"model.layers.{i}.block_sparse_moe."
         if self.cfg.latent_moe_use_norm:
             y = rms_norm(y, self.vec[pre + "routed_expert_norm.weight"], self.cfg.rms_norm_eps)
-        y = linear(y, w[pre + "routed_expert_up_proj.weight"])  # [T, D]
-        if self.cfg.num_shared_experts:
-            y = y + self._situ_mlp(pre + "shared_experts.", x)
-        return y
+        y = linear(y, self.w[pre + "routed_expert_up_proj.weight"])  # [T, D]
+        return y if shared is None else y + shared
 
     def _expert(self, z: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
         """One routed expert on its tokens' latents z [n, Lat], in float32 (MXFP4 records dequantized)."""
