@@ -119,7 +119,7 @@ class DecodeGraphs:
         self._mla: dict[int, torch.Tensor] = {}
         self._owner = None
         self.steps = 0
-        self.marks: list | None = None  # set to a list to get a CUDA event after each routing step (benchmarks)
+        self.mark = None  # a callable run after each routing step and at the end (benchmarks record events)
         self._reset_graphs()
         self.stream = torch.cuda.Stream(dev) if self.capture else None
 
@@ -313,10 +313,8 @@ class DecodeGraphs:
                 out = self._run(j, out)
                 if j < len(self.moe):
                     self._decide(self.moe[j], out[1])
-                if self.marks is not None:
-                    ev = torch.cuda.Event(enable_timing=True)
-                    ev.record()
-                    self.marks.append(ev)
+                if self.mark is not None and j < len(self.moe):
+                    self.mark()
         finally:
             state.at = None
         if self.graphs[0] is not None:
