@@ -182,9 +182,11 @@ def test_graphs_refused_with_a_reason():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphs_decode_the_eager_bf16_tokens(tmp_path, monkeypatch):
-    """32 greedy decode steps of the packed tiny K3 in bf16: recorded graphs (the engine's default on CUDA)
-    against the eager kernel path; same tokens, logits within bf16 rounding (MLA attends over the whole
-    cache buffer in the graph, through torch's fused attention eagerly)."""
+    """32 decode steps of the packed tiny K3 in bf16, teacher-forced with the eager path's greedy tokens:
+    recorded graphs (the engine's default on CUDA) against the eager kernel path. Logits within bf16
+    rounding (MLA attends over the whole cache buffer in the graph, through torch's fused attention
+    eagerly); the same top token at every step whose top-two margin is not within that rounding (a random
+    tiny model has near ties), and at 31 of 32 steps at least."""
     from deltafin.kernels import cuda as kc
     from deltafin.runtime.engine import Engine, EngineOptions
     from deltafin.store.drives import parse_drives
@@ -193,19 +195,26 @@ def test_graphs_decode_the_eager_bf16_tokens(tmp_path, monkeypatch):
     write_tiny_k3(tmp_path / "src")
     pack(str(tmp_path / "src"), str(tmp_path / "m"), parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
          PackOptions(progress=False))
-    runs = {}
+    toks, runs = None, {}
     for mode in ("0", "1"):
         monkeypatch.setenv("DELTAFIN_CUDA_GRAPHS", mode)
         kc.USED.clear()
         eng = Engine(str(tmp_path / "m"), EngineOptions(device="cuda", cache_gb=1.0, exact=False))
-        logits = []
         try:
-            toks = [t for t, _ in eng.generate(PROMPT, 33, stop_ids=(), on_logits=lambda x: logits.append(x.clone()))]
+            if toks is None:
+                toks = [t for t, _ in eng.generate(PROMPT, 33, stop_ids=())]
+            st = eng.new_state()
+            eng.forward(PROMPT, st)
+            runs[mode] = (torch.stack([eng.forward([t], st) for t in toks[:32]]).float(), set(kc.USED))
         finally:
             eng.close()
-        runs[mode] = (toks, torch.stack(logits), set(kc.USED))
-    assert "cuda:graphs" in runs["1"][2] and "cuda:graphs" not in runs["0"][2]
-    assert runs["1"][0] == runs["0"][0]
-    a, b = runs["1"][1].float(), runs["0"][1].float()
-    rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+    assert "cuda:graphs" in runs["1"][1] and "cuda:graphs" not in runs["0"][1]
+    eager, graph = runs["0"][0], runs["1"][0]
+    rel = ((graph - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
     assert rel < 2e-2, f"graph vs eager logits differ by {rel:.3g} (relative)"
+    top2 = eager.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    noise = (graph - eager).abs().amax(-1)
+    same = graph.argmax(-1) == eager.argmax(-1)
+    assert bool((same | (margin <= 2 * noise)).all()), f"top tokens differ beyond a near tie: {margin[~same]}"
+    assert int(same.sum()) >= 31, f"top tokens agree at {int(same.sum())} of 32 steps"

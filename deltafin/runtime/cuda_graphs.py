@@ -113,6 +113,7 @@ class DecodeGraphs:
         pin = dev.type == "cuda"
         self.blk = {L: torch.zeros(self.k, dtype=torch.int32, device=dev) for L in self.moe}
         self.blk_host = {L: torch.zeros(self.k, dtype=torch.int32, pin_memory=pin) for L in self.moe}
+        self.blk_np = {L: t.numpy() for L, t in self.blk_host.items()}
         self.decided: dict[int, tuple] = {}  # MoE layer -> ("plan", slab) or ("fetched", [(id, tensors)])
         self.staging = None  # a slab of k slots for experts the source keeps elsewhere
         self._kda: dict[int, KDAState] = {}
@@ -214,19 +215,21 @@ class DecodeGraphs:
 
     def _decide(self, L: int, r) -> None:
         """The layer's one host synchronisation: fetch the chosen experts and write their slab slots."""
-        ids = r.ids.to("cpu")
-        wanted = ids.unique().tolist()
+        chosen = r.ids.to("cpu").tolist()  # [[k ids]]
+        wanted = sorted({e for row in chosen for e in row})
         got = list(self.experts.fetch(L, wanted))
         assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
-        if ids.shape != (1, self.k) or len(wanted) != self.k or \
-                not all(kc.grouped_eligible(r.z, t) for _, t in got):
-            self.decided[L] = ("fetched", got)
-            return
         slab = getattr(self.experts, "slab", None)
         slot = {e: slab.slot_of(t) for e, t in got} if slab is not None else {}
-        if slab is None or None in slot.values():
+        if len(chosen) != 1 or len(wanted) != self.k or not kc.enabled(r.z):
+            self.decided[L] = ("fetched", got)
+            return
+        if slab is None or None in slot.values():  # views of a slab are of a kernel format by construction
+            if not all(kc.grouped_eligible(r.z, t) for _, t in got):
+                self.decided[L] = ("fetched", got)
+                return
             slab, slot = self._stage(got), {e: s for s, (e, _) in enumerate(got)}
-        self.blk_host[L].copy_(torch.tensor([slot[e] for e in ids[0].tolist()], dtype=torch.int32))
+        self.blk_np[L][:] = [slot[e] for e in chosen[0]]
         self.blk[L].copy_(self.blk_host[L], non_blocking=True)  # read by this layer's launch, stream-ordered
         self.decided[L] = ("plan", slab)
 
