@@ -8,15 +8,18 @@ through Triton's interpreter (tests of the wiring on machines without a GPU).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 import torch
 
+log = logging.getLogger(__name__)
 LINEAR_FORMATS = ("mxfp4", "int8", "int4g32")
 _ROLES = ("gate", "up", "down")
 # kernels used so far in this process, for the run's stats line
 USED: set[str] = set()
+_SMALL = {"on": True}  # the small fused kernels; off for the process once one fails to build (torch forms run)
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -68,3 +71,38 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
     act, beta, lbeta = (ACT_SILU, 4.0, 25.0) if glu[0] == "silu" else (ACT_SITU, float(glu[1]), float(glu[2]))
     USED.add(f"triton:grouped_{slab.format}")
     return grouped_glu(x, slots, weights, slab, act, beta, lbeta)
+
+
+def _small(name: str, x: torch.Tensor, width: int, *args):
+    """A kernel of ``triton_small`` on x, or None where the torch form applies (not the kernel path, a row
+    too wide, or the kernels failed to build here, which is logged once)."""
+    if not (_SMALL["on"] and enabled(x)):
+        return None
+    from deltafin.kernels import triton_small
+
+    if not triton_small.fits(width):
+        return None
+    try:
+        y = getattr(triton_small, name)(*args)
+    except Exception as e:  # noqa: BLE001 - a Triton build failure must not stop a run: the torch forms are exact
+        log.warning("small fused kernels off, the torch forms run: %s failed (%s: %s)", name, type(e).__name__, e)
+        _SMALL["on"] = False
+        return None
+    USED.add(f"triton:{name}")
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Fused RMSNorm of x [..., D] with float32 w [D], or None (the torch form runs)."""
+    return _small("rms_norm", x, x.shape[-1], x, w, eps)
+
+
+def mix_norm(V: torch.Tensor, w_mix: torch.Tensor, w_norm: torch.Tensor, eps_mix: float, eps_norm: float
+             ) -> torch.Tensor | None:
+    """Fused AttnRes mix of V [S, T, D] and RMSNorm of the result, or None (the torch forms run)."""
+    return _small("mix_norm", V, V.shape[-1], V, w_mix, w_norm, eps_mix, eps_norm)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.Tensor | None:
+    """Fused SiTU-GLU activation, or None (the torch form runs)."""
+    return _small("situ_glu", g, 0, g, u, beta, lbeta)

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from deltafin.kernels import cuda as kc
 from deltafin.kernels import matmul
 from deltafin.quant.record import QTensor, dequantize
 
@@ -77,6 +78,10 @@ def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype)
 
 
 def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Tensor:
+    if kc.enabled(x):  # bf16 on the kernel path: one fused launch (float32, the reference, stays below)
+        y = kc.rms_norm(x, dense(w, torch.float32), eps)
+        if y is not None:
+            return y
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return dense(w, torch.float32).mul(y).to(x.dtype)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import cuda as kc
 from deltafin.models import kda, mla
 from deltafin.models.base import (
     ExpertSource,
@@ -158,8 +159,22 @@ def attn_res_mix(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tenso
     return (pi.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
 
+def mix_norm(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tensor, norm_w, eps: float) -> torch.Tensor:
+    """rms_norm(Mix(p, blocks), norm_w) (Mix = p itself without blocks): one fused launch on the bf16 kernel
+    path, the torch forms otherwise (float32 stays the exact reference)."""
+    if kc.enabled(p):
+        y = kc.mix_norm(torch.stack([*blocks, p]), w, dense(norm_w, torch.float32), eps, eps)
+        if y is not None:
+            return y
+    return rms_norm(attn_res_mix(p, blocks, w, eps) if blocks else p, norm_w, eps)
+
+
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU (§3.4): beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta), in fp32."""
+    if kc.enabled(g):
+        y = kc.situ_glu(g, u, beta, linear_beta)
+        if y is not None:
+            return y
     gf, uf = g.float(), u.float()
     act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
     return act.to(g.dtype)
@@ -249,10 +264,9 @@ class Model(DecoderLM):
         """AttnRes mix, snapshot, then KDA or MLA on T tokens at positions state.pos.. (§3.3 steps 1-3)."""
         pre, eps = f"model.layers.{i}.", self.cfg.rms_norm_eps
         p, blocks = carry.p, carry.blocks
-        h = attn_res_mix(p, blocks, self.vec[pre + "self_attention_res"], eps) if blocks else p
+        x = mix_norm(p, blocks, self.vec[pre + "self_attention_res"], self.vec[pre + "input_layernorm.weight"], eps)
         if i % self.cfg.attn_res_block_size == 0:  # snapshot the raw incoming sum, after the mix above
             blocks, p = (*blocks, p), None
-        x = rms_norm(h, self.vec[pre + "input_layernorm.weight"], eps)
         st = state.layers[i]
         a = self._kda(pre + "self_attn.", x, st) if self.cfg.is_kda(i) else \
             self._mla(pre + "self_attn.", x, st, state.pos, state.at)
@@ -264,12 +278,13 @@ class Model(DecoderLM):
 
     def _mlp_input(self, i: int, carry: Carry) -> torch.Tensor:
         pre, eps = f"model.layers.{i}.", self.norm_eps
-        h = attn_res_mix(carry.p, carry.blocks, self.vec[pre + "mlp_res"], eps)
-        return rms_norm(h, self.vec[pre + "post_attention_layernorm.weight"], eps)
+        return mix_norm(carry.p, carry.blocks, self.vec[pre + "mlp_res"], self.vec[pre + "post_attention_layernorm.weight"],
+                        eps)
 
     def head(self, carry: Carry) -> torch.Tensor:
         """Final mix over all snapshots and p, model.norm, lm_head: float32 logits [T, V] (§3.6)."""
-        return super().head(attn_res_mix(carry.p, carry.blocks, self.vec["model.output_attn_res"], self.norm_eps))
+        x = mix_norm(carry.p, carry.blocks, self.vec["model.output_attn_res"], self.norm_w, self.norm_eps)
+        return linear(x, self.lm_head).float()  # [T, V]
 
     # ------------------------------------------------------------------ attention
 
