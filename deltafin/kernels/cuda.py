@@ -106,3 +106,13 @@ def mix_norm(V: torch.Tensor, w_mix: torch.Tensor, w_norm: torch.Tensor, eps_mix
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.Tensor | None:
     """Fused SiTU-GLU activation, or None (the torch form runs)."""
     return _small("situ_glu", g, 0, g, u, beta, lbeta)
+
+
+def kda_step(x: torch.Tensor, H: int, K: int, W: int, hist: torch.Tensor, S: torch.Tensor, *args):
+    """One token of a KDA layer from its projections to the gated norm (``triton_small.kda_step``), or None
+    (the torch forms run)."""
+    from deltafin.kernels import triton_small
+
+    if not (triton_small.kda_fits(H, K, W) and hist.is_contiguous() and S.is_contiguous()):
+        return None
+    return _small("kda_step", x, 0, *args[:6], hist, *args[6:12], S, *args[12:])

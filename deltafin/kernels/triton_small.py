@@ -117,3 +117,73 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> tor
     _situ_kernel[(triton.cdiv(n, block),)](g, u, y, n, BETA=float(beta), LBETA=float(lbeta), BLOCK=block,
                                            num_warps=4)
     return y
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _conv_silu(y_ptr, w_ptr, hist_ptr, ck, C, W: tl.constexpr):
+    """One projection's causal conv (4 taps, the last on the current token) + SiLU on this head's channels;
+    the history moves on by one token in place."""
+    x = tl.load(y_ptr + ck).to(tl.float32)
+    h0 = tl.load(hist_ptr + ck)
+    h1 = tl.load(hist_ptr + C + ck)
+    h2 = tl.load(hist_ptr + 2 * C + ck)
+    a = h0 * tl.load(w_ptr + ck * W) + h1 * tl.load(w_ptr + ck * W + 1) + h2 * tl.load(w_ptr + ck * W + 2) \
+        + x * tl.load(w_ptr + ck * W + 3)
+    tl.store(hist_ptr + ck, h1)
+    tl.store(hist_ptr + C + ck, h2)
+    tl.store(hist_ptr + 2 * C + ck, x)
+    return a * _sigmoid(a)
+
+
+@triton.jit
+def _kda_step_kernel(yq, yk, yv, wq, wk, wv, hist_ptr, z_ptr, dtb_ptr, alog_ptr, b_ptr, gl_ptr, onw_ptr, S_ptr,
+                     out_ptr, C, bound, eps, scale, l2_eps, K: tl.constexpr, W: tl.constexpr):
+    """One KDA head of a one-token step: conv+SiLU of q/k/v, L2 norms, lower-bound decay, the delta-rule update
+    of S [K, K] in place, the output read from the new state, its RMSNorm and sigmoid output gate."""
+    h = tl.program_id(0)
+    ck = h * K + tl.arange(0, K)
+    hist_c = (W - 1) * C
+    q = _conv_silu(yq, wq, hist_ptr, ck, C, W)
+    k = _conv_silu(yk, wk, hist_ptr + hist_c, ck, C, W)
+    v = _conv_silu(yv, wv, hist_ptr + 2 * hist_c, ck, C, W)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + l2_eps) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + l2_eps)
+    z = tl.load(z_ptr + ck).to(tl.float32) + tl.load(dtb_ptr + ck)
+    g = bound * _sigmoid(tl.exp(tl.load(alog_ptr + h)) * z)  # log-decay per key channel
+    beta = _sigmoid(tl.load(b_ptr + h).to(tl.float32))
+    rows = tl.arange(0, K)
+    s_ptrs = S_ptr + h.to(tl.int64) * K * K + rows[:, None] * K + rows[None, :]
+    S = tl.load(s_ptrs) * tl.exp(g)[:, None]  # decay the rows
+    u = tl.sum(k[:, None] * S, 0)  # S^T k
+    S = S + (beta * k)[:, None] * (v - u)[None, :]
+    tl.store(s_ptrs, S)
+    o = tl.sum(q[:, None] * S, 0)  # S^T q, from the updated state
+    o = o / tl.sqrt(tl.sum(o * o, 0) / K + eps) * tl.load(onw_ptr + rows)
+    o = o * _sigmoid(tl.load(gl_ptr + ck).to(tl.float32))
+    tl.store(out_ptr + ck, o.to(out_ptr.dtype.element_ty))
+
+
+def kda_fits(H: int, K: int, W: int) -> bool:
+    return W == 4 and K == triton.next_power_of_2(K) and K <= 128
+
+
+def kda_step(yq, yk, yv, wq, wk, wv, hist, z, dt_bias, A_log, b, gl, o_norm, S, bound: float, eps: float,
+             scale: float, l2_eps: float) -> torch.Tensor:
+    """The KDA layer of one token between its projections and o_proj (kimi_k3 ``_kda``, T = 1).
+
+    yq/yk/yv/z/gl [1, C] projections (x's dtype), b [1, H], conv taps [C, 4] float32, hist [3, 3, C] and
+    S [H, K, K] float32 (both updated in place), dt_bias [C], A_log [H], o_norm [K] float32. Returns the gated,
+    normed output [1, C] in x's dtype."""
+    H, K, _ = S.shape
+    C = H * K
+    out = torch.empty((1, C), device=yq.device, dtype=yq.dtype)
+    args = [t.contiguous() for t in (yq, yk, yv, wq, wk, wv)]
+    _kda_step_kernel[(H,)](*args, hist, z.contiguous(), dt_bias, A_log.contiguous(), b.contiguous(), gl.contiguous(),
+                           o_norm, S, out, C, float(bound), float(eps), float(scale), float(l2_eps), K=K, W=4,
+                           num_warps=16 if K * K > 8192 else 4)
+    return out

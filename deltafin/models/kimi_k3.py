@@ -293,6 +293,10 @@ class Model(DecoderLM):
         T = x.shape[0]
         H, K = self.cfg.kda_num_heads, self.cfg.kda_head_dim
         w, vec = self.w, self.vec
+        if T == 1 and kc.enabled(x):  # bf16 decode on the kernel path: everything between the projections fused
+            o = self._kda_fused(pre, x, st)
+            if o is not None:
+                return linear(o, w[pre + "o_proj.weight"])
         qkv, hist = [], []
         for j, n in enumerate("qkv"):
             y = linear(x, w[pre + f"{n}_proj.weight"]).float()  # [T, H*K]
@@ -313,6 +317,17 @@ class Model(DecoderLM):
         gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
+
+    def _kda_fused(self, pre: str, x: torch.Tensor, st: kda.KDAState) -> torch.Tensor | None:
+        """The one-token KDA step in one kernel after the projections (kernels/triton_small.py), or None."""
+        c, w, vec = self.cfg, self.w, self.vec
+        proj = [linear(x, w[pre + f"{n}_proj.weight"]) for n in "qkv"]
+        taps = [vec[pre + f"{n}_conv1d.weight"] for n in "qkv"]
+        z = linear(linear(x, w[pre + "f_a_proj.weight"]), w[pre + "f_b_proj.weight"])
+        b, gl = linear(x, w[pre + "b_proj.weight"]), linear(x, w[pre + "g_proj.weight"])
+        return kc.kda_step(x, c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size, st.conv, st.S, *proj, *taps,
+                           z, vec[pre + "dt_bias"], vec[pre + "A_log"], b, gl, vec[pre + "o_norm.weight"],
+                           c.gate_lower_bound, c.rms_norm_eps, c.kda_head_dim**-0.5, kda.L2_EPS)
 
     def _mla(self, pre: str, x: torch.Tensor, cache: GrowingCache, pos: int, at: torch.Tensor | None = None
              ) -> torch.Tensor:
