@@ -1,5 +1,5 @@
 """The CUDA-graph decode runner of Kimi K3 (runtime/cuda_graphs.py) and what it needs of the model: state
-updated in place, MLA decode at a position held in a device tensor, the static-buffer segments run eagerly
+updated in place, MLA decode at a position held in a device tensor, the static-buffer stages run eagerly
 on the CPU against the plain path, and (marked gpu) the recorded graphs against the eager bf16 path."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_mla_decode_at_device_position_equals_python_int():
 
 
 def test_runner_eager_on_cpu_equals_plain_path():
-    """The runner's segments over static buffers, run eagerly, decode what the plain path decodes: the same
+    """The runner's stages over static buffers, run eagerly, decode what the plain path decodes: the same
     tokens, logits and state within float32 rounding (the MLA sums over the whole cache buffer, above)."""
     out_a, out_b, a, b, _ = _greedy_pair(*_model(), steps=10)
     for t, (la, lb) in enumerate(zip(out_a, out_b, strict=True)):

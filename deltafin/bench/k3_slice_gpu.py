@@ -203,7 +203,7 @@ def run_decode_graphs(model, tc, experts, tokens: int, warm: int = 3, max_len: i
             intervals.append([a.elapsed_time(b) * 1e-3 for a, b in zip(marks, marks[1:])])
     out = _project_graphs(tc, runner.moe, intervals, walls)
     out |= {"tokens": tokens, "max_len": max_len, "recorded": all(gr is not None for gr in runner.graphs)}
-    if out["recorded"] and ids.is_cuda:  # the GPU's own time: every segment replayed back to back, no host step
+    if out["recorded"] and ids.is_cuda:  # the GPU's own time: every stage replayed back to back, no host step
         a, b = _event(ids), _event(ids)
         a.record()
         for _ in range(tokens):

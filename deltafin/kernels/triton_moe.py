@@ -102,6 +102,8 @@ class ExpertSlab:
         self.scale = {r: torch.empty((slots, *example[r].scale.shape), dtype=example[r].scale.dtype,
                                      device=device) for r in self.ROLES}
         self.shapes = {r: example[r].shape for r in self.ROLES}
+        gate = self.data["gate"]  # slot_of runs for every expert of every layer: its constants, once
+        self._base, self._slot_bytes, self._cuda = gate.data_ptr(), gate[0].numel() * gate.element_size(), gate.is_cuda
 
     def fits(self, tensors: dict) -> bool:
         return all(r in tensors and getattr(tensors[r], "format", None) == self.format
@@ -122,11 +124,9 @@ class ExpertSlab:
     def slot_of(self, tensors: dict) -> int | None:
         """The slot whose views ``tensors`` are, or None."""
         d = tensors["gate"].data
-        base = self.data["gate"]
-        if d.device != base.device or d.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-            return None
-        slot, rem = divmod(d.data_ptr() - base.data_ptr(), base[0].numel() * base.element_size())
-        return slot if rem == 0 and 0 <= slot < self.slots else None
+        # an address inside the slab's one allocation (live allocations never overlap) on its kind of device
+        slot, rem = divmod(d.data_ptr() - self._base, self._slot_bytes)
+        return slot if rem == 0 and 0 <= slot < self.slots and d.is_cuda == self._cuda else None
 
     @classmethod
     def stack(cls, experts: list[dict], device: torch.device | str) -> ExpertSlab:

@@ -182,12 +182,11 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """A latent MoE layer's tensors before its routed experts run (``Model.moe_begin``)."""
+    """A latent MoE layer's routing decision (``Model.moe_begin``) and the input it was made on."""
 
     ids: torch.Tensor  # [T, k] long: the chosen experts
     weights: torch.Tensor  # [T, k] float32: their routing weights (scaling factor included)
-    z: torch.Tensor  # [T, Lat]: the latent the routed experts take
-    shared: torch.Tensor | None  # [T, D]: the shared experts' output, None without shared experts
+    x: torch.Tensor  # [T, D]: the normed MLP input
 
 
 _KDA_NAMES = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
@@ -378,31 +377,37 @@ class Model(DecoderLM):
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
-        r = self._moe_begin(i, x)
-        y = moe_dispatch(r.z, r.ids, r.weights, i, experts, self._expert, self.glu)  # [T, Lat] over slots
-        return self._moe_finish(i, y, r.shared)
+        ids, wts = self._router(i, x)
+        z, shared = self._moe_side(i, x)
+        y = moe_dispatch(z, ids, wts, i, experts, self._expert, self.glu)  # [T, Lat] weighted sum over slots
+        return self._moe_finish(i, y, shared)
 
     @property
     def glu(self) -> tuple:
         """The routed experts' activation, as the grouped CUDA kernels name it."""
         return ("situ", self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
 
+    # A runner that syncs with the host once per MoE layer splits mlp_part into: moe_begin (input mix and
+    # norm, router: all the host needs to fetch the experts), moe_side (the latent down projection and the
+    # shared experts, which the GPU can run while the host fetches), then moe_end once the routed experts ran:
+    # moe_end(i, c, r, side, moe_dispatch(side[0], r.ids, r.weights, ...)) equals mlp_part(i, c, ...) bit for bit.
+
     def moe_begin(self, i: int, carry: Carry) -> Routed:
-        """MoE layer i up to its routed experts (mlp_part's input mix and norm, router, latent down
-        projection, shared experts): what a runner needs before the one host synchronisation of the layer."""
-        return self._moe_begin(i, self._mlp_input(i, carry))
+        x = self._mlp_input(i, carry)
+        return Routed(*self._router(i, x), x)
 
-    def moe_end(self, i: int, carry: Carry, r: Routed, y: torch.Tensor) -> Carry:
-        """The rest of ``mlp_part`` given y [T, Lat], the routing-weighted sum of the routed experts on r.z.
-        moe_end(i, c, r, moe_dispatch(r.z, r.ids, r.weights, ...)) equals mlp_part(i, c, ...) bit for bit."""
-        return Carry(carry.p + self._moe_finish(i, y, r.shared), carry.blocks)
+    def moe_side(self, i: int, r: Routed) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(z [T, Lat] the routed experts' input, the shared experts' output [T, D] or None)."""
+        return self._moe_side(i, r.x)
 
-    def _moe_begin(self, i: int, x: torch.Tensor) -> Routed:
-        pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
-        ids, wts = self._router(i, x)
-        z = linear(x, w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
-        shared = self._situ_mlp(pre + "shared_experts.", x) if self.cfg.num_shared_experts else None
-        return Routed(ids, wts, z, shared)
+    def moe_end(self, i: int, carry: Carry, r: Routed, side: tuple, y: torch.Tensor) -> Carry:
+        """The rest of ``mlp_part`` given y [T, Lat], the routing-weighted sum of the routed experts on z."""
+        return Carry(carry.p + self._moe_finish(i, y, side[1]), carry.blocks)
+
+    def _moe_side(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pre = f"model.layers.{i}.block_sparse_moe."
+        z = linear(x, self.w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
+        return z, self._situ_mlp(pre + "shared_experts.", x) if self.cfg.num_shared_experts else None
 
     def _moe_finish(self, i: int, y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
         pre = f"model.layers.{i}.block_sparse_moe."

@@ -2,31 +2,33 @@
 
 A decode step of one sequence launches some 150 small kernels per layer; from Python that costs far more
 host time than the GPU spends on them. The step is cut where the host must decide something, i.e. at each
-MoE layer's routing (which experts to fetch), into *segments*:
+MoE layer's routing (which experts to fetch), into *stages*, each recorded as one graph:
 
-- segment 0: embed, the layers before the first MoE layer, and that layer's attention and ``moe_begin``
-  (AttnRes mix, norm, router with top-k on the device, latent down projection, shared experts);
-- segment j: the routed experts of MoE layer j-1 (the grouped kernels over slab slots), its ``moe_end``
-  (norm, up projection, residual), then the next layers up to MoE layer j's ``moe_begin``;
-- the last segment ends with the head.
+- trunk 0: embed, the layers before the first MoE layer, that layer's attention and ``moe_begin`` (AttnRes
+  mix and norm, router with top-k on the device); the chosen ids are copied to pinned host memory;
+- side j: MoE layer j's ``moe_side`` (latent down projection, shared experts), which does not depend on
+  the routing, so the GPU runs it while the host fetches the layer's experts;
+- trunk j+1: MoE layer j's routed experts (the grouped kernels over slab slots), its ``moe_end`` (norm,
+  up projection, residual), then the next layers up to MoE layer j+1's routing; the last ends with the head.
 
-Between two segments runs the layer's one host synchronisation: the chosen ids to the host, the fetch from
-the expert source (cache or drives), and the slab slot of each of the 16 (token, expert) pairs written to a
-static device buffer that the next segment's grouped launch reads (a fixed grid of k blocks of one pair).
+Between side j and trunk j+1 runs the layer's one host synchronisation: wait for the ids, fetch the experts
+from the source (cache or drives) and write the slab slot of each of the k (token, expert) pairs to a
+static device buffer that the grouped launch reads (a fixed grid of k blocks of one pair each).
 
 Every tensor a graph reads or writes stays put: the token id and its position live in device buffers
-(MLA decode reads the position from there and attends over the latent cache's whole static buffer with
-the later rows masked: one graph serves every position, at the cost of reading ``max_len`` rows, a few MB
-per layer at 4K tokens), the sequence state is *adopted* (KDA conv history and recurrent state, MLA latent
-caches at full length are runner buffers that the state's layers point at, updated in place; a state that
-was decoding before gets its own copies back), and each segment's outputs (the AttnRes carry: partial sum
-and block snapshots, and the routed layer's tensors) are the next one's inputs.
+(MLA decode reads the position from there and attends over the latent cache's whole static buffer with the
+later rows masked: one graph serves every position, at the cost of reading ``max_len`` rows, about 4.7 MB
+per layer at 4K tokens, rather than a graph per length bucket, which would multiply recording and memory);
+the sequence state is *adopted* (KDA conv history and recurrent state, MLA latent caches at full length
+are runner buffers that the state's layers point at, updated in place; a state that was decoding before
+gets its own copies back), and each stage's outputs (the AttnRes carry: partial sum and block snapshots;
+the routing; z and the shared experts' output) are later stages' inputs.
 
 Graphs are recorded lazily: the first step runs eagerly on a side stream (it compiles the Triton kernels
-and sets up cuBLAS there), the second records each segment and replays it, later steps only replay. Where
-a segment cannot be replayed (the source handed experts outside the slab the graph reads) it runs eagerly
-into the same buffers. Without CUDA, bf16 and the fused kernels the runner runs every segment eagerly (the
-CPU tests check it against the plain path); the engine then keeps its plain path.
+and sets up cuBLAS there), the second records each stage and replays it, later steps only replay. Where a
+stage cannot be replayed (the source handed experts outside the slab the graph reads) it runs eagerly into
+the same buffers. Without CUDA, bf16 and the fused kernels the runner runs every stage eagerly (the CPU
+tests check it against the plain path); the engine then keeps its plain path.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class _Listed:
 
 
 def _copy_into(dst, src) -> None:
-    """Write the tensors of ``src`` into the same-shaped tensors of ``dst`` (a segment's static outputs)."""
+    """Write the tensors of ``src`` into the same-shaped tensors of ``dst`` (a stage's static outputs)."""
     if isinstance(dst, torch.Tensor):
         if dst is not src:
             dst.copy_(src)
@@ -86,14 +88,14 @@ def _copy_into(dst, src) -> None:
         for f in dataclasses.fields(dst):
             _copy_into(getattr(dst, f.name), getattr(src, f.name))
     else:
-        assert dst is None and src is None, f"segment outputs differ in kind: {type(dst)} vs {type(src)}"
+        assert dst is None and src is None, f"stage outputs differ in kind: {type(dst)} vs {type(src)}"
 
 
 class DecodeGraphs:
     """One-token decode steps of a Kimi K3 model over an expert source, replayed from CUDA graphs.
 
     ``step(ids [1], state) -> logits [1, V]`` advances ``state`` by one token, like the plain path's
-    ``forward_batch`` of one sequence. ``capture`` False runs the same segments eagerly (CPU, tests)."""
+    ``forward_batch`` of one sequence. ``capture`` False runs the same stages eagerly (CPU, tests)."""
 
     def __init__(self, model, experts, capture: bool = True):
         self.model, self.experts = model, experts
@@ -114,6 +116,8 @@ class DecodeGraphs:
         self.blk = {L: torch.zeros(self.k, dtype=torch.int32, device=dev) for L in self.moe}
         self.blk_host = {L: torch.zeros(self.k, dtype=torch.int32, pin_memory=pin) for L in self.moe}
         self.blk_np = {L: t.numpy() for L, t in self.blk_host.items()}
+        self.ids_host = {L: torch.zeros((1, self.k), dtype=torch.long, pin_memory=pin) for L in self.moe}
+        self.ids_ready = torch.cuda.Event() if pin else None
         self.decided: dict[int, tuple] = {}  # MoE layer -> ("plan", slab) or ("fetched", [(id, tensors)])
         self.staging = None  # a slab of k slots for experts the source keeps elsewhere
         self._kda: dict[int, KDAState] = {}
@@ -125,81 +129,90 @@ class DecodeGraphs:
         self.stream = torch.cuda.Stream(dev) if self.capture else None
 
     # ------------------------------------------------------------------ graphs
+    # Stages, in launch order: trunk 0, side 0, trunk 1, side 1, ..., trunk n (n MoE layers). Trunk j ends
+    # with MoE layer j's routing (ids copied to pinned host memory); side j (its latent down projection and
+    # shared experts) runs on the GPU while the host fetches that layer's experts; trunk j+1 opens with them.
 
     def _reset_graphs(self) -> None:
-        n = len(self.moe) + 1
+        n = 2 * len(self.moe) + 1
         self.graphs: list = [None] * n
-        self.out: list = [None] * n  # each segment's static outputs (the next one's inputs)
-        self.slab_of: list = [None] * n  # the slab a recorded segment's grouped launch reads
+        self.out: list = [None] * n  # each stage's static outputs (later stages' inputs)
+        self.slab_of: list = [None] * n  # the slab a recorded stage's grouped launch reads
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.captured = False
 
     def _give_up(self, why: str) -> None:
         log.warning("CUDA graphs off for decode, steps run eagerly: %s", why)
         self.capture = False
         self._reset_graphs()
 
-    def _record(self, j: int, inp):
+    def _record(self, s: int, inp):
         g = torch.cuda.CUDAGraph()
         cur = torch.cuda.current_stream()
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
-                out = self._segment(j, inp)
+                out = self._stage_fn(s, inp)
             finally:
                 g.capture_end()
         cur.wait_stream(self.stream)
         return g, out
 
-    def _run(self, j: int, inp):
-        slab = self._slab_before(j)
-        if self.graphs[j] is not None and slab is self.slab_of[j]:
-            self.graphs[j].replay()
-            return self.out[j]
-        if self.capture and self.steps >= 1 and self.graphs[j] is None and (j == 0 or self.graphs[j - 1] is not None) \
-                and (j == 0 or slab is not None):
+    def _run(self, s: int, inp):
+        slab = self._slab_before(s)
+        if self.graphs[s] is not None and slab is self.slab_of[s]:
+            self.graphs[s].replay()
+            return self.out[s]
+        # record once every earlier stage is recorded (this one's inputs are then static) and the grouped
+        # launch opening it, if any, is the fixed-grid one
+        if self.capture and self.steps >= 1 and self.graphs[s] is None and all(self.graphs[:s]) \
+                and (s % 2 == 1 or s == 0 or slab is not None):
             try:
-                g, out = self._record(j, inp)
+                g, out = self._record(s, inp)
             except Exception as e:  # noqa: BLE001 - anything that cannot be recorded runs eagerly from now on
-                self._give_up(f"segment {j} could not be recorded ({type(e).__name__}: {e})")
+                self._give_up(f"stage {s} could not be recorded ({type(e).__name__}: {e})")
             else:
-                self.graphs[j], self.out[j], self.slab_of[j] = g, out, slab
+                self.graphs[s], self.out[s], self.slab_of[s] = g, out, slab
                 g.replay()
                 return out
-        out = self._segment(j, inp)
-        if self.out[j] is not None:  # a later segment's graph reads the static outputs
-            _copy_into(self.out[j], out)
-            return self.out[j]
+        out = self._stage_fn(s, inp)
+        if self.out[s] is not None:  # a later stage's graph reads the static outputs
+            _copy_into(self.out[s], out)
+            return self.out[s]
         return out
 
-    def _slab_before(self, j: int):
-        """The slab of the grouped launch that opens segment j (None: segment 0, or the experts of that
-        layer were not all in one slab, so the launch is not a fixed-grid kernel)."""
-        if j == 0:
+    def _slab_before(self, s: int):
+        """The slab of the grouped launch that opens trunk stage s (None: the first trunk stage, a side
+        stage, or a layer whose experts were not all in one slab: no fixed-grid launch)."""
+        if s == 0 or s % 2 == 1:
             return None
-        kind, arg = self.decided[self.moe[j - 1]]
+        kind, arg = self.decided[self.moe[s // 2 - 1]]
         return arg if kind == "plan" else None
 
-    # ------------------------------------------------------------------ the segments (pure model math)
+    # ------------------------------------------------------------------ the stages (pure model math)
 
-    def _segment(self, j: int, inp):
-        m, st = self.model, self._state
+    def _stage_fn(self, s: int, inp):
+        m = self.model
+        if s % 2 == 1:  # side stage of MoE layer j: inp is trunk j's output
+            return m.moe_side(self.moe[s // 2], inp[1])
+        j, st = s // 2, self._state
         if j == 0:
             carry, lo = m.embed(self.ids), 0
         else:
-            carry, r = inp
+            (carry, r), side = inp
             L = self.moe[j - 1]
-            carry, lo = m.moe_end(L, carry, r, self._routed(L, r)), L + 1
+            carry, lo = m.moe_end(L, carry, r, side, self._routed(L, r, side[0])), L + 1
         hi = self.moe[j] if j < len(self.moe) else m.num_layers
         for i in range(lo, hi):
             carry = m.mlp_part(i, m.attn_part(i, carry, st), None)  # dense layers only
         if j == len(self.moe):
             return m.head(carry)
         carry = m.attn_part(hi, carry, st)
-        return carry, m.moe_begin(hi, carry)
+        r = m.moe_begin(hi, carry)
+        self.ids_host[hi].copy_(r.ids, non_blocking=True)  # to the host as soon as the router is done
+        return carry, r
 
-    def _routed(self, L: int, r) -> torch.Tensor:
+    def _routed(self, L: int, r, z: torch.Tensor) -> torch.Tensor:
         kind, arg = self.decided[L]
         if kind == "plan":
             from deltafin.kernels.triton_moe import ACT_SITU, MoePlan, grouped_glu, moe_config
@@ -208,24 +221,26 @@ class DecodeGraphs:
             plan = MoePlan(self.rows, self.blk[L], 1, self.k, moe_config(self.k, self.k, K, I))
             _, beta, lbeta = self.model.glu
             kc.USED.add(f"triton:grouped_{arg.format}")
-            return grouped_glu(r.z, None, r.weights, arg, ACT_SITU, float(beta), float(lbeta), plan=plan)
-        return moe_dispatch(r.z, r.ids, r.weights, L, _Listed(arg), self.model._expert, self.model.glu)
+            return grouped_glu(z, None, r.weights, arg, ACT_SITU, float(beta), float(lbeta), plan=plan)
+        return moe_dispatch(z, r.ids, r.weights, L, _Listed(arg), self.model._expert, self.model.glu)
 
-    # ------------------------------------------------------------------ the host step between segments
+    # ------------------------------------------------------------------ the host step between stages
 
     def _decide(self, L: int, r) -> None:
         """The layer's one host synchronisation: fetch the chosen experts and write their slab slots."""
-        chosen = r.ids.to("cpu").tolist()  # [[k ids]]
+        if self.ids_ready is not None:
+            self.ids_ready.synchronize()  # the ids copy is done; the side stage may still be running
+        chosen = self.ids_host[L].tolist()  # [[k ids]]
         wanted = sorted({e for row in chosen for e in row})
         got = list(self.experts.fetch(L, wanted))
         assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
         slab = getattr(self.experts, "slab", None)
         slot = {e: slab.slot_of(t) for e, t in got} if slab is not None else {}
-        if len(chosen) != 1 or len(wanted) != self.k or not kc.enabled(r.z):
+        if len(chosen) != 1 or len(wanted) != self.k or not kc.enabled(r.x):
             self.decided[L] = ("fetched", got)
             return
         if slab is None or None in slot.values():  # views of a slab are of a kernel format by construction
-            if not all(kc.grouped_eligible(r.z, t) for _, t in got):
+            if not all(kc.grouped_eligible(r.x, t) for _, t in got):
                 self.decided[L] = ("fetched", got)
                 return
             slab, slot = self._stage(got), {e: s for s, (e, _) in enumerate(got)}
@@ -311,13 +326,15 @@ class DecodeGraphs:
         self.at.fill_(state.pos)
         state.at = self.at
         try:
-            out = None
-            for j in range(len(self.moe) + 1):
-                out = self._run(j, out)
-                if j < len(self.moe):
-                    self._decide(self.moe[j], out[1])
-                if self.mark is not None and j < len(self.moe):
+            out = self._run(0, None)
+            for j, L in enumerate(self.moe):
+                if self.ids_ready is not None:
+                    self.ids_ready.record()
+                side = self._run(2 * j + 1, out)
+                self._decide(L, out[1])
+                if self.mark is not None:
                     self.mark()
+                out = self._run(2 * j + 2, (out, side))
         finally:
             state.at = None
         if self.graphs[0] is not None:
