@@ -67,12 +67,13 @@ def _mix_norm_kernel(v_ptr, wm_ptr, wn_ptr, y_ptr, S, D, stride_s, stride_t, eps
 
 
 @triton.jit
-def _situ_kernel(g_ptr, u_ptr, y_ptr, N, BETA: tl.constexpr, LBETA: tl.constexpr, BLOCK: tl.constexpr):
+def _situ_kernel(g_ptr, u_ptr, y_ptr, N, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr,
+                 BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, _act(g, u, ACT_SITU, BETA, LBETA).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + offs, _act(g, u, ACT, BETA, LBETA).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _warps(block: int) -> int:
@@ -114,8 +115,8 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> tor
     y = torch.empty_like(g)
     n = g.numel()
     block = 1024
-    _situ_kernel[(triton.cdiv(n, block),)](g, u, y, n, BETA=float(beta), LBETA=float(lbeta), BLOCK=block,
-                                           num_warps=4)
+    _situ_kernel[(triton.cdiv(n, block),)](g, u, y, n, ACT=ACT_SITU, BETA=float(beta), LBETA=float(lbeta),
+                                           BLOCK=block, num_warps=4)  # compiled kernels see constexpr args only
     return y
 
 
