@@ -134,3 +134,17 @@ def test_tiny_k3_decode_on_the_kernel_path(monkeypatch):
                                        for t in (7, 8, 9)])
     assert {"triton:kda_step", "triton:mix_norm", "triton:situ_glu"} <= kc.USED
     assert _rel(logits[torch.bfloat16], logits[torch.float32]) < 3e-2
+
+
+def test_a_kernel_that_fails_to_build_falls_back_to_its_torch_form(kernel_path, monkeypatch, caplog):
+    def broken(*a):
+        raise RuntimeError("no build")
+
+    monkeypatch.setattr(S, "situ_glu", broken)
+    monkeypatch.setattr(kc, "_BROKEN", set())
+    g, u = _rand(1, 64, seed=40).bfloat16(), _rand(1, 64, seed=41).bfloat16()
+    want = situ_glu(g.float(), u.float(), 4.0, 25.0).bfloat16()
+    assert torch.equal(situ_glu(g, u, 4.0, 25.0), want) and kc._BROKEN == {"situ_glu"}
+    assert "fused situ_glu off" in caplog.text
+    assert torch.equal(situ_glu(g, u, 4.0, 25.0), want)  # not tried again
+    assert kc.rms_norm(g, torch.ones(64, device=DEV), 1e-5) is not None  # the others stay on

@@ -19,7 +19,7 @@ LINEAR_FORMATS = ("mxfp4", "int8", "int4g32")
 _ROLES = ("gate", "up", "down")
 # kernels used so far in this process, for the run's stats line
 USED: set[str] = set()
-_SMALL = {"on": True}  # the small fused kernels; off for the process once one fails to build (torch forms run)
+_BROKEN: set[str] = set()  # small fused kernels that failed to build here: their torch forms run for the process
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -75,8 +75,8 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
 
 def _small(name: str, x: torch.Tensor, width: int, *args):
     """A kernel of ``triton_small`` on x, or None where the torch form applies (not the kernel path, a row
-    too wide, or the kernels failed to build here, which is logged once)."""
-    if not (_SMALL["on"] and enabled(x)):
+    too wide, or that kernel failed to build here, which is logged once)."""
+    if name in _BROKEN or not enabled(x):
         return None
     from deltafin.kernels import triton_small
 
@@ -85,8 +85,8 @@ def _small(name: str, x: torch.Tensor, width: int, *args):
     try:
         y = getattr(triton_small, name)(*args)
     except Exception as e:  # noqa: BLE001 - a Triton build failure must not stop a run: the torch forms are exact
-        log.warning("small fused kernels off, the torch forms run: %s failed (%s: %s)", name, type(e).__name__, e)
-        _SMALL["on"] = False
+        log.warning("fused %s off, its torch form runs: %s: %s", name, type(e).__name__, e)
+        _BROKEN.add(name)
         return None
     USED.add(f"triton:{name}")
     return y
