@@ -184,9 +184,9 @@ def run_decode_graphs(model, tc, experts, tokens: int, warm: int = 3, max_len: i
     ids = torch.randint(0, tc["vocab_size"], (tokens + warm,), generator=g).to(model.device)
     intervals, walls = [], []
     for i in range(tokens + warm):
-        marks = []
+        marks: list = []
 
-        def mark():
+        def mark(marks=marks):
             marks.append(_event(ids))
             marks[-1].record()
 
@@ -200,7 +200,7 @@ def run_decode_graphs(model, tc, experts, tokens: int, warm: int = 3, max_len: i
         wall = time.perf_counter() - t0
         if i >= warm:
             walls.append(wall)
-            intervals.append([a.elapsed_time(b) * 1e-3 for a, b in zip(marks, marks[1:])])
+            intervals.append([a.elapsed_time(b) * 1e-3 for a, b in zip(marks, marks[1:], strict=False)])
     out = _project_graphs(tc, runner.moe, intervals, walls)
     out |= {"tokens": tokens, "max_len": max_len, "recorded": all(gr is not None for gr in runner.graphs)}
     if out["recorded"] and ids.is_cuda:  # the GPU's own time: every stage replayed back to back, no host step
