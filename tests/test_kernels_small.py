@@ -148,3 +148,21 @@ def test_a_kernel_that_fails_to_build_falls_back_to_its_torch_form(kernel_path, 
     assert "fused situ_glu off" in caplog.text
     assert torch.equal(situ_glu(g, u, 4.0, 25.0), want)  # not tried again
     assert kc.rms_norm(g, torch.ones(64, device=DEV), 1e-5) is not None  # the others stay on
+
+
+def test_sum_cast_sums_in_order_then_casts():
+    """The one-launch reduction of split-K partial sums and of a token's k expert rows."""
+    from deltafin.kernels.triton import sum_cast
+
+    x = _rand(7, 3, 1500, seed=50)
+    want = x[0].clone()
+    for r in range(1, 7):
+        want += x[r]  # in order, float32
+    assert torch.equal(sum_cast(x, torch.float32), want)
+    got = sum_cast(x, torch.bfloat16)
+    if DEV == "cuda":  # compiled: round to nearest even, as torch
+        assert torch.equal(got, want.bfloat16())
+    else:  # Triton's interpreter truncates float32 to bf16: within one bf16 step
+        assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
+    y = _rand(2, 16, 300, seed=51)  # [T, k, D] as the grouped experts leave it: k summed per token
+    assert _rel(sum_cast(y.transpose(0, 1), torch.float32), y.sum(1)) < 1e-6

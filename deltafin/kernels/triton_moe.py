@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton import format_code
+from deltafin.kernels.triton import format_code, sum_cast
 from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
@@ -223,4 +223,4 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
         h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])
-    return y.view(T, k, D).sum(1).to(x.dtype)
+    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in slot order
