@@ -497,8 +497,8 @@ static inline void gw_transpose16(__m512i r[16]) {
 }
 
 typedef struct {
-    __m512i tr[4];  /* byte transpose: pairs 4k..4k+3 x rows 0..15 from four vectors of 4 rows x 16 bytes */
-    __m512i put[4]; /* row l's byte of pair 4k + m into bytes 0 and 2 of dword l */
+    __m512i tr[4];  /* byte transpose: pairs 4q..4q+3 x rows 0..15 from four vectors of 4 rows x 16 bytes */
+    __m512i put[4]; /* row l's low / high nibble value of pair 4q + m into bytes 0 / 2 of dword l */
     __m512i tab;    /* the Q8 table in every 128-bit lane */
 } gw_consts_t;
 
@@ -508,8 +508,9 @@ static void gw_consts(const uint8_t *tab8, gw_consts_t *k) {
         for (int m = 0; m < 4; m++)
             for (int l = 0; l < 16; l++) {
                 tr[q][16 * m + l] = (uint8_t)((l % 8 >= 4 ? 64 : 0) + 16 * (l % 4) + 4 * q + m);
-                put[m][4 * l] = put[m][4 * l + 2] = (uint8_t)(16 * m + l);
-                put[m][4 * l + 1] = put[m][4 * l + 3] = 0;
+                put[m][4 * l] = (uint8_t)(16 * m + l);           /* from the low-nibble values */
+                put[m][4 * l + 2] = (uint8_t)(64 + 16 * m + l);  /* from the high-nibble values */
+                put[m][4 * l + 1] = put[m][4 * l + 3] = 0;       /* zeroed by the mask */
             }
     for (int q = 0; q < 4; q++) {
         k->tr[q] = _mm512_loadu_si512(tr[q]);
@@ -518,7 +519,8 @@ static void gw_consts(const uint8_t *tab8, gw_consts_t *k) {
     k->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab8));
 }
 
-/* One block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, one per pair. */
+/* One block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, one per pair:
+ * bytes transposed to pair-major, both nibbles looked up 64 bytes at a time, then spread to dwords. */
 static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, int64_t H, int64_t b,
                                    const gw_consts_t *k, int32_t *dst) {
     __m512i z[4];
@@ -531,16 +533,15 @@ static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, 
         z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row[0]), row[1], 1),
                                                      row[2], 2), row[3], 3);
     }
-    const __m512i shift = _mm512_set1_epi32(4 << 16), m15 = _mm512_set1_epi32(0x000F000F);
+    const __m512i m15 = _mm512_set1_epi8(15);
     for (int q = 0; q < 4; q++) { /* t: byte 16m + l = byte 4q + m of row l */
         const __m512i t = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, _mm512_permutex2var_epi8(z[0], k->tr[q], z[1]),
                                                  _mm512_permutex2var_epi8(z[2], k->tr[q], z[3]));
-        for (int m = 0; m < 4; m++) {
-            __m512i v = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, k->put[m], t);
-            v = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m15); /* low nibble in word 0, high in word 1 */
-            v = _mm512_maskz_shuffle_epi8(0x5555555555555555ull, k->tab, v);
-            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16, v);
-        }
+        const __m512i lo = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(t, m15));
+        const __m512i hi = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(_mm512_srli_epi16(t, 4), m15));
+        for (int m = 0; m < 4; m++)
+            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16,
+                                _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, lo, k->put[m], hi));
     }
 }
 
@@ -625,10 +626,17 @@ static void gw_quantize(const float *x, int K, int16_t *xq, float *xs, int32_t *
 }
 
 /* A buffer of at least n bytes kept per thread across calls: fresh pages per call (large mallocs are mmapped)
- * cost a page fault each, which measured a fifth of a K3 matrix's decode. NULL when it cannot grow. */
+ * cost a page fault each, which measured a fifth of a K3 matrix's decode. NULL when it cannot grow. n = 0
+ * releases a buffer over GW_KEEP bytes (a long prompt's activations are not kept for the rest of the run). */
+#define GW_KEEP (32 << 20)
 static void *gw_buffer(int which, size_t n) {
     static __thread void *buf[4];
     static __thread size_t cap[4];
+    if (n == 0 && cap[which] > GW_KEEP) {
+        free(buf[which]);
+        buf[which] = NULL;
+        cap[which] = 0;
+    }
     if (cap[which] < n) {
         free(buf[which]);
         cap[which] = 0;
@@ -696,6 +704,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
             free(ws);
         }
     }
+    for (int i = 0; i < 3; i++) gw_buffer(i, 0);
     return rc;
 #else
     (void)kind, (void)packed, (void)scales, (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out;
