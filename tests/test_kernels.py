@@ -8,7 +8,7 @@ Algorithms, 3.1). The fused kernel accumulates 16 lanes over C/16 steps of 2 pro
 the lanes pairwise (4 levels) and applies a scale: n <= C/16 + 8. The tiled path hands the sum to a BLAS
 matmul whose order is unknown: n <= C. Both are checked against a float64 reference of the same weights.
 
-The Q8 path (4-bit weights, up to FUSED_TOKENS tokens, the default) also rounds the activations: per block b of
+The Q8 path (4-bit weights, up to GEMM_TOKENS tokens, or FUSED_TOKENS without the GEMM; the default) also rounds the activations: per block b of
 32, d_b = max|x| / 127 and x is replaced by xq = d_b q, q = round(x / d_b), so |x - xq| <= d_b / 2 (plus 2^-10
 d_b of slack for x * (127 / max) rounding in float32). The block sums of integers are exact (|sum| < 2^24) and
 w x xq = the sum the kernel evaluates, so |y - w.x| <= sum_c |w_c| d_b(c) (1/2 + 2^-10) + gamma_n sum_c |w_c|

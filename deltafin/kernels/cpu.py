@@ -12,9 +12,9 @@ six tokens at a time; one float multiply-add per block applies both scales. Abou
 activation is lost (bf16 loses 2^-9 of each value), so it is the fast path only; ``DELTAFIN_CPU_GEMM=0`` selects
 the loops below.
 
-4-bit weights up to ``FUSED_TOKENS`` tokens otherwise take the Q8 path by default: each token's row is quantized to int8
-per block of 32 (one float scale d = max|x| / 127 per block) and the block sums run in int8 x int8 -> int32
-(AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
+4-bit weights of fewer tokens (up to ``FUSED_TOKENS`` without the GEMM) take the Q8 path by default: each
+token's row is quantized to int8 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums
+run in int8 x int8 -> int32 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
 (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
 loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there, the Q8 loop
 would not be).

@@ -487,8 +487,10 @@ static inline void gw_transpose16(__m512i r[16]) {
         u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     for (int j = 0; j < 4; j++) { /* a 4 x 4 transpose of 128-bit lanes */
-        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
         r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
         r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
         r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
@@ -557,9 +559,10 @@ static void gw_decode_panel(int kind, const uint8_t *packed, const void *scales,
         for (int64_t b0 = 0; b0 < nb; b0 += 16) { /* 16 rows x 16 blocks of scales, transposed */
             const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
             __m512i v[16];
-            for (int l = 0; l < 16; l++)
-                v[l] = r + l < R ? _mm512_castps_si512(_mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm))
-                                 : _mm512_setzero_si512();
+            for (int l = 0; l < 16; l++) /* rows past R are not read */
+                v[l] = r + l >= R ? _mm512_setzero_si512()
+                                  : _mm512_castps_si512(_mm512_mul_ps(
+                                        q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
             gw_transpose16(v);
             for (int bb = 0; bb < n; bb++) _mm512_storeu_si512(ws + ((b0 + bb) * GW_NV + j) * 16, v[bb]);
         }
@@ -700,7 +703,8 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < np; p++)
-                if (wp && ws) gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, xc, wp, ws, out, p * GW_ROWS, R, C, T);
+                if (wp && ws)
+                    gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, xc, wp, ws, out, p * GW_ROWS, R, C, T);
             free(ws);
         }
     }
