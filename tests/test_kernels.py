@@ -25,6 +25,8 @@ multiply-add per block, n <= C/32 + 2 roundings on any term's path (no lane redu
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -276,3 +278,24 @@ def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, capl
     monkeypatch.setattr(native, "_why", {})
     assert native.library() is None
     assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
+
+
+def test_bench_prefill_rows_time_both_paths(monkeypatch):
+    """`bench kernels` prefill rows: the fast path and the tiled float path timed in the same run (small shapes)."""
+    from deltafin.bench import kernels as bk
+
+    recs = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: recs)])
+    monkeypatch.setattr(bk, "PREFILL_TOKENS", (cpu.FUSED_TOKENS + 3,))
+    used, env = set(cpu.USED), os.environ.get("DELTAFIN_CPU_GEMM")
+    cpu.USED.clear()
+    try:
+        (row,) = bk._prefill_rows("cpu", seconds=0.06, rounds=2)
+        ran = set(cpu.USED)
+    finally:
+        cpu.USED |= used
+    assert row["tokens"] == cpu.FUSED_TOKENS + 3 and row["fused_GFLOPs"] > 0 and row["tile_GFLOPs"] > 0
+    assert row["fused_over_tile"] == row["fused_GFLOPs"] / row["tile_GFLOPs"]
+    assert "mxfp4_tile" in ran and ("mxfp4_gemm" in ran) == cpu.gemm_enabled()
+    assert os.environ.get("DELTAFIN_CPU_GEMM") == env  # restored
+    assert bk._peak("cpu") >= 0
