@@ -263,7 +263,7 @@ def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
     small = cpu.GEMM_TOKENS if _kernel(fmt, cpu.GEMM_TOKENS + 1) == "gemm" else cpu.FUSED_TOKENS
     x = torch.randn(small, 128)
     many = fn(x, rec.data, rec.scale)
-    for t in (0, 5, small - 1):
+    for t in (0, small // 2, small - 1):
         assert torch.equal(fn(x[t : t + 1], rec.data, rec.scale)[0], many[t])
     if small == cpu.GEMM_TOKENS:
         x = torch.randn(45, 128)

@@ -33,10 +33,10 @@ from deltafin.quant import int4, mxfp4
 # once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
 # made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
 FUSED_TOKENS = 16
-# 4-bit matrices of more tokens take the int16 GEMM where it is built (AVX-512 VNNI + VBMI): on a K3 expert matrix,
-# one thread, it beat the Q8 loop from 8 tokens (2.4 vs 2.8 ms; 2.5 vs 5.5 ms at 16) and lost below (1.5 vs 1.0 ms
-# at 4), and beat the decoded tile 2-2.5x from 64 tokens up.
-GEMM_TOKENS = 8
+# 4-bit matrices of more tokens take the int16 GEMM where it is built (AVX-512 VNNI + VBMI). On a K3 expert matrix,
+# one thread: 2.0 vs 2.5 ms for the Q8 loop at 6 tokens, 2.1 vs 3.1 at 8, 2.8 vs 4.0 at 16, but 1.7 vs 1.2 at 4;
+# 2.1-2.5x faster than the decoded tile at 64-128 tokens.
+GEMM_TOKENS = 5
 TILE_BYTES = 8 << 20
 SERIAL_ELEMENTS = 1 << 18  # smaller matrices run on the calling thread: waking the others costs more
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
