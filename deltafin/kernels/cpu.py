@@ -2,8 +2,9 @@
 
 Up to ``FUSED_TOKENS`` tokens the compiled kernel decodes each weight block in registers and multiplies it into
 every token (never a float copy of the matrix); rows are split over ``torch.get_num_threads()`` threads. For
-more tokens (prefill) a tile of rows is decoded once into a small float32 buffer and multiplied by torch's
-matmul for all tokens. Accumulation is float32 whatever x's dtype; the result is float32 [T, out].
+more tokens (prefill: int8 weights, and 4-bit ones without the GEMM below) a tile of rows is decoded once into a
+small float32 buffer and multiplied by torch's matmul for all tokens. Accumulation is float32 whatever x's
+dtype; the result is float32 [T, out].
 
 4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI:
 each token's row is quantized to int16 per block of 32 (d = max|x| / 32767, |x - d q| <= d (1/2 + 2^-7)), a panel
@@ -14,10 +15,10 @@ the loops below.
 
 4-bit weights of fewer tokens (up to ``FUSED_TOKENS`` without the GEMM) take the Q8 path by default: each
 token's row is quantized to int8 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums
-run in int8 x int8 -> int32 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
-(|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
-loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there, the Q8 loop
-would not be).
+run in int8 x int8 -> int32 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It
+rounds the activations (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0``
+selects the float decode loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is
+vectorized there, the Q8 loop would not be).
 """
 
 from __future__ import annotations
