@@ -8,15 +8,15 @@ Algorithms, 3.1). The fused kernel accumulates 16 lanes over C/16 steps of 2 pro
 the lanes pairwise (4 levels) and applies a scale: n <= C/16 + 8. The tiled path hands the sum to a BLAS
 matmul whose order is unknown: n <= C. Both are checked against a float64 reference of the same weights.
 
-The Q8 path (4-bit weights, up to GEMM_TOKENS tokens, or FUSED_TOKENS without the GEMM; the default) also rounds the activations: per block b of
-32, d_b = max|x| / 127 and x is replaced by xq = d_b q, q = round(x / d_b), so |x - xq| <= d_b / 2 (plus 2^-10
+The Q8 path (4-bit weights, up to GEMM_TOKENS tokens, or FUSED_TOKENS without the GEMM; the default) also
+rounds the activations: per block b of 32, d_b = max|x| / 127 and x is replaced by xq = d_b q, q = round(x / d_b), so |x - xq| <= d_b / 2 (plus 2^-10
 d_b of slack for x * (127 / max) rounding in float32). The block sums of integers are exact (|sum| < 2^24) and
 w x xq = the sum the kernel evaluates, so |y - w.x| <= sum_c |w_c| d_b(c) (1/2 + 2^-10) + gamma_n sum_c |w_c|
 |xq_c|, with |xq_c| <= |x_c| + d_b(c) (1/2 + 2^-10) and n <= C/32 + 8 roundings (one scale product and one
 fused multiply-add per block at most, a 4-level lane reduction).
 
-The int16 GEMM (4-bit weights, more than GEMM_TOKENS tokens, where the build has it) rounds the activations the same
-way to int16: d_b = max|x| / 32767, |x - xq| <= d_b (1/2 + 2^-7) (the slack covers the float32 roundings of
+The int16 GEMM (4-bit weights, more than GEMM_TOKENS tokens, where the build has it) rounds the activations the
+same way to int16: d_b = max|x| / 32767, |x - xq| <= d_b (1/2 + 2^-7) (the slack covers the float32 roundings of
 32767 / max, of x times it and of d_b: 3 u |x| <= 3 u 32767 d_b < 2^-7 d_b). The block sums of integers are exact
 (|sum| <= 12 x 32767 x 32 < 2^24, so their float conversion is too) and the weight scales times 1/2 are exact, so
 the float32 error is that of the block loop: one rounding of the scale product d_b x weight scale and one fused
@@ -74,6 +74,24 @@ def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert torch.all(bound <= 0.05 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
+def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool, lib=None) -> None:
+    if fused and fmt != "int8" and cpu.q8_enabled(lib):
+        _check_q8(y, x, w)
+    else:
+        _check(y, x, w, fused)
+
+
+def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((R, C)).astype(np.float32) * rng.uniform(0.01, 3, (R, 1)).astype(np.float32)
+    mp, ms = mxfp4.quantize_ref(w)
+    ip, iscale = int4.quantize_ref(w)
+    q, s = int8.quantize_ref(w)
+    return {"mxfp4": QTensor("mxfp4", (R, C), torch.from_numpy(mp), torch.from_numpy(ms)),
+            "int4g32": QTensor("int4g32", (R, C), torch.from_numpy(ip), torch.from_numpy(iscale).to(torch.bfloat16)),
+            "int8": QTensor("int8", (R, C), torch.from_numpy(q), torch.from_numpy(s))}
+
+
 GW_SLACK = 0.5 + 2.0**-7
 
 
@@ -104,27 +122,6 @@ def _kernel(fmt: str, T: int, lib=None) -> str:
     return "q8" if fmt != "int8" and cpu.q8_enabled(lib) else "fused"
 
 
-def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, lib=None) -> None:
-    kind = _kernel(fmt, x.shape[0], lib)
-    if kind == "gemm":
-        _check_gemm(y, x, w)
-    elif kind == "q8":
-        _check_q8(y, x, w)
-    else:
-        _check(y, x, w, fused=kind == "fused")
-
-
-def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((R, C)).astype(np.float32) * rng.uniform(0.01, 3, (R, 1)).astype(np.float32)
-    mp, ms = mxfp4.quantize_ref(w)
-    ip, iscale = int4.quantize_ref(w)
-    q, s = int8.quantize_ref(w)
-    return {"mxfp4": QTensor("mxfp4", (R, C), torch.from_numpy(mp), torch.from_numpy(ms)),
-            "int4g32": QTensor("int4g32", (R, C), torch.from_numpy(ip), torch.from_numpy(iscale).to(torch.bfloat16)),
-            "int8": QTensor("int8", (R, C), torch.from_numpy(q), torch.from_numpy(s))}
-
-
 SHAPES = [(1, 32), (77, 96), (33, 256), (130, 512), (7, 640)]  # odd row counts, one block to many
 TOKENS = [1, 3, cpu.FUSED_TOKENS, cpu.FUSED_TOKENS + 1, 40]
 
@@ -139,7 +136,10 @@ def test_fused_kernels_match_reference(fmt, R, C):
         x = torch.randn(T, C, generator=torch.Generator().manual_seed(T))
         y = fn(x, rec.data, rec.scale)
         assert y.shape == (T, R) and y.dtype == torch.float32
-        _check_fmt(fmt, y, x, w)
+        if _kernel(fmt, T) == "gemm":
+            _check_gemm(y, x, w)
+        else:
+            _check_fmt(fmt, y, x, w, fused=T <= cpu.FUSED_TOKENS)
         _check(torch_ref.matmul(x, rec), x, w, fused=False)  # the reference is within its own bound too
 
 
@@ -150,9 +150,7 @@ def test_int8_odd_width_and_float_int4_scales():
     _check(cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), fused=True)
     i4 = rec["int4g32"]
     x = torch.randn(2, 96)
-    _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4))
-    x = torch.randn(20, 96)
-    _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4))
+    _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
 
 
 def test_portable_build_matches_reference():
@@ -167,29 +165,7 @@ def test_portable_build_matches_reference():
         for T in (1, 3, 12):
             x = torch.randn(T, 96)
             y = getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib)
-            _check_fmt(fmt, y, x, dequantize(rec), lib=lib)
-
-
-@pytest.mark.parametrize("T", [1, 20])  # the one-token kernels, and the GEMM
-@pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
-def test_nan_scale_propagates_like_the_reference(C, T):
-    rec = _records(4, C, seed=1)["mxfp4"]
-    scales = rec.scale.clone()
-    scales[2, 1] = 255  # OCP MX: E8M0 0xFF is NaN
-    y = cpu.mxfp4_linear(torch.randn(T, C), rec.data, scales)
-    assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, [0, 1, 3]]).any()
-
-
-@pytest.mark.parametrize("T", [1, 20])
-def test_smallest_e8m0_scale_is_two_to_the_minus_127(T):
-    """E8M0 0 is 2^-127 (a float32 subnormal), not the 0 its bits would give."""
-    rec = _records(4, 512, seed=4)["mxfp4"]
-    scales = torch.full_like(rec.scale, 0)
-    x = torch.full((T, 512), 2.0**100)
-    y = cpu.mxfp4_linear(x, rec.data, scales)
-    w = dequantize(QTensor("mxfp4", (4, 512), rec.data, scales))
-    assert torch.all(w.abs().sum(1) > 0)
-    _check_fmt("mxfp4", y, x, w)
+            _check_fmt(fmt, y, x, dequantize(rec), fused=T <= cpu.FUSED_TOKENS, lib=lib)
 
 
 GEMM_R = [17, 33, 100, 257]  # odd row counts: a partial vector of 16 rows, a partial panel of 32
@@ -222,6 +198,63 @@ def test_gemm_off_selects_the_tiled_float_path(monkeypatch):
     y = cpu.mxfp4_linear(x, rec.data, rec.scale)
     _check(y, x, dequantize(rec), fused=False)
     assert not torch.equal(y, gemm) and "mxfp4_tile" in cpu.USED
+
+
+@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
+@pytest.mark.parametrize("C", [64, 512])
+def test_gemm_nan_scale_and_smallest_scale_like_the_reference(C):
+    """E8M0 0xFF (NaN) reaches its row only; E8M0 0 is 2^-127, not the 0 its bits would give."""
+    rec = _records(4, C, seed=1)["mxfp4"]
+    scales = rec.scale.clone()
+    scales[2, 1] = 255
+    y = cpu.mxfp4_linear(torch.randn(20, C), rec.data, scales)
+    assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, [0, 1, 3]]).any()
+    scales = torch.full_like(rec.scale, 0)
+    x = torch.full((20, C), 2.0**100)
+    w = dequantize(QTensor("mxfp4", (4, C), rec.data, scales))
+    assert torch.all(w.abs().sum(1) > 0)
+    _check_gemm(cpu.mxfp4_linear(x, rec.data, scales), x, w)
+
+
+def test_bench_prefill_rows_time_both_paths(monkeypatch):
+    """`bench kernels` prefill rows: the fast path and the tiled float path timed in the same run (small shapes)."""
+    from deltafin.bench import kernels as bk
+
+    recs = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: recs)])
+    monkeypatch.setattr(bk, "PREFILL_TOKENS", (cpu.FUSED_TOKENS + 3,))
+    used, env = set(cpu.USED), os.environ.get("DELTAFIN_CPU_GEMM")
+    cpu.USED.clear()
+    try:
+        (row,) = bk._prefill_rows("cpu", seconds=0.06, rounds=2)
+        ran = set(cpu.USED)
+    finally:
+        cpu.USED |= used
+    assert row["tokens"] == cpu.FUSED_TOKENS + 3 and row["fused_GFLOPs"] > 0 and row["tile_GFLOPs"] > 0
+    assert row["fused_over_tile"] == row["fused_GFLOPs"] / row["tile_GFLOPs"]
+    assert "mxfp4_tile" in ran and ("mxfp4_gemm" in ran) == cpu.gemm_enabled()
+    assert os.environ.get("DELTAFIN_CPU_GEMM") == env  # restored
+    assert bk._peak("cpu") >= 0
+
+
+@pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
+def test_nan_scale_propagates_like_the_reference(C):
+    rec = _records(4, C, seed=1)["mxfp4"]
+    scales = rec.scale.clone()
+    scales[2, 1] = 255  # OCP MX: E8M0 0xFF is NaN
+    y = cpu.mxfp4_linear(torch.randn(1, C), rec.data, scales)
+    assert torch.isnan(y[0, 2]) and not torch.isnan(y[0, [0, 1, 3]]).any()
+
+
+def test_smallest_e8m0_scale_is_two_to_the_minus_127():
+    """E8M0 0 is 2^-127 (a float32 subnormal), not the 0 its bits would give."""
+    rec = _records(4, 512, seed=4)["mxfp4"]
+    scales = torch.full_like(rec.scale, 0)
+    x = torch.full((1, 512), 2.0**100)
+    y = cpu.mxfp4_linear(x, rec.data, scales)
+    w = dequantize(QTensor("mxfp4", (4, 512), rec.data, scales))
+    assert torch.all(w.abs().sum(1) > 0)
+    _check_fmt("mxfp4", y, x, w, fused=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32"])
@@ -278,24 +311,3 @@ def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, capl
     monkeypatch.setattr(native, "_why", {})
     assert native.library() is None
     assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
-
-
-def test_bench_prefill_rows_time_both_paths(monkeypatch):
-    """`bench kernels` prefill rows: the fast path and the tiled float path timed in the same run (small shapes)."""
-    from deltafin.bench import kernels as bk
-
-    recs = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
-    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: recs)])
-    monkeypatch.setattr(bk, "PREFILL_TOKENS", (cpu.FUSED_TOKENS + 3,))
-    used, env = set(cpu.USED), os.environ.get("DELTAFIN_CPU_GEMM")
-    cpu.USED.clear()
-    try:
-        (row,) = bk._prefill_rows("cpu", seconds=0.06, rounds=2)
-        ran = set(cpu.USED)
-    finally:
-        cpu.USED |= used
-    assert row["tokens"] == cpu.FUSED_TOKENS + 3 and row["fused_GFLOPs"] > 0 and row["tile_GFLOPs"] > 0
-    assert row["fused_over_tile"] == row["fused_GFLOPs"] / row["tile_GFLOPs"]
-    assert "mxfp4_tile" in ran and ("mxfp4_gemm" in ran) == cpu.gemm_enabled()
-    assert os.environ.get("DELTAFIN_CPU_GEMM") == env  # restored
-    assert bk._peak("cpu") >= 0

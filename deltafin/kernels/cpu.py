@@ -13,12 +13,12 @@ six tokens at a time; one float multiply-add per block applies both scales. Abou
 activation is lost (bf16 loses 2^-9 of each value), so it is the fast path only; ``DELTAFIN_CPU_GEMM=0`` selects
 the loops below.
 
-4-bit weights of fewer tokens (up to ``FUSED_TOKENS`` without the GEMM) take the Q8 path by default: each
-token's row is quantized to int8 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums
-run in int8 x int8 -> int32 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It
-rounds the activations (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0``
-selects the float decode loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is
-vectorized there, the Q8 loop would not be).
+4-bit weights up to ``FUSED_TOKENS`` tokens take the Q8 path by default: each token's row is quantized to int8
+per block of 32 (one float scale d = max|x| / 127 per block) and the block sums run in int8 x int8 -> int32
+(AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
+(|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
+loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there, the Q8 loop
+would not be).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ def _threads(R: int, C: int, T: int) -> int:
 
 USED: set[str] = set()  # kernel variants run so far ("mxfp4_q8", "int8_linear", ...), for the stats line
 _Q8_BUILT: dict[int, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
-_GW_BUILT: dict[int, bool] = {}  # per loaded library: whether the int16 GEMM has its vector code
 
 
 def q8_enabled(lib=None) -> bool:
@@ -74,6 +73,13 @@ def q8_enabled(lib=None) -> bool:
     return _Q8_BUILT[id(lib)]
 
 
+def _x32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).contiguous()
+
+
+_GW_BUILT: dict[int, bool] = {}  # per loaded library: whether the int16 GEMM has its vector code
+
+
 def gemm_enabled(lib=None) -> bool:
     """Whether 4-bit matmuls of more than GEMM_TOKENS tokens take the int16 GEMM (AVX-512 VNNI + VBMI builds)."""
     if os.environ.get("DELTAFIN_CPU_GEMM", "1") == "0":
@@ -82,10 +88,6 @@ def gemm_enabled(lib=None) -> bool:
     if id(lib) not in _GW_BUILT:
         _GW_BUILT[id(lib)] = bool(lib.df_q4gw_vnni())
     return _GW_BUILT[id(lib)]
-
-
-def _x32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32).contiguous()
 
 
 def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
