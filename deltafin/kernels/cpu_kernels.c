@@ -695,7 +695,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
         {
             float *ws = malloc(nb * GW_ROWS * sizeof(float));
             int32_t *wp = gw_buffer(3, nb * 16 * GW_ROWS * sizeof(int32_t));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4) /* a thread that loses its core holds back 4 tokens, not half */
             for (int64_t t = 0; t < T; t++) gw_quantize(x + t * C, K, xq + t * C, xs + t * nb, xc + t * nb, C);
             if (!wp || !ws) {
 #pragma omp atomic write
