@@ -14,6 +14,7 @@ the two kernels.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -320,7 +321,7 @@ def test_model_wiring_through_interpreter(tmp_path, monkeypatch):
         monkeypatch.setenv("DELTAFIN_KERNELS", mode)
         kc.USED.clear()
         logits[mode] = model.forward(ids, model.new_state(8), experts)
-    assert {"triton:int8_linear", "triton:grouped_mxfp4"} <= kc.USED
+    assert {"triton:int8_linear", "triton:grouped_mxfp4", "triton:kda_products"} <= kc.USED
     assert _rel(logits["interpret"], logits["torch"]) < 3e-2
 
 
@@ -337,6 +338,9 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
     src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
     src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+    src.model = SimpleNamespace(moe_layers=[1], num_experts=1)  # a model of one expert: one cache slot
+    assert src._slab_ready(ex, nbytes) and src.slab.slots == 3
+    src.slab, src.model = None, SimpleNamespace(moe_layers=[1, 2], num_experts=8)  # the budget decides
     assert src._slab_ready(ex, nbytes) and src.slab.slots == 4
     layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes)) for e in range(4)]
     assert sorted(layer0) == [0, 1, 2, 3]  # two cached, two scratch, all distinct

@@ -51,6 +51,30 @@ def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_t < T)[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _sum_cast_kernel(x_ptr, y_ptr, N, stride_r, stride_m, R: tl.constexpr, BN: tl.constexpr):
+    """y[m, n] = sum over r in order of x[r, m, n] (float32), stored in y's dtype."""
+    m, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = pid_n * BN + tl.arange(0, BN)
+    mask = offs < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for r in range(R):
+        acc += tl.load(x_ptr + r * stride_r + m * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * N + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [R, M, N] (rows of N contiguous) summed over R in order, in float32, cast to dtype: [M, N] in one
+    launch (torch takes two: the sum, then the cast), for split-K partial sums and the grouped experts'
+    k terms of a token."""
+    R, M, N = x.shape
+    assert x.stride(-1) == 1
+    y = torch.empty((M, N), device=x.device, dtype=dtype)
+    bn = min(1024, triton.next_power_of_2(N))
+    _sum_cast_kernel[(M, triton.cdiv(N, bn))](x, y, N, x.stride(0), x.stride(1), R=R, BN=bn, num_warps=4)
+    return y
+
+
 # Programs wanted per launch so that every multiprocessor has a couple of weight streams in flight.
 _TARGET_PROGRAMS = 264
 
@@ -104,7 +128,7 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
                          K_PER_SPLIT=c["k_per_split"], FMT=format_code(fmt, x.dtype, c.get("scaled")), ROW_SCALE=fmt == "int8", IEEE=x.dtype == torch.float32 or INTERPRET,
                          BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"],
                          num_stages=c["num_stages"])
-    y = part[0] if c["splits"] == 1 else part.sum(0)
+    y = part[0] if c["splits"] == 1 else sum_cast(part, x.dtype)
     return y.to(x.dtype).reshape(*lead, N)
 
 

@@ -172,7 +172,9 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
         h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
         I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=c.get("decode", 0), num_warps=c["num_warps"],
         num_stages=c.get("num_stages", 3))
-    return y.view(T, k, D).sum(1).to(x.dtype)
+    from deltafin.kernels.triton import sum_cast  # (triton imports this module)
+
+    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in pair order, one launch
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from deltafin.kernels import triton_gemv
-from deltafin.kernels.triton import format_code
+from deltafin.kernels.triton import format_code, sum_cast
 from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
@@ -103,6 +103,8 @@ class ExpertSlab:
         self.scale = {r: torch.empty((slots, *example[r].scale.shape), dtype=example[r].scale.dtype,
                                      device=device) for r in self.ROLES}
         self.shapes = {r: example[r].shape for r in self.ROLES}
+        gate = self.data["gate"]  # slot_of runs for every expert of every layer: its constants, once
+        self._base, self._slot_bytes, self._cuda = gate.data_ptr(), gate[0].numel() * gate.element_size(), gate.is_cuda
 
     def fits(self, tensors: dict) -> bool:
         return all(r in tensors and getattr(tensors[r], "format", None) == self.format
@@ -123,11 +125,9 @@ class ExpertSlab:
     def slot_of(self, tensors: dict) -> int | None:
         """The slot whose views ``tensors`` are, or None."""
         d = tensors["gate"].data
-        base = self.data["gate"]
-        if d.device != base.device or d.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-            return None
-        slot, rem = divmod(d.data_ptr() - base.data_ptr(), base[0].numel() * base.element_size())
-        return slot if rem == 0 and 0 <= slot < self.slots else None
+        # an address inside the slab's one allocation (live allocations never overlap) on its kind of device
+        slot, rem = divmod(d.data_ptr() - self._base, self._slot_bytes)
+        return slot if rem == 0 and 0 <= slot < self.slots and d.is_cuda == self._cuda else None
 
     @classmethod
     def stack(cls, experts: list[dict], device: torch.device | str) -> ExpertSlab:
@@ -238,4 +238,4 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
         h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])
-    return y.view(T, k, D).sum(1).to(x.dtype)
+    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in slot order
