@@ -350,3 +350,21 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     s, cached = src._take_slot()
     assert cached and s in layer0[:2] and len(src.cache._entries) == 1  # the least recent expert made room
     torch.testing.assert_close(src.slab.views(layer0[3])["down"].data, ex["down"].data)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke runs the interpreter on the CPU")
+def test_gemv_bench_smoke(tmp_path):
+    """``kernels_cuda --gemv`` at tiny widths: every configuration checked against the reference and timed,
+    the summary names the copy-rate limit."""
+    import json
+
+    from deltafin.bench import kernels_cuda, kernels_gemv
+
+    out = tmp_path / "gemv.json"
+    assert kernels_cuda.main(["--smoke", "--gemv", "--quick", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name in ("gemv_int8", "gemv_moe"):
+        assert res[name] and all(r.get("ok") for r in res[name]), res[name]
+        assert {r["kernel"] for r in res[name]} == {"tensor-core", "gemv"}
+    assert "copy" in kernels_gemv.summary(res, res["copy_GBps"])[0]

@@ -10,6 +10,8 @@ Run on a CUDA machine: ``python -m deltafin.bench.kernels_cuda --json OUT.json``
 4. Timings (``triton.testing.do_bench`` medians, several weight copies rotated so nothing sits in L2):
    the 16-expert Kimi K3 MXFP4 step at 1, 8 and 64 tokens, the K3 int8 trunk GEMVs, prefill GEMMs, each as
    weight bytes / time over the copy rate, with the plain-torch path (dequantize, then matmul) beside it.
+5. The decode GEMV kernels (``kernels/triton_gemv.py``) beside the tensor-core ones: the MoE step at 1 and
+   8 tokens, the int8 trunk shapes at 1 token (``bench/kernels_gemv.py``; ``--gemv`` runs only this part).
 The last lines printed are the summary table.
 """
 
