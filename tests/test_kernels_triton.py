@@ -100,6 +100,25 @@ def test_grouped_experts_match_reference(fmt, act, dtype):
     assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
+@pytest.mark.parametrize("fmt,act", [("mxfp4", ACT_SITU), ("int4g32", ACT_SILU)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_prefill_weight_left_matches_reference(fmt, act, dtype):
+    """The prefill tiles with the weight as the left operand (cfg swap): 16-row blocks, several per expert,
+    odd token and row counts, the reference sums."""
+    g = torch.Generator().manual_seed(8)
+    E, T, k, D, inter = 3, 37, 2, 64, 96
+    experts = _experts(fmt, E, D, inter, g)
+    slab = ExpertSlab.stack(experts, DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    x = torch.randn(T, D, generator=g).to(DEV, dtype)
+    cfg = {"BT": 16, "BN": 16, "BK": 32, "BN_down": 32, "BK_down": 32, "num_warps": 4, "num_stages": 1,
+           "swap": True}
+    y = grouped_glu(x, ids, wts, slab, act, cfg=cfg)
+    assert y.dtype == dtype and y.shape == (T, D)
+    assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemv_matches_reference(dtype):
     """The decode GEMV form (1-4 tokens), whole-K and split-K, odd row counts and widths."""

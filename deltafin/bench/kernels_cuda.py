@@ -350,21 +350,23 @@ def prefill_moe(dev, slab, gbps) -> dict:
     ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
     wts = torch.rand(T, k, device=dev)
     x = torch.randn(T, LAT, device=dev).to(torch.bfloat16)
-    best = None
+    best, rows = None, []
+    fl = 2 * T * k * 3 * INTER * LAT
     for bt, bn, bk, w in ((64, 128, 64, 8), (64, 64, 128, 4), (128, 128, 64, 8), (64, 128, 128, 8)):
         cfg = {"BT": bt, "BN": bn, "BK": bk, "BN_down": bn, "BK_down": bk, "num_warps": w, "num_stages": 3}
-        for scaled in (False, True):
-            c = dict(cfg, scaled=scaled)
+        for scaled, swap in ((False, False), (True, False), (False, True), (True, True)):
+            c = dict(cfg, scaled=scaled, swap=swap)  # swap: the weight tile as the left operand
             try:
                 pl = plan_moe(ids, dev, LAT, INTER, c)
                 t = _bench(lambda pl=pl: grouped_glu(x, None, wts, slab, 1, plan=pl), 300)
             except Exception as e:
                 print("prefill moe cfg failed", c, type(e).__name__, str(e)[:120])
                 continue
+            rows.append({"cfg": c, "s": t, "TFLOPs": fl / t / 1e12})
             if best is None or t < best["s"]:
                 best = {"cfg": c, "s": t}
-    fl = 2 * T * k * 3 * INTER * LAT
     best["TFLOPs"] = fl / best["s"] / 1e12
+    best["sweep"] = rows
     best["tok_s_per_layer"] = T / best["s"]
     return best
 
