@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -334,10 +335,20 @@ def time_prefill(dev) -> list[dict]:
         f = _fn(fmt)
         err = _rel(f(x, p[0], s[0]), x.double() @ w.double().T)
         t = _bench(lambda f=f, x=x, p=p, s=s: f(x, p[0], s[0]))
+        before = os.environ.get("DELTAFIN_PREFILL_SWAP")
+        os.environ["DELTAFIN_PREFILL_SWAP"] = "1"  # the weight tile as the left operand
+        try:
+            err_swap = _rel(f(x, p[0], s[0]), x.double() @ w.double().T)
+            t_swap = _bench(lambda f=f, x=x, p=p, s=s: f(x, p[0], s[0]))
+        finally:
+            os.environ.pop("DELTAFIN_PREFILL_SWAP")
+            if before is not None:
+                os.environ["DELTAFIN_PREFILL_SWAP"] = before
         wb = w.to(torch.bfloat16)
         tb = _bench(lambda x=x, wb=wb: x @ wb.T)
         fl = 2 * T * N * Kd
         out.append({"fmt": fmt, "T": T, "N": N, "K": Kd, "rel_err": err, "s": t, "TFLOPs": fl / t / 1e12,
+                    "swap_rel_err": err_swap, "swap_s": t_swap, "swap_TFLOPs": fl / t_swap / 1e12,
                     "bf16_matmul_TFLOPs": fl / tb / 1e12, "ratio_to_bf16": tb / t})
     return out
 
@@ -484,8 +495,9 @@ def _summary(res: dict, gbps: float) -> None:
     pg = res.get("prefill_gemm")
     if isinstance(pg, list):
         for r in pg:
-            print(f"prefill {r['fmt']} {r['N']}x{r['K']} T={r['T']}: {r['TFLOPs']:.0f} TFLOP/s "
-                  f"(bf16 matmul {r['bf16_matmul_TFLOPs']:.0f}), rel err {r['rel_err']:.1e}")
+            print(f"prefill {r['fmt']} {r['N']}x{r['K']} T={r['T']}: {r['TFLOPs']:.0f} TFLOP/s, weight left "
+                  f"{r['swap_TFLOPs']:.0f} (bf16 matmul {r['bf16_matmul_TFLOPs']:.0f}), rel err {r['rel_err']:.1e} / "
+                  f"{r['swap_rel_err']:.1e}")
     pm = res.get("prefill_moe")
     if isinstance(pm, dict) and "s" in pm:
         print(f"prefill moe 4096 tok x 16 of 64 experts: {pm['s'] * 1e3:.1f} ms = {pm['TFLOPs']:.0f} TFLOP/s, "

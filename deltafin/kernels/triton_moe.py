@@ -10,7 +10,6 @@ experts is taken afterwards in slot order (arrival order never changes a result)
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 
 from deltafin.kernels import triton_gemv
-from deltafin.kernels.triton import format_code, sum_cast
+from deltafin.kernels.triton import format_code, sum_cast, swap_prefill
 from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight, mma_weight_t
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
@@ -221,18 +220,9 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
         c = {"BT": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     else:
         c = {"BT": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
-    if avg > 16 and _swap_prefill():
+    if avg > 16 and swap_prefill():  # the weight as the left operand (``_gate_up_kernel_t``)
         c["swap"] = True
     return dict(c, BN_down=c["BN"], BK_down=c["BK"])
-
-
-# Prefill tiles with the weight as the left operand (``_gate_up_kernel_t``); DELTAFIN_MOE_SWAP=0/1 overrides.
-SWAP_PREFILL = False
-
-
-def _swap_prefill() -> bool:
-    env = os.environ.get("DELTAFIN_MOE_SWAP")
-    return SWAP_PREFILL if env is None else env == "1"
 
 
 @dataclass
