@@ -10,7 +10,9 @@ per block of 32 (one float scale d = max|x| / 127 per block) and the block sums 
 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
 (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
 loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there, the Q8 loop
-would not be).
+would not be). int8 rows take the same Q8 activations (blocks of 32, the same bound): the weight bytes go
+straight into VNNI, about a quarter of the float loop's instructions per byte, so the trunk GEMVs stay on
+memory's pace even with a busy second core.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ _Q8_BUILT: dict[int, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or 
 
 
 def q8_enabled(lib=None) -> bool:
-    """Whether 4-bit matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
+    """Whether 4-bit and int8 matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
     if os.environ.get("DELTAFIN_CPU_Q8", "1") == "0":
         return False
     lib = lib or native.library()
@@ -124,6 +126,12 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
     T, C = x.shape
     R = q.shape[0]
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
+    if T <= FUSED_TOKENS and q8_enabled(lib):
+        USED.add("int8_q8")
+        out = torch.empty(T, R, dtype=torch.float32)
+        if lib.df_i8q8_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T)):
+            raise MemoryError(f"Q8 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
+        return out
     USED.add("int8_linear" if T <= FUSED_TOKENS else "int8_tile")
     if T <= FUSED_TOKENS:
         out = torch.empty(T, R, dtype=torch.float32)
