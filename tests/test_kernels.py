@@ -47,41 +47,43 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool) -> No
 Q8_SLACK = 0.5 + 2.0**-10
 
 
-def _q8_bound(x: torch.Tensor, w: torch.Tensor, n: int | None = None) -> torch.Tensor:
+def _q8_bound(x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32, levels: int = 127
+              ) -> torch.Tensor:
     T, C = x.shape
-    nb = -(-C // 32)  # int8 widths need not be whole blocks: the last block is the columns left
-    xa = torch.nn.functional.pad(x.double().abs(), (0, nb * 32 - C))
-    d = xa.view(T, nb, 32).amax(-1, keepdim=True).div(127).expand(T, nb, 32).reshape(T, nb * 32)[:, :C]
+    nb = -(-C // block)  # int8 widths need not be whole blocks: the last block is the columns left
+    xa = torch.nn.functional.pad(x.double().abs(), (0, nb * block - C))
+    d = xa.view(T, nb, block).amax(-1, keepdim=True).div(levels).expand(T, nb, block).reshape(T, -1)[:, :C]
     aw = w.double().abs()
     n = C // 32 + 8 if n is None else n
     g = n * U / (1 - n * U)
     return (d * Q8_SLACK) @ aw.T + g * ((x.double().abs() + d * Q8_SLACK) @ aw.T)
 
 
-def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, n: int | None = None) -> None:
+def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32,
+              levels: int = 127) -> None:
     ref = x.double() @ w.double().T
     err = (y.double() - ref).abs()
-    bound = _q8_bound(x, w, n)
+    bound = _q8_bound(x, w, n, block, levels)
     assert torch.all(err <= bound), f"max error {err.max():.3g}"
     # the bound is a real constraint: a few percent of sum |w x| (a wrong block or scale lands far outside it)
     assert torch.all(bound <= 0.05 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
 def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool, lib=None) -> None:
-    if fused and fmt == "int8" and cpu.q8_enabled(lib):
-        _check_q8(y, x, w, int8_q8_roundings(x.shape[1]))
+    if fused and fmt == "int8" and cpu.i16_enabled(lib):
+        _check_q8(y, x, w, int8_a16_roundings(x.shape[1]), block=128, levels=32767)
     elif fused and cpu.q8_enabled(lib):
         _check_q8(y, x, w)
     else:
         _check(y, x, w, fused)
 
 
-def int8_q8_roundings(C: int) -> int:
-    """int8 Q8: per 64-column chunk one fused multiply-add per lane (the int32 lane sum converts exactly), a
-    4-level lane reduction, the row scale, and the float32 rounding of the dequantized reference weight: C/64 + 6.
-    The portable loop rounds twice per block of 32 (scale product, addition) and once for the row scale; the
-    larger count bounds both."""
-    return 2 * -(-C // 32) + 8
+def int8_a16_roundings(C: int) -> int:
+    """int8 rows x int16 activations (blocks of 128, d = max|x| / 32767, the Q8 bound's form): the int32 block
+    sums are exact (|sum| <= 128 x 128 x 32767 < 2^31), then per block one fused multiply-add per lane, a 4-level
+    lane reduction, the row scale, and the float32 rounding of the dequantized reference weight: C/128 + 6. The
+    portable loop rounds twice per block (scale product, addition); the larger count bounds both."""
+    return 2 * -(-C // 128) + 8
 
 
 def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:

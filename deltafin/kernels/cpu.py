@@ -10,9 +10,13 @@ per block of 32 (one float scale d = max|x| / 127 per block) and the block sums 
 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
 (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
 loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there, the Q8 loop
-would not be). int8 rows take the same Q8 activations (blocks of 32, the same bound): the weight bytes go
-straight into VNNI, about a quarter of the float loop's instructions per byte, so the trunk GEMVs stay on
-memory's pace even with a busy second core.
+would not be).
+
+int8 rows up to ``FUSED_TOKENS`` tokens take int16 activations on the same switch (``i16_enabled``): one
+scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extended into VNNI's int16 dot product
+(a third of the float loop's vector instructions per byte, so the trunk GEMVs keep pace with memory). Its
+rounding (|x - d q| <= d / 2) is 256 times finer than the 4-bit path's 8-bit activations, which changed greedy
+tokens of a tiny Kimi K3 when applied to its int8 trunk.
 """
 
 from __future__ import annotations
@@ -50,17 +54,26 @@ def _threads(R: int, C: int, T: int) -> int:
 
 
 USED: set[str] = set()  # kernel variants run so far ("mxfp4_q8", "int8_linear", ...), for the stats line
-_Q8_BUILT: dict[int, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
+_Q8_BUILT: dict[object, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
 
 
 def q8_enabled(lib=None) -> bool:
-    """Whether 4-bit and int8 matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
+    """Whether 4-bit matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
     if os.environ.get("DELTAFIN_CPU_Q8", "1") == "0":
         return False
     lib = lib or native.library()
     if id(lib) not in _Q8_BUILT:  # asked once per library: this runs on every matmul
         _Q8_BUILT[id(lib)] = bool(lib.df_q8_vnni()) or lib.df_simd_width() == 1
     return _Q8_BUILT[id(lib)]
+
+
+def i16_enabled(lib=None) -> bool:
+    """Whether int8 matmuls of up to FUSED_TOKENS tokens take int16 activations (see the module docstring)."""
+    lib = lib or native.library()
+    key = ("a16", id(lib))
+    if key not in _Q8_BUILT:
+        _Q8_BUILT[key] = bool(lib.df_a16_vnni()) or lib.df_simd_width() == 1
+    return _Q8_BUILT[key] and os.environ.get("DELTAFIN_CPU_Q8", "1") != "0"
 
 
 def _x32(x: torch.Tensor) -> torch.Tensor:
@@ -126,11 +139,11 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
     T, C = x.shape
     R = q.shape[0]
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
-    if T <= FUSED_TOKENS and q8_enabled(lib):
-        USED.add("int8_q8")
+    if T <= FUSED_TOKENS and i16_enabled(lib):
+        USED.add("int8_a16")
         out = torch.empty(T, R, dtype=torch.float32)
-        if lib.df_i8q8_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T)):
-            raise MemoryError(f"Q8 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
+        if lib.df_i8a16_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T)):
+            raise MemoryError(f"int16 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
         return out
     USED.add("int8_linear" if T <= FUSED_TOKENS else "int8_tile")
     if T <= FUSED_TOKENS:
