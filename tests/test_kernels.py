@@ -208,3 +208,54 @@ def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, capl
     monkeypatch.setattr(native, "_why", {})
     assert native.library() is None
     assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32-f32"])
+@pytest.mark.parametrize("I,D", [(96, 64), (32, 160)])
+def test_fused_swiglu_matches_the_three_matmuls(fmt, I, D):
+    """One call for a whole 4-bit expert against the fast path's three matmuls with torch's SiLU between.
+
+    Gate and up are bit-identical in both (the same quantized x, the same rows); only SiLU's last bit may differ
+    (expf against torch's exp, a few ulps of h). That moves each Q8 code of h by at most one step and each block
+    scale by a few ulps, so |y_fused - y_three| <= sum_c |Wd_c| d(c) (1 + 2^-10) plus each side's float32 rounding,
+    gamma_n sum_c |Wd_c| (|h_c| + d(c)), n <= I/32 + 8 (the Q8 bound's count)."""
+    if not cpu.q8_enabled():
+        pytest.skip("the fused expert is on the Q8 path only")
+    base = fmt.split("-")[0]
+    g, u = _records(I, D, seed=I)[base], _records(I, D, seed=I + 1)[base]
+    d = _records(D, I, seed=D)[base]
+    if fmt.endswith("f32"):
+        g, u, d = (QTensor(r.format, r.shape, r.data, r.scale.float()) for r in (g, u, d))
+    x = torch.randn(cpu.FUSED_TOKENS, D, generator=torch.Generator().manual_seed(7))
+    fused = cpu.swiglu(x, g, u, d)
+    assert fused is not None and fused.shape == (cpu.FUSED_TOKENS, D)
+    lin = getattr(cpu, f"{base}_linear")
+    h = torch.nn.functional.silu(lin(x, g.data, g.scale)) * lin(x, u.data, u.scale)
+    three = lin(h, d.data, d.scale)
+    wd = dequantize(d).double().abs()
+    T = h.shape[0]
+    dh = h.double().abs().view(T, I // 32, 32).amax(-1, keepdim=True).div(127).expand(T, I // 32, 32).reshape(T, I)
+    n = I // 32 + 8
+    bound = (dh * (1 + 2.0**-10)) @ wd.T + 2 * (n * U / (1 - n * U)) * ((h.double().abs() + dh) @ wd.T)
+    assert torch.all((fused.double() - three.double()).abs() <= bound)
+    for t in (0, 5):  # a token's result does not depend on its batch
+        assert torch.equal(cpu.swiglu(x[t : t + 1], g, u, d)[0], fused[t])
+
+
+def test_fused_swiglu_dispatch():
+    """kernels.swiglu runs only on the fast path, for 4-bit experts in one format; otherwise the caller's
+    three matmuls run (None)."""
+    from deltafin.models.common import swiglu_expert
+
+    if not cpu.q8_enabled():
+        pytest.skip("the fused expert is on the Q8 path only")
+    r = {n: _records(32, 64, seed=s)["mxfp4"] for n, s in (("gate", 1), ("up", 2))}
+    r["down"] = _records(64, 32, seed=3)["mxfp4"]
+    x = torch.randn(2, 64)
+    assert kernels.swiglu(x, r["gate"], r["up"], r["down"]) is None  # the exact path
+    with kernels.fast():
+        y = swiglu_expert(x, r)
+        assert torch.equal(y, cpu.swiglu(x, r["gate"], r["up"], r["down"]))
+        i8 = _records(64, 32, seed=3)["int8"]
+        assert kernels.swiglu(x, r["gate"], r["up"], i8) is None  # mixed formats: three matmuls
+        assert kernels.swiglu(torch.randn(cpu.FUSED_TOKENS + 1, 64), r["gate"], r["up"], r["down"]) is None

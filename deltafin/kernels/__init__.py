@@ -99,3 +99,14 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
             y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
             return y.reshape(*lead, w.shape[0]).to(x.dtype)
     return torch_ref.matmul(x, w)
+
+
+def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor,
+           down: QTensor | torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate x) * up x) for x [T, D] in one fused call where the fast path has one (the CPU backend's
+    few-token 4-bit experts), in x's dtype; None where the caller runs the three matmuls."""
+    if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    fn = getattr(_BACKENDS["cpu"] if "cpu" in _BACKENDS else backend("cpu"), "swiglu", None)
+    y = None if fn is None else fn(x, gate, up, down)
+    return y if y is None or y.dtype == x.dtype else y.to(x.dtype)

@@ -27,6 +27,7 @@ import torch
 
 from deltafin.kernels import native
 from deltafin.quant import int4, mxfp4
+from deltafin.quant.record import QTensor
 
 # Measured on a K3 expert (3072 x 3584, 2 cores): the fused loop costs ~4 ms per token, a decoded tile ~37 ms
 # once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
@@ -131,6 +132,43 @@ def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     if scales.dtype == torch.bfloat16:
         return _q4(1, _INT4, x, bytes_, scales.contiguous(), lib, "int4g32")
     return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib, "int4g32")
+
+
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
+    """down(silu(gate x) * up x) for x [T, D] in one compiled call (Q8 path, T <= FUSED_TOKENS, the three
+    records 4-bit in one format and scale type) -> float32 [T, D]; None where the separate matmuls apply.
+    Runs once per expert per token in decode, so the checks are kept to plain attribute reads."""
+    T, D = x.shape
+    fmt = getattr(gate, "format", None)
+    if T > FUSED_TOKENS or fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(
+            down, "format", None) != fmt:
+        return None
+    I = gate.shape[0]  # noqa: E741
+    gs, us, ds = gate.scale, up.scale, down.scale
+    if (tuple(gate.shape) != (I, D) or tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
+            or not gs.dtype == us.dtype == ds.dtype):
+        return None
+    lib = lib or native.library()
+    if not q8_enabled(lib):
+        return None
+    if fmt == "mxfp4":
+        kind, gp, up_, dp = 0, gate.data, up.data, down.data
+    else:  # int4g32: int32 words read as bytes (see int4g32_linear)
+        kind = 1 if gs.dtype == torch.bfloat16 else 2
+        gp, up_, dp = (w.data.view(torch.uint8) for w in (gate, up, down))
+        if kind == 2:
+            gs, us, ds = gs.float(), us.float(), ds.float()
+    gp, gs, up_, us, dp, ds = (t.contiguous() for t in (gp, gs, up_, us, dp, ds))
+    USED.add(f"{fmt}_q8_swiglu")
+    tab, k, mult = _Q8[kind]
+    x = _x32(x)
+    out = torch.empty(T, D, dtype=torch.float32)
+    rc = lib.df_q4q8_swiglu(kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
+                            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(),
+                            I, D, T, _threads(I, D, T))
+    if rc != 0:
+        raise MemoryError(f"Q8 activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_Q8=0 to skip them")
+    return out
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:

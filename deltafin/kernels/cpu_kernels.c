@@ -542,6 +542,52 @@ int df_q4q8_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
     return rc;
 }
 
+static int q8x_alloc(q8x_t *q, int64_t T, int64_t C) {
+    q->G = (C / 32 + QG - 1) / QG;
+    q->xe = malloc(T * q->G * 64);
+    q->xo = malloc(T * q->G * 64);
+    q->xs = malloc(T * (((q->G + 3) / 4) * 16) * sizeof(float));
+    q->corr = malloc(T * q->G * 16 * sizeof(int32_t));
+    return q->xe && q->xo && q->xs && q->corr;
+}
+
+static void q8x_free(q8x_t *q) {
+    free(q->xe);
+    free(q->xo);
+    free(q->xs);
+    free(q->corr);
+}
+
+/* One SwiGLU expert of 4-bit weights for T tokens in one call: out = down(silu(gate x) * up x), gate and up
+ * [I, D], down [D, I], all in one format (kind, tab8, K, mult as for df_q4q8_mm). x is quantized once for gate
+ * and up, whose rows run in one parallel pass; the product is quantized and the down rows run in a second.
+ * The same arithmetic as three df_q4q8_mm calls with silu(g) * u between them, less the host round trips
+ * (SiLU here is g / (1 + expf(-g)), which may differ from torch's in the last bit). Returns 0, or -1 when the
+ * buffers could not be allocated. */
+int df_q4q8_swiglu(int kind, const uint8_t *gp, const void *gs, const uint8_t *up, const void *us,
+                   const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
+                   const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+    q8x_t qx = {0}, qh = {0};
+    float *g = malloc(T * I * sizeof(float)), *u = malloc(T * I * sizeof(float));
+    int rc = -1;
+    if (g && u && q8x_alloc(&qx, T, D) && q8x_alloc(&qh, T, I)) {
+        q8_quantize(x, T, D, K, mult, &qx);
+        SPLIT(nthreads, I, {
+            q8_rows(kind, gp, gs, tab8, K, e8m0, &qx, g, r0, r1, I, D, T);
+            q8_rows(kind, up, us, tab8, K, e8m0, &qx, u, r0, r1, I, D, T);
+        })
+        for (int64_t i = 0; i < T * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        q8_quantize(g, T, I, K, mult, &qh);
+        SPLIT(nthreads, D, q8_rows(kind, dp, ds, tab8, K, e8m0, &qh, out, r0, r1, D, I, T))
+        rc = 0;
+    }
+    q8x_free(&qx);
+    q8x_free(&qh);
+    free(g);
+    free(u);
+    return rc;
+}
+
 /* int8 rows x int16 activations (see i8a16_rows): x float32 [T, C]. Returns 0, or -1 when the activation
  * buffers could not be allocated. */
 int df_i8a16_mm(const int8_t *w, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import swiglu as fused_swiglu
 from deltafin.models.base import (
     ExpertSource,
     SequenceState,
@@ -39,6 +40,9 @@ from deltafin.quant.record import QTensor
 
 def swiglu_expert(x: torch.Tensor, tensors: Mapping[str, QTensor | torch.Tensor]) -> torch.Tensor:
     """down(silu(gate x) * up x) for x [n, D] and records gate/up [I, D], down [D, I]. Returns [n, D]."""
+    y = fused_swiglu(x, tensors["gate"], tensors["up"], tensors["down"])  # None off the fast path
+    if y is not None:
+        return y
     return linear(F.silu(linear(x, tensors["gate"])) * linear(x, tensors["up"]), tensors["down"])
 
 
