@@ -133,7 +133,17 @@ def moe_dispatch(
             fetched = iter(got)
     out = x.new_zeros(T, k, D)  # [T, k, D]
     seen = 0
+    # One token (decode): each expert's slot is read off the host ids, with no per-expert index tensors; the
+    # same products land in the same slots as below.
+    row = ids_host[0].tolist() if T == 1 else []
+    slot_of = {e: s for s, e in enumerate(row)} if T == 1 and len(set(row)) == k else None
     for eid, tensors in fetched:
+        if slot_of is not None:
+            s = slot_of[eid]
+            y = expert_fn(x, tensors)  # [1, D]
+            out[0, s] = y[0] * weights[0, s].to(y.dtype)
+            seen += 1
+            continue
         tok, slot = (ids == eid).nonzero(as_tuple=True)
         y = expert_fn(x[tok], tensors)  # [n, D]
         out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)
