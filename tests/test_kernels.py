@@ -259,3 +259,25 @@ def test_fused_swiglu_dispatch():
         i8 = _records(64, 32, seed=3)["int8"]
         assert kernels.swiglu(x, r["gate"], r["up"], i8) is None  # mixed formats: three matmuls
         assert kernels.swiglu(torch.randn(cpu.FUSED_TOKENS + 1, 64), r["gate"], r["up"], r["down"]) is None
+
+
+@pytest.mark.parametrize("T", [1, 3, cpu.FUSED_TOKENS])
+def test_int8_many_equals_separate_calls(T):
+    """q, k and v in one call: x quantized once, the rows of all three in one pass; each result bit for bit
+    that of its own int8_linear call (odd row counts and a width that is not whole blocks)."""
+    if not cpu.i16_enabled():
+        pytest.skip("one call per matrix without the int16 path")
+    ws = [_records(R, 224, seed=R)["int8"] for R in (37, 5, 130)]
+    ws = [QTensor("int8", (w.shape[0], 201), w.data[:, :201].contiguous(), w.scale) for w in ws]  # not whole blocks
+    x = torch.randn(T, 201, generator=torch.Generator().manual_seed(T))
+    many = cpu.int8_linear_many(x, ws)
+    for y, w in zip(many, ws, strict=True):
+        assert torch.equal(y, cpu.int8_linear(x, w.data, w.scale))
+        _check_fmt("int8", y, x, dequantize(w), fused=True)
+    with kernels.fast():
+        assert all(torch.equal(a, b) for a, b in zip(kernels.matmul_many(x, ws), many, strict=True))
+        plain = torch.randn(7, 201)  # not all int8: one matmul each
+        ys = kernels.matmul_many(x, [ws[0], plain])
+        assert torch.equal(ys[0], many[0]) and torch.equal(ys[1], x @ plain.T)
+    exact = kernels.matmul_many(x, ws)  # off the fast path: the torch reference, one at a time
+    assert all(torch.equal(a, torch_ref.matmul(x, w)) for a, w in zip(exact, ws, strict=True))

@@ -21,6 +21,7 @@ tokens of a tiny Kimi K3 when applied to its int8 trunk.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -194,3 +195,24 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
         w = q[r0 : r0 + rows].to(torch.float32)  # the tile, decoded once for all tokens
         torch.mm(x, w.T, out=out[:, r0 : r0 + w.shape[0]])
     return out.mul_(s)
+
+
+def int8_linear_many(x: torch.Tensor, ws: list[QTensor], lib=None) -> list[torch.Tensor] | None:
+    """[x @ W^T for W in ws] for int8 records [out_i, in] that share x [T, in], in one compiled call (x quantized
+    once, one parallel pass over all their rows; each result as int8_linear's), or None where int8_linear
+    applies one at a time (many tokens, no int16 path)."""
+    T, C = x.shape
+    lib = lib or native.library()
+    if T > FUSED_TOKENS or not i16_enabled(lib):
+        return None
+    qs = [w.data.contiguous() for w in ws]
+    ss = [w.scale.to(torch.float32).contiguous() for w in ws]
+    outs = [torch.empty(T, q.shape[0], dtype=torch.float32) for q in qs]
+    n = len(ws)
+    ptrs = [(ctypes.c_void_p * n)(*[t.data_ptr() for t in ts]) for ts in (qs, ss, outs)]
+    rows = (ctypes.c_int64 * n)(*[q.shape[0] for q in qs])
+    x = _x32(x)
+    USED.add("int8_a16_many")
+    if lib.df_i8a16_multi(n, *ptrs, rows, x.data_ptr(), C, T, _threads(sum(rows), C, T)):
+        raise MemoryError(f"int16 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
+    return outs

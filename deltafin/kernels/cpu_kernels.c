@@ -607,6 +607,39 @@ int df_i8a16_mm(const int8_t *w, const float *s, const float *x, float *out, int
     return rc;
 }
 
+/* Rows [r0, r1) of a list of matrices, cut at each matrix's end. */
+static void i8a16_span(int n, const int8_t *const *w, const float *const *s, float *const *out, const int64_t *R,
+                       const i8a16_t *a, int64_t r0, int64_t r1, int64_t C, int64_t T) {
+    int64_t base = 0;
+    for (int m = 0; m < n && base < r1; base += R[m], m++) {
+        const int64_t lo = r0 > base ? r0 - base : 0;
+        const int64_t hi = r1 - base < R[m] ? r1 - base : R[m];
+        if (lo < hi) i8a16_rows(w[m], s[m], a, out[m], lo, hi, R[m], C, T);
+    }
+}
+
+/* Several int8 matrices that read the same x (attention's q, k and v): x is quantized once and the rows of all
+ * of them, taken as one list, run in one parallel pass. Each matrix's rows get the arithmetic of df_i8a16_mm,
+ * so the results are those of separate calls. w, s, out, R: n entries each. */
+int df_i8a16_multi(int n, const int8_t *const *w, const float *const *s, float *const *out, const int64_t *R,
+                   const float *x, int64_t C, int64_t T, int nthreads) {
+    i8a16_t a;
+    int64_t total = 0;
+    for (int m = 0; m < n; m++) total += R[m];
+    a.NB = (C + A16B - 1) / A16B;
+    a.q = malloc(T * a.NB * A16B * sizeof(int16_t));
+    a.d = malloc(T * a.NB * sizeof(float));
+    int rc = -1;
+    if (a.q && a.d) {
+        a16_quantize(x, T, C, &a);
+        SPLIT(nthreads, total, i8a16_span(n, w, s, out, R, &a, r0, r1, C, T))
+        rc = 0;
+    }
+    free(a.q);
+    free(a.d);
+    return rc;
+}
+
 /* 1 when the int8 x int16 path has its vector (AVX-512 VNNI) code here, 0 when it runs the plain C loop. */
 int df_a16_vnni(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -35,6 +35,7 @@ _SIGNATURES = {
     "df_i8a16_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4q8_swiglu": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_a16_vnni": [],
+    "df_i8a16_multi": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "df_q8_vnni": [],
     "df_simd_width": [],
 }
@@ -106,6 +107,7 @@ def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                     getattr(lib, name).argtypes = args
                 lib.df_simd_width.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_swiglu.restype = _INT
+                lib.df_i8a16_multi.restype = _INT
         if lib is None:
             log.warning("fast CPU kernels off, the plain torch path runs: %s", why)
         _loaded[extra], _why[extra] = lib, why

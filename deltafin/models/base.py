@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from deltafin.kernels import matmul
+from deltafin.kernels import matmul, matmul_many
 from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
@@ -58,6 +58,15 @@ def linear(x: torch.Tensor, w: QTensor | torch.Tensor, bias: QTensor | torch.Ten
     if bias is not None:
         y = y + (bias if isinstance(bias, torch.Tensor) else dequantize(bias, x.dtype)).to(x.dtype)
     return y
+
+
+def linears(x: torch.Tensor, ws: Sequence[QTensor | torch.Tensor],
+            biases: Sequence[QTensor | torch.Tensor | None]) -> list[torch.Tensor]:
+    """[linear(x, w, b) for w, b in zip(ws, biases)] for x [T, in]: matrices that read the same input (q, k, v),
+    which the fast path may run in one call (``kernels.matmul_many``)."""
+    ys = matmul_many(x, list(ws)) if x.dim() == 2 else [matmul(x, w) for w in ws]
+    return [y if b is None else y + (b if isinstance(b, torch.Tensor) else dequantize(b, x.dtype)).to(x.dtype)
+            for y, b in zip(ys, biases, strict=True)]
 
 
 def dense(w: QTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

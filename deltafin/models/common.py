@@ -28,6 +28,7 @@ from deltafin.models.base import (
     dense,
     embed_rows,
     linear,
+    linears,
     moe_dispatch,
     rms_norm,
 )
@@ -347,7 +348,8 @@ class GQADecoder(DecoderLM):
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H*d], k and v [T, Hkv*d] (or already split into heads) for the normed stream h [T, D]."""
         lw = self.layers[i]
-        return linear(h, lw["q"], lw["q_b"]), linear(h, lw["k"], lw["k_b"]), linear(h, lw["v"], lw["v_b"])
+        q, k, v = linears(h, (lw["q"], lw["k"], lw["v"]), (lw["q_b"], lw["k_b"], lw["v_b"]))
+        return q, k, v
 
     def _window(self, i: int) -> int | None:
         return getattr(self.cfg, "sliding_window", None)
