@@ -281,3 +281,24 @@ def test_int8_many_equals_separate_calls(T):
         assert torch.equal(ys[0], many[0]) and torch.equal(ys[1], x @ plain.T)
     exact = kernels.matmul_many(x, ws)  # off the fast path: the torch reference, one at a time
     assert all(torch.equal(a, torch_ref.matmul(x, w)) for a, w in zip(exact, ws, strict=True))
+
+
+def test_rows_split_over_threads_give_the_one_thread_results(monkeypatch):
+    """Rows are independent, so splitting them over threads (any matrix when SERIAL_ELEMENTS is 0) changes no
+    bit of any result; test shapes are otherwise below the threshold and run on one thread."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread here")
+    recs = _records(130, 512, seed=11)
+    x = torch.randn(3, 512)
+    down = _records(512, 128, seed=12)["mxfp4"]
+    runs = []
+    for serial in (cpu.SERIAL_ELEMENTS, 0):
+        monkeypatch.setattr(cpu, "SERIAL_ELEMENTS", serial)
+        ys = [getattr(cpu, f"{f}_linear")(x[:t], r.data, r.scale) for f, r in recs.items() for t in (1, 3)]
+        if cpu.q8_enabled():
+            g = _records(128, 512, seed=13)["mxfp4"]
+            ys.append(cpu.swiglu(x, g, g, down))
+        if cpu.i16_enabled():
+            ys += cpu.int8_linear_many(x, [recs["int8"], recs["int8"]])
+        runs.append(ys)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

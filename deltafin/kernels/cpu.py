@@ -35,7 +35,11 @@ from deltafin.quant.record import QTensor
 # made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
 FUSED_TOKENS = 16
 TILE_BYTES = 8 << 20
-SERIAL_ELEMENTS = 1 << 18  # smaller matrices run on the calling thread: waking the others costs more
+# Smaller matrices run on the calling thread: waking the others costs more. With idle OpenMP threads asleep
+# (OMP_WAIT_POLICY=PASSIVE, set in deltafin/__init__.py) a wake took ~100 us or more on the 2-core VM, so a
+# Qwen3-MoE expert (768 x 2048 MXFP4, 2.4 MB with gate/up/down fused) ran slower on two threads (410-630 us)
+# than on one (290-330 us); from ~4M weights (K3's trunk and experts, any matrix over ~2-4 MB) two threads win.
+SERIAL_ELEMENTS = 1 << 22
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
 _INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
 _E8M0 = torch.exp2(torch.arange(256, dtype=torch.float64) - 127).to(torch.float32)
