@@ -8,15 +8,24 @@ Algorithms, 3.1). The fused kernel accumulates 16 lanes over C/16 steps of 2 pro
 the lanes pairwise (4 levels) and applies a scale: n <= C/16 + 8. The tiled path hands the sum to a BLAS
 matmul whose order is unknown: n <= C. Both are checked against a float64 reference of the same weights.
 
-The Q8 path (4-bit weights, up to FUSED_TOKENS tokens, the default) also rounds the activations: per block b of
-32, d_b = max|x| / 127 and x is replaced by xq = d_b q, q = round(x / d_b), so |x - xq| <= d_b / 2 (plus 2^-10
+The Q8 path (4-bit weights, up to GEMM_TOKENS tokens, or FUSED_TOKENS without the GEMM; the default) also
+rounds the activations: per block b of 32, d_b = max|x| / 127 and x is replaced by xq = d_b q, q = round(x / d_b), so |x - xq| <= d_b / 2 (plus 2^-10
 d_b of slack for x * (127 / max) rounding in float32). The block sums of integers are exact (|sum| < 2^24) and
 w x xq = the sum the kernel evaluates, so |y - w.x| <= sum_c |w_c| d_b(c) (1/2 + 2^-10) + gamma_n sum_c |w_c|
 |xq_c|, with |xq_c| <= |x_c| + d_b(c) (1/2 + 2^-10) and n <= C/32 + 8 roundings (one scale product and one
 fused multiply-add per block at most, a 4-level lane reduction).
+
+The int16 GEMM (4-bit weights, more than GEMM_TOKENS tokens, where the build has it) rounds the activations the
+same way to int16: d_b = max|x| / 32767, |x - xq| <= d_b (1/2 + 2^-7) (the slack covers the float32 roundings of
+32767 / max, of x times it and of d_b: 3 u |x| <= 3 u 32767 d_b < 2^-7 d_b). The block sums of integers are exact
+(|sum| <= 12 x 32767 x 32 < 2^24, so their float conversion is too) and the weight scales times 1/2 are exact, so
+the float32 error is that of the block loop: one rounding of the scale product d_b x weight scale and one fused
+multiply-add per block, n <= C/32 + 2 roundings on any term's path (no lane reduction: a lane is a row).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -97,6 +106,36 @@ def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
             "int8": QTensor("int8", (R, C), torch.from_numpy(q), torch.from_numpy(s))}
 
 
+GW_SLACK = 0.5 + 2.0**-7
+
+
+def _gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    T, C = x.shape
+    d = x.double().abs().view(T, C // 32, 32).amax(-1, keepdim=True).div(32767).expand(T, C // 32, 32).reshape(T, C)
+    aw = w.double().abs()
+    n = C // 32 + 2
+    g = n * U / (1 - n * U)
+    return (d * GW_SLACK) @ aw.T + g * ((x.double().abs() + d * GW_SLACK) @ aw.T)
+
+
+def _check_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = x.double() @ w.double().T
+    err = (y.double() - ref).abs()
+    bound = _gemm_bound(x, w)
+    assert torch.all(err <= bound), f"max error {err.max():.3g}, {(err / bound).max():.3g} of the bound"
+    # a real constraint: about 2^-16 of sum |w x| for these inputs (a wrong block, row or scale lands far outside)
+    assert torch.all(bound <= 1e-3 * (x.double().abs() @ w.double().abs().T) + 1e-30)
+
+
+def _kernel(fmt: str, T: int, lib=None) -> str:
+    """Which CPU kernel runs fmt at T tokens: gemm, q8, fused (the float loop) or tile."""
+    if fmt != "int8" and T > cpu.GEMM_TOKENS and cpu.gemm_enabled(lib):
+        return "gemm"
+    if T > cpu.FUSED_TOKENS:
+        return "tile"
+    return "q8" if fmt != "int8" and cpu.q8_enabled(lib) else "fused"
+
+
 SHAPES = [(1, 32), (77, 96), (33, 256), (130, 512), (7, 640)]  # odd row counts, one block to many
 TOKENS = [1, 3, cpu.FUSED_TOKENS, cpu.FUSED_TOKENS + 1, 40]
 
@@ -111,7 +150,10 @@ def test_fused_kernels_match_reference(fmt, R, C):
         x = torch.randn(T, C, generator=torch.Generator().manual_seed(T))
         y = fn(x, rec.data, rec.scale)
         assert y.shape == (T, R) and y.dtype == torch.float32
-        _check_fmt(fmt, y, x, w, fused=T <= cpu.FUSED_TOKENS)
+        if _kernel(fmt, T) == "gemm":
+            _check_gemm(y, x, w)
+        else:
+            _check_fmt(fmt, y, x, w, fused=T <= cpu.FUSED_TOKENS)
         _check(torch_ref.matmul(x, rec), x, w, fused=False)  # the reference is within its own bound too
 
 
@@ -139,6 +181,75 @@ def test_portable_build_matches_reference():
             x = torch.randn(T, 96)
             y = getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib)
             _check_fmt(fmt, y, x, dequantize(rec), fused=T <= cpu.FUSED_TOKENS, lib=lib)
+
+
+GEMM_R = [17, 33, 100, 257]  # odd row counts: a partial vector of 16 rows, a partial panel of 32
+
+
+@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
+@pytest.mark.parametrize("C", [32, 96, 640])  # one block; a partial vector of 16 scales; a run and a partial one
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32"])
+def test_gemm_matches_reference(fmt, C):
+    for R in GEMM_R:
+        rec = _records(R, C, seed=R + C)[fmt.removesuffix("_f32")]
+        scale = rec.scale.float() if fmt.endswith("_f32") else rec.scale
+        w = dequantize(rec)
+        fn = getattr(cpu, f"{rec.format}_linear")
+        for T in (cpu.GEMM_TOKENS + 1, 17, 33, 100, 257):  # token counts around the six-token groups
+            x = torch.randn(T, C, generator=torch.Generator().manual_seed(T)) * torch.rand(T, 1) * 10
+            cpu.USED.discard(f"{rec.format}_gemm")
+            y = fn(x, rec.data, scale)
+            assert y.shape == (T, R) and f"{rec.format}_gemm" in cpu.USED
+            _check_gemm(y, x, w)
+
+
+@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
+def test_gemm_off_selects_the_tiled_float_path(monkeypatch):
+    rec = _records(37, 256, seed=6)["mxfp4"]
+    x = torch.randn(40, 256)
+    gemm = cpu.mxfp4_linear(x, rec.data, rec.scale)
+    monkeypatch.setenv("DELTAFIN_CPU_GEMM", "0")
+    assert not cpu.gemm_enabled()
+    y = cpu.mxfp4_linear(x, rec.data, rec.scale)
+    _check(y, x, dequantize(rec), fused=False)
+    assert not torch.equal(y, gemm) and "mxfp4_tile" in cpu.USED
+
+
+@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
+@pytest.mark.parametrize("C", [64, 512])
+def test_gemm_nan_scale_and_smallest_scale_like_the_reference(C):
+    """E8M0 0xFF (NaN) reaches its row only; E8M0 0 is 2^-127, not the 0 its bits would give."""
+    rec = _records(4, C, seed=1)["mxfp4"]
+    scales = rec.scale.clone()
+    scales[2, 1] = 255
+    y = cpu.mxfp4_linear(torch.randn(20, C), rec.data, scales)
+    assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, [0, 1, 3]]).any()
+    scales = torch.full_like(rec.scale, 0)
+    x = torch.full((20, C), 2.0**100)
+    w = dequantize(QTensor("mxfp4", (4, C), rec.data, scales))
+    assert torch.all(w.abs().sum(1) > 0)
+    _check_gemm(cpu.mxfp4_linear(x, rec.data, scales), x, w)
+
+
+def test_bench_prefill_rows_time_both_paths(monkeypatch):
+    """`bench kernels` prefill rows: the fast path and the tiled float path timed in the same run (small shapes)."""
+    from deltafin.bench import kernels as bk
+
+    recs = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: recs)])
+    monkeypatch.setattr(bk, "PREFILL_TOKENS", (cpu.FUSED_TOKENS + 3,))
+    used, env = set(cpu.USED), os.environ.get("DELTAFIN_CPU_GEMM")
+    cpu.USED.clear()
+    try:
+        (row,) = bk._prefill_rows("cpu", seconds=0.06, rounds=2)
+        ran = set(cpu.USED)
+    finally:
+        cpu.USED |= used
+    assert row["tokens"] == cpu.FUSED_TOKENS + 3 and row["fused_GFLOPs"] > 0 and row["tile_GFLOPs"] > 0
+    assert row["fused_over_tile"] == row["fused_GFLOPs"] / row["tile_GFLOPs"]
+    assert "mxfp4_tile" in ran and ("mxfp4_gemm" in ran) == cpu.gemm_enabled()
+    assert os.environ.get("DELTAFIN_CPU_GEMM") == env  # restored
+    assert bk._peak("cpu") >= 0
 
 
 @pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
@@ -192,14 +303,21 @@ def test_dispatch_exact_by_default_fused_inside_fast():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int8"])
 def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
-    """Up to FUSED_TOKENS, each token's sums run in one order (one token takes a four-row path with the same
-    arithmetic), so batching requests together cannot change a greedy choice."""
+    """Within one kernel's range of token counts (one token takes a four-row path with the same arithmetic;
+    the GEMM groups six tokens but sums each alone), each token's sums run in one order, so batching requests
+    together cannot change a greedy choice."""
     rec = _records(37, 128, seed=9)[fmt]
     fn = getattr(cpu, f"{fmt}_linear")
-    x = torch.randn(cpu.FUSED_TOKENS, 128)
+    small = cpu.GEMM_TOKENS if _kernel(fmt, cpu.GEMM_TOKENS + 1) == "gemm" else cpu.FUSED_TOKENS
+    x = torch.randn(small, 128)
     many = fn(x, rec.data, rec.scale)
-    for t in (0, 5, cpu.FUSED_TOKENS - 1):
+    for t in (0, small // 2, small - 1):
         assert torch.equal(fn(x[t : t + 1], rec.data, rec.scale)[0], many[t])
+    if small == cpu.GEMM_TOKENS:
+        x = torch.randn(45, 128)
+        many = fn(x, rec.data, rec.scale)
+        for t in (0, 7, 30):
+            assert torch.equal(fn(x[t : t + small + 1], rec.data, rec.scale)[0], many[t])
 
 
 def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, caplog):

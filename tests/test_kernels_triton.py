@@ -14,6 +14,7 @@ the two kernels.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,6 +100,111 @@ def test_grouped_experts_match_reference(fmt, act, dtype):
     assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
+@pytest.mark.parametrize("fmt,act", [("mxfp4", ACT_SITU), ("int4g32", ACT_SILU)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_prefill_weight_left_matches_reference(fmt, act, dtype):
+    """The prefill tiles with the weight as the left operand (cfg swap): 16-row blocks, several per expert,
+    odd token and row counts, the reference sums."""
+    g = torch.Generator().manual_seed(8)
+    E, T, k, D, inter = 3, 37, 2, 64, 96
+    experts = _experts(fmt, E, D, inter, g)
+    slab = ExpertSlab.stack(experts, DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    x = torch.randn(T, D, generator=g).to(DEV, dtype)
+    cfg = {"BT": 16, "BN": 16, "BK": 32, "BN_down": 32, "BK_down": 32, "num_warps": 4, "num_stages": 1,
+           "swap": True}
+    y = grouped_glu(x, ids, wts, slab, act, cfg=cfg)
+    assert y.dtype == dtype and y.shape == (T, D)
+    assert _rel(y, _moe_ref(x, ids, wts, experts, act)) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemv_matches_reference(dtype):
+    """The decode GEMV form (1-4 tokens), whole-K and split-K, odd row counts and widths."""
+    from deltafin.kernels.triton_gemv import int8_gemv, int8_gemv_config
+
+    g = torch.Generator().manual_seed(11)
+    for T, N, Kd, target, magic in ((1, 40, 96, 1, True), (2, 17, 160, 8, False), (4, 33, 1000, 16, True),
+                                    (3, 5, 48, 64, True)):
+        w = _record("int8", N, Kd, g).to(DEV)
+        x = torch.randn(T, Kd, generator=g).to(DEV, dtype)
+        cfg = int8_gemv_config(N, Kd, BN=16, BK=64, target=target, magic=magic)
+        y = int8_gemv(x, w.data, w.scale, cfg)
+        assert y.dtype == dtype and y.shape == (T, N)
+        assert _rel(y, x.double() @ dequantize(w).double().T) < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("act,dtype", [(ACT_SITU, torch.float32), (ACT_SILU, torch.bfloat16),
+                                       (ACT_SITU, torch.bfloat16)])
+def test_grouped_gemv_matches_reference(act, dtype):
+    """MXFP4 experts in the GEMV form: one program per (token, expert) pair, tokens sharing an expert."""
+    from deltafin.kernels.triton_gemv import moe_gemv_config
+    from deltafin.kernels.triton_moe import MoePlan
+
+    g = torch.Generator().manual_seed(5)
+    E, D, inter = 4, 64, 96
+    experts = _experts("mxfp4", E, D, inter, g)
+    slab = ExpertSlab.stack(experts, DEV)
+    for T, k in ((1, 3), (3, 2)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        wts = torch.rand(T, k, generator=g)
+        x = torch.randn(T, D, generator=g).to(DEV, dtype)
+        ref = _moe_ref(x, ids, wts, experts, act)
+        y = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64, decode=T % 2))
+        assert y.dtype == dtype and y.shape == (T, D)
+        assert _rel(y, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+    # the CUDA-graph runner's fixed layout: pair j alone at the head of padded block j, in routing order
+    rows = torch.full((T * k, 16), -1, dtype=torch.int32)
+    rows[:, 0] = torch.arange(T * k, dtype=torch.int32)
+    plan = MoePlan(rows.reshape(-1).to(DEV), ids.reshape(-1).to(torch.int32).to(DEV), T, k,
+                   moe_gemv_config(BN=16, BK=64))
+    assert _rel(grouped_glu(x, None, wts, slab, act, plan=plan), ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+def test_e2m1_gemv_decode_covers_every_byte():
+    """Every packed byte under a spread of E8M0 scales: the down GEMV of unit vectors gives W back exactly."""
+    from deltafin.kernels.triton_gemv import _gemv_down_kernel
+    from deltafin.quant import mxfp4
+
+    g = torch.Generator().manual_seed(2)
+    packed = torch.arange(256, dtype=torch.uint8).reshape(1, 8, 32)  # one slot: W [8, 64], every byte once
+    scales = torch.randint(100, 150, (1, 8, 2), generator=g, dtype=torch.uint8)
+    w = mxfp4.dequantize(packed[0], scales[0]).double()
+    h = torch.eye(64, dtype=torch.float32, device=DEV)  # pair p multiplies unit vector p
+    for decode in (0, 1):
+        y = torch.empty(64, 8, dtype=torch.float32, device=DEV)
+        _gemv_down_kernel[(64, 1)](h, torch.arange(64, dtype=torch.int32, device=DEV),
+                                   torch.zeros(64, dtype=torch.int32, device=DEV), torch.ones(64, device=DEV),
+                                   packed.to(DEV), scales.to(DEV), y, 256, 16, RS=1, I=64, D=8, BN=8, BK=64,
+                                   DECODE=decode)
+        assert torch.equal(y.double().cpu(), w.T)
+
+
+def test_gemv_flags_route_decode_calls(monkeypatch):
+    """With the flags on, int8 linears of <= 4 tokens and decode MoE plans take the GEMV kernels (the same
+    numbers as calling them directly); more tokens keep the tensor-core kernels."""
+    from deltafin.kernels import triton_gemv as G
+    from deltafin.kernels.triton_moe import moe_config, plan_moe
+
+    monkeypatch.setattr(G, "GEMV_INT8", True)
+    monkeypatch.setattr(G, "GEMV_MOE", True)
+    g = torch.Generator().manual_seed(3)
+    w = _record("int8", 24, 64, g).to(DEV)
+    x = torch.randn(2, 64, generator=g).to(DEV)
+    assert torch.equal(K.int8_linear(x, w.data, w.scale), G.int8_gemv(x, w.data, w.scale))
+    assert G.use_int8_gemv(4, 24, 64) and not G.use_int8_gemv(5, 24, 64)
+    assert not G.use_int8_gemv(1, 12288, 7168)  # the largest trunk weights stay on the tensor-core kernel
+    assert plan_moe(torch.tensor([[0, 3], [2, 1]]), DEV, 64, 32).cfg["gemv"]  # every pair its own expert
+    assert "gemv" not in plan_moe(torch.tensor([[0, 3], [3, 1]]), DEV, 64, 32).cfg  # a shared expert
+    assert moe_config(16, 16, 64, 32)["gemv"] and "gemv" not in moe_config(64, 16, 64, 32)
+    experts = _experts("int4g32", 3, 64, 32, g)  # no GEMV form: the plan is laid out for the tensor-core kernel
+    slab = ExpertSlab.stack(experts, DEV)
+    ids, wts = torch.tensor([[0, 2]]), torch.rand(1, 2, generator=g)
+    y = grouped_glu(x[:1], ids, wts, slab, ACT_SILU)
+    assert _rel(y, _moe_ref(x[:1], ids, wts, experts, ACT_SILU)) < 1e-5
+
+
 def test_slab_recognises_its_own_views():
     g = torch.Generator().manual_seed(1)
     experts = _experts("mxfp4", 3, 64, 32, g)
@@ -130,6 +236,32 @@ def test_linear_k3_widths_on_gpu(fmt):
     for i, (T, N, Kd) in enumerate(((1, 3072, 3584), (1, 1536, 7168), (64, 3584, 3072), (300, 576, 7168))):
         for dtype in (torch.float32, torch.bfloat16):
             _check_linear(fmt, T, N, Kd, dtype, seed=i)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gemv_k3_widths_on_gpu():
+    """The GEMV kernels compiled at Kimi K3 widths: int8 trunk shapes at 1-4 tokens, MXFP4 experts (both
+    decodes) at 1 and 4 tokens."""
+    from deltafin.kernels.triton_gemv import int8_gemv, moe_gemv_config
+
+    g = torch.Generator().manual_seed(9)
+    for T, N, Kd in ((1, 12288, 7168), (4, 1536, 7168), (3, 7168, 1536), (1, 576, 7168)):
+        w = _record("int8", N, Kd, g).to(DEV)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(T, Kd, generator=g).to(DEV, dtype)
+            y = int8_gemv(x, w.data, w.scale)
+            assert _rel(y, x.double() @ dequantize(w).double().T) < (1e-5 if dtype == torch.float32 else 8e-3)
+    experts = _experts("mxfp4", 6, 3584, 3072, g)
+    slab = ExpertSlab.stack(experts, DEV)
+    for T in (1, 4):
+        ids = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(T)])
+        wts = torch.rand(T, 4, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(T, 3584, generator=g) * 0.5).to(DEV, dtype)
+            y = grouped_glu(x, ids, wts, slab, ACT_SITU, cfg=moe_gemv_config(decode=T % 2))
+            ref = _moe_ref(x, ids.to(DEV), wts.to(DEV), experts, ACT_SITU)
+            assert _rel(y, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
 @pytest.mark.gpu
@@ -208,7 +340,7 @@ def test_model_wiring_through_interpreter(tmp_path, monkeypatch):
         monkeypatch.setenv("DELTAFIN_KERNELS", mode)
         kc.USED.clear()
         logits[mode] = model.forward(ids, model.new_state(8), experts)
-    assert {"triton:int8_linear", "triton:grouped_mxfp4"} <= kc.USED
+    assert {"triton:int8_linear", "triton:grouped_mxfp4", "triton:kda_products"} <= kc.USED
     assert _rel(logits["interpret"], logits["torch"]) < 3e-2
 
 
@@ -225,6 +357,9 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
     src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
     src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+    src.model = SimpleNamespace(moe_layers=[1], num_experts=1)  # a model of one expert: one cache slot
+    assert src._slab_ready(ex, nbytes) and src.slab.slots == 3
+    src.slab, src.model = None, SimpleNamespace(moe_layers=[1, 2], num_experts=8)  # the budget decides
     assert src._slab_ready(ex, nbytes) and src.slab.slots == 4
     layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes)) for e in range(4)]
     assert sorted(layer0) == [0, 1, 2, 3]  # two cached, two scratch, all distinct
@@ -234,3 +369,21 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     s, cached = src._take_slot()
     assert cached and s in layer0[:2] and len(src.cache._entries) == 1  # the least recent expert made room
     torch.testing.assert_close(src.slab.views(layer0[3])["down"].data, ex["down"].data)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke runs the interpreter on the CPU")
+def test_gemv_bench_smoke(tmp_path):
+    """``kernels_cuda --gemv`` at tiny widths: every configuration checked against the reference and timed,
+    the summary names the copy-rate limit."""
+    import json
+
+    from deltafin.bench import kernels_cuda, kernels_gemv
+
+    out = tmp_path / "gemv.json"
+    assert kernels_cuda.main(["--smoke", "--gemv", "--quick", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name in ("gemv_int8", "gemv_moe"):
+        assert res[name] and all(r.get("ok") for r in res[name]), res[name]
+        assert {r["kernel"] for r in res[name]} == {"tensor-core", "gemv"}
+    assert "copy" in kernels_gemv.summary(res, res["copy_GBps"])[0]

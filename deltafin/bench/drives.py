@@ -1,4 +1,4 @@
-"""``deltafin bench drives``: decode with each placement policy on emulated drives shaped like the report's.
+"""``deltafin bench drives``: decode with each placement policy on emulated drives shaped like the M5 Max write-up's.
 
 The drive set is ``report4`` (internal 7 GB/s + three 6 GB/s Thunderbolt 5 enclosures) scaled to what this
 machine moves: the emulated drives serve real bytes from this one disk, so its direct read rate is measured
@@ -173,7 +173,7 @@ def _figures(r: dict, policy: str, args, summed: float, internal: float, nbytes:
 
 def _print(rec: dict) -> None:
     drives = ", ".join(f"{d['label']} {d['GBps']:.3f}" for d in rec["drives"])
-    print(f"bench drives: emulated drives shaped like the report's ({drives} GB/s; summed "
+    print(f"bench drives: emulated drives shaped like the M5 Max write-up's ({drives} GB/s; summed "
           f"{rec['summed_GBps']:.3f} GB/s = {HEADROOM:g} x this disk's raw direct read rate {rec['raw_disk_GBps']:.3f} "
           f"GB/s measured here, because the emulated drives serve real bytes from this one disk); synthetic model "
           f"{rec['moe_layers']} layers x {rec['experts']} experts of {rec['expert_file_bytes'] / 1e6:.2f} MB, "

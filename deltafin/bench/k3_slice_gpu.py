@@ -106,10 +106,14 @@ class SlabExperts:
             self.slab.scale[r].random_(118, 131)
         self.slot = {(L, e): i * experts + e for i, L in enumerate(moe_layers) for e in range(experts)}
         self.nbytes = sum(t.nbytes for t in ex.values())
+        self.views: dict = {}
 
     def fetch(self, layer: int, ids):
-        for e in ids:
-            yield e, self.slab.views(self.slot[(layer, e)])
+        for e in ids:  # views made once and kept, as the engine's expert cache keeps them
+            key = (layer, e)
+            if key not in self.views:
+                self.views[key] = self.slab.views(self.slot[key])
+            yield e, self.views[key]
 
 
 class _HostEvent:
@@ -162,6 +166,76 @@ def run_decode(model, tc, experts, tokens: int, warm: int = 3) -> dict:
             per.append(p)
             head.append(h)
     return _project(tc, per, head) | {"tokens": tokens}
+
+
+GRAPH_MAX_LEN = 4096  # the engine's default context: graph MLA decode attends over the whole static buffer
+
+
+def run_decode_graphs(model, tc, experts, tokens: int, warm: int = 3, max_len: int = GRAPH_MAX_LEN) -> dict:
+    """Decode steps replayed from CUDA graphs (``runtime/cuda_graphs.py``): the first step runs eagerly,
+    the second records, the rest replay. Device events after each routing step split a step into
+    intervals of one MoE layer each (its attention and router, then the host fetch of its experts; the
+    routed experts of the layer before open it), host wall time around the whole step besides."""
+    from deltafin.runtime.cuda_graphs import DecodeGraphs
+
+    runner = DecodeGraphs(model, experts)
+    st = model.new_state(max_len)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tc["vocab_size"], (tokens + warm,), generator=g).to(model.device)
+    intervals, walls = [], []
+    for i in range(tokens + warm):
+        marks: list = []
+
+        def mark(marks=marks):
+            marks.append(_event(ids))
+            marks[-1].record()
+
+        runner.mark = mark
+        mark()
+        t0 = time.perf_counter()
+        runner.step(ids[i:i + 1], st)
+        mark()
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        if i >= warm:
+            walls.append(wall)
+            intervals.append([a.elapsed_time(b) * 1e-3 for a, b in zip(marks, marks[1:], strict=False)])
+    out = _project_graphs(tc, runner.moe, intervals, walls)
+    out |= {"tokens": tokens, "max_len": max_len, "recorded": all(gr is not None for gr in runner.graphs)}
+    if out["recorded"] and ids.is_cuda:  # the GPU's own time: every stage replayed back to back, no host step
+        a, b = _event(ids), _event(ids)
+        a.record()
+        for _ in range(tokens):
+            for gr in runner.graphs:
+                gr.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out["gpu_only_step_s"] = a.elapsed_time(b) * 1e-3 / tokens
+    return out
+
+
+def _event(ids: torch.Tensor):
+    return torch.cuda.Event(enable_timing=True) if ids.is_cuda else _HostEvent()
+
+
+def _project_graphs(tc: dict, moe: list[int], intervals: list[list[float]], walls: list[float]) -> dict:
+    """Interval 0: embed, the dense layer 0 and the first MoE layer's front; interval j: MoE layer j's
+    attention and router plus the routed experts of the one before; the last also ends with routed experts
+    and the head. 93 layers: the first interval, 67 KDA and 24 MLA middle intervals, the last."""
+    mla = set(tc["linear_attn_config"]["full_attn_layers"])
+    mid = {"kda_moe": [j for j in range(1, len(moe)) if moe[j] + 1 not in mla],
+           "mla_moe": [j for j in range(1, len(moe)) if moe[j] + 1 in mla]}
+    med = {k: statistics.median(s[j] for s in intervals for j in v) if v else None for k, v in mid.items()}
+    first = statistics.median(s[0] for s in intervals)
+    last = statistics.median(s[-1] for s in intervals)
+    kda, mla_t = med["kda_moe"], med["mla_moe"] or med["kda_moe"]
+    total = first + (K3_LAYERS - 2 - K3_MLA) * kda + K3_MLA * mla_t + last
+    step = statistics.median(walls)
+    return {"per_kind_s": {"first": first, **med, "last_and_head": last}, "k3_93_layers_s": total,
+            "step_wall_s": step, "step_events_s": statistics.median(sum(s) for s in intervals),
+            "per_moe_layer_s": statistics.median(s[j] for s in intervals for j in range(1, len(moe)))
+            if len(moe) > 1 else None}
 
 
 def run_prefill(model, tc, experts, tokens: int) -> dict:
@@ -221,6 +295,7 @@ def run(a, mode: str) -> dict:
            "trunk_bytes": sum(r.nbytes for r in w.values()), "expert_bytes": experts.nbytes}
     if mode != "prefill":
         res["decode"] = run_decode(model, tc, experts, a.tokens)
+        res["decode_graphs"] = run_decode_graphs(model, tc, experts, a.tokens)
         res["kernels"] = sorted(kc.USED)
         before = os.environ.get("DELTAFIN_KERNELS")
         os.environ["DELTAFIN_KERNELS"] = "torch"
@@ -247,11 +322,18 @@ def run(a, mode: str) -> dict:
 
 
 def _print_decode(res: dict) -> None:
-    d, dt = res["decode"], res["decode_torch"]
-    print("decode per layer kind (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in d["per_kind_s"].items() if v)
-          + f"; head {d['head_s'] * 1e3:.3f}")
-    print(f"decode math per K3 token (93 layers): {d['k3_93_layers_s'] * 1e3:.1f} ms (target <= 60 ms); "
-          f"torch path {dt['k3_93_layers_s'] * 1e3:.0f} ms; kernels {', '.join(res['kernels'])}")
+    d, dt, g = res["decode"], res["decode_torch"], res["decode_graphs"]
+    print("decode per layer kind, eager (ms): "
+          + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in d["per_kind_s"].items() if v) + f"; head {d['head_s'] * 1e3:.3f}")
+    print("decode per MoE layer interval, CUDA graphs (ms): "
+          + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in g["per_kind_s"].items() if v)
+          + f"; step {g['step_wall_s'] * 1e3:.2f} ms wall for {res['layers']} layers (max_len {g['max_len']})"
+          + (f"; GPU time alone {g['gpu_only_step_s'] * 1e3:.2f} ms" if "gpu_only_step_s" in g else "")
+          + ("" if g["recorded"] else "; NOT recorded: the runner ran eagerly"))
+    print(f"decode math per K3 token (93 layers): CUDA graphs {g['k3_93_layers_s'] * 1e3:.1f} ms vs target 60 ms "
+          f"= {g['k3_93_layers_s'] / 0.060:.2f}x; eager {d['k3_93_layers_s'] * 1e3:.1f} ms "
+          f"(graphs {d['k3_93_layers_s'] / g['k3_93_layers_s']:.1f}x faster); torch path "
+          f"{dt['k3_93_layers_s'] * 1e3:.0f} ms; kernels {', '.join(res['kernels'])}")
 
 
 def _print_prefill(T: int, p: dict) -> None:

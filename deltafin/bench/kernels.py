@@ -2,7 +2,10 @@
 
 Cases: one K3 routed expert (MXFP4 gate/up [3072, 3584], down [3584, 3072]; 17.5 MB) at 1 token and a few
 tokens, and the int8 trunk's GEMV shapes (KDA q/k/v/g [12288, 7168], o [7168, 12288], shared experts
-[6144, 7168] and [7168, 6144], latent down [3584, 7168]). Each case cycles over enough copies of its weights
+[6144, 7168] and [7168, 6144], latent down [3584, 7168]). Prefill rows: the same expert at 64 and 128 tokens
+(a layer's share of a 512-token prompt), in GFLOP/s beside the machine's int16 dot-product peak measured in the
+same run, with the tiled float path (``DELTAFIN_CPU_GEMM=0``) and a float32 torch matmul of the same shapes (weights
+already float) beside. Each case cycles over enough copies of its weights
 to overflow the last-level cache, so every byte comes from memory. The limit, measured in the same run before
 and after the cases (the higher is kept): on the CPU the read rate of a sum over a 1 GiB tensor on all
 threads; on CUDA a device-to-device copy (bytes read + written). The plain torch path's figure is beside.
@@ -10,10 +13,11 @@ threads; on CUDA a device-to-device copy (bytes read + written). The plain torch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,7 +26,9 @@ from deltafin.quant.record import QTensor
 
 INT8_SHAPES = [(12288, 7168), (7168, 12288), (6144, 7168), (7168, 6144), (3584, 7168)]
 EXPERT_TOKENS = (1, 4, 32)
+PREFILL_TOKENS = (64, 128)
 TARGET = 0.5  # achieved / bandwidth at one token
+PREFILL_TARGET = 2.5  # the GEMM over the tiled float path at prefill token counts
 
 
 def _sync(device: str) -> None:
@@ -103,6 +109,57 @@ def _cases(device: str) -> list[tuple[str, int, Callable[[], list[QTensor]]]]:
     return cases
 
 
+def _prefill_rows(device: str, seconds: float, rounds: int = 3) -> list[dict]:
+    """The K3 expert at prefill token counts: GFLOP/s of the fast path, of the tiled float path, and of a float32
+    torch matmul on already-float weights (what the tiled path's BLAS could reach at best). The three alternate
+    over ``rounds`` rounds and each keeps its best, so a shared machine's load shifts them alike."""
+    from deltafin.kernels import fast
+    from deltafin.quant.record import dequantize
+
+    ws = _cases(device)[0][2]()
+    flop1 = 2 * sum(w.shape[0] * w.shape[1] for w in ws)  # per token
+    wf = [dequantize(w) for w in ws]
+    rows = []
+    for T in PREFILL_TOKENS:
+        x = torch.randn(T, ws[0].shape[1], device=device)
+        xi = torch.randn(T, ws[-1].shape[1], device=device)
+        run_ = functools.partial(_expert_run, x=x, xi=xi)
+        mm = functools.partial(lambda _, x, xi: (x @ wf[0].T, x @ wf[1].T, xi @ wf[2].T), x=x, xi=xi)
+        fused = tile = blas = 0.0
+        for _ in range(rounds):
+            with fast():
+                fused = max(fused, _rate(run_, [ws], flop1 * T, device, seconds / rounds))
+                with _env("DELTAFIN_CPU_GEMM", "0"):
+                    tile = max(tile, _rate(run_, [ws], flop1 * T, device, seconds / rounds))
+            blas = max(blas, _rate(mm, [ws], flop1 * T, device, seconds / rounds / 2))
+        rows.append({"case": f"k3 expert mxfp4 x{T} tok", "tokens": T, "fused_GFLOPs": fused, "tile_GFLOPs": tile,
+                     "f32_matmul_GFLOPs": blas, "fused_over_tile": fused / tile})
+    return rows
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _peak(device: str) -> float:
+    """The int16 dot-product peak on the fast path's threads (GOP/s), 0 where the kernels have no VNNI code."""
+    from deltafin.kernels import native
+
+    lib = native.library() if device == "cpu" else None
+    if lib is None:
+        return 0.0
+    return max(lib.df_gw_peak(torch.get_num_threads(), 2_000_000) for _ in range(3))
+
+
 def _expert_run(ws: list[QTensor], x: torch.Tensor, xi: torch.Tensor) -> None:
     from deltafin.kernels import matmul
 
@@ -137,6 +194,10 @@ def run(args) -> dict:
         ref = _rate(run_, sets[:1], nbytes, device, args.seconds / 4)
         rows.append({"case": name, "tokens": T, "weight_bytes": nbytes, "fused_GBps": fast, "torch_GBps": ref})
         del sets, ws0
+    prefill = _prefill_rows(device, args.seconds) if device == "cpu" else []
+    peak = _peak(device)
+    for r in prefill:
+        r["fused_over_peak"] = r["fused_GFLOPs"] / peak if peak else None
     bw = max(bw0, bandwidth(device))
     for r in rows:
         r["fused_over_bandwidth"] = r["fused_GBps"] / bw
@@ -145,7 +206,9 @@ def run(args) -> dict:
     result = {"bench": "kernels", "device": device, "backend": kernels.backend_name(device),
               "threads": torch.get_num_threads(), "bandwidth_GBps": bw,
               "bandwidth_GBps_before_after": [bw0, bw], "last_level_cache_bytes": llc, "cases": rows,
-              "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET}
+              "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET,
+              "int16_peak_GOPs": peak, "prefill": prefill, "prefill_target": PREFILL_TARGET,
+              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     _print(result)
     if args.json:
         from deltafin.store.manifest import write_json_atomic
@@ -162,3 +225,11 @@ def _print(r: dict) -> None:
         print(f"  {c['case']:<28} fused {c['fused_GBps']:6.2f} GB/s = {c['fused_over_bandwidth']:.2f} of bandwidth"
               f"{mark}; plain torch {c['torch_GBps']:6.3f} GB/s = {c['torch_over_bandwidth']:.3f}")
     print(f"worst one-token case: {r['worst_one_token_fraction']:.2f} of memory bandwidth (target >= {r['target']})")
+    if r["prefill"]:
+        print(f"prefill: int16 dot-product peak {r['int16_peak_GOPs']:.0f} GOP/s measured in this run; load average "
+              f"{r['load_average']:.1f}")
+    for c in r["prefill"]:
+        of_peak = f" = {c['fused_over_peak']:.2f} of peak" if c["fused_over_peak"] else ""
+        print(f"  {c['case']:<28} fused {c['fused_GFLOPs']:6.1f} GFLOP/s{of_peak}; tiled float path "
+              f"{c['tile_GFLOPs']:6.1f}: x{c['fused_over_tile']:.2f} (target >= {r['prefill_target']}); float32 "
+              f"matmul {c['f32_matmul_GFLOPs']:6.1f}")

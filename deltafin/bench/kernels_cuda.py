@@ -10,6 +10,8 @@ Run on a CUDA machine: ``python -m deltafin.bench.kernels_cuda --json OUT.json``
 4. Timings (``triton.testing.do_bench`` medians, several weight copies rotated so nothing sits in L2):
    the 16-expert Kimi K3 MXFP4 step at 1, 8 and 64 tokens, the K3 int8 trunk GEMVs, prefill GEMMs, each as
    weight bytes / time over the copy rate, with the plain-torch path (dequantize, then matmul) beside it.
+5. The decode GEMV kernels (``kernels/triton_gemv.py``) beside the tensor-core ones: the MoE step at 1 and
+   8 tokens, the int8 trunk shapes at 1 token (``bench/kernels_gemv.py``; ``--gemv`` runs only this part).
 The last lines printed are the summary table.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 import traceback
 
@@ -347,21 +350,23 @@ def prefill_moe(dev, slab, gbps) -> dict:
     ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
     wts = torch.rand(T, k, device=dev)
     x = torch.randn(T, LAT, device=dev).to(torch.bfloat16)
-    best = None
+    best, rows = None, []
+    fl = 2 * T * k * 3 * INTER * LAT
     for bt, bn, bk, w in ((64, 128, 64, 8), (64, 64, 128, 4), (128, 128, 64, 8), (64, 128, 128, 8)):
         cfg = {"BT": bt, "BN": bn, "BK": bk, "BN_down": bn, "BK_down": bk, "num_warps": w, "num_stages": 3}
-        for scaled in (False, True):
-            c = dict(cfg, scaled=scaled)
+        for scaled, swap in ((False, False), (True, False), (False, True), (True, True)):
+            c = dict(cfg, scaled=scaled, swap=swap)  # swap: the weight tile as the left operand
             try:
                 pl = plan_moe(ids, dev, LAT, INTER, c)
                 t = _bench(lambda pl=pl: grouped_glu(x, None, wts, slab, 1, plan=pl), 300)
             except Exception as e:
                 print("prefill moe cfg failed", c, type(e).__name__, str(e)[:120])
                 continue
+            rows.append({"cfg": c, "s": t, "TFLOPs": fl / t / 1e12})
             if best is None or t < best["s"]:
                 best = {"cfg": c, "s": t}
-    fl = 2 * T * k * 3 * INTER * LAT
     best["TFLOPs"] = fl / best["s"] / 1e12
+    best["sweep"] = rows
     best["tok_s_per_layer"] = T / best["s"]
     return best
 
@@ -383,6 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="no tuning sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--gemv", action="store_true", help="only the decode GEMV kernels beside the tensor-core ones")
     a = ap.parse_args(argv)
     if a.smoke:
         _shrink()
@@ -409,6 +415,16 @@ def main(argv=None) -> int:
 
     section("copy_GBps", lambda: copy_gbps(dev))
     gbps = res["copy_GBps"]
+    if a.gemv:
+        from deltafin.bench import kernels_gemv
+
+        section("gemv_int8", lambda: kernels_gemv.int8(sys.modules[__name__], dev, gbps))
+        gsets = [_expert_set("mxfp4", 16, dev) for _ in range(1 if SMOKE else 4)]
+        section("gemv_moe", lambda: kernels_gemv.moe(sys.modules[__name__], dev, [s for s, _ in gsets],
+                                                     [e for _, e in gsets], gbps, (1,) if a.quick else (1, 8)))
+        save()
+        print("\n".join(kernels_gemv.summary(res, gbps)))
+        return 0
     section("check_linear", lambda: check_linear(dev))
     section("check_moe", lambda: check_moe(dev))
     if not a.quick:
@@ -422,6 +438,10 @@ def main(argv=None) -> int:
     slabs, exs = [s for s, _ in sets], [e for _, e in sets]
     for T in (1, 8, 64):
         section(f"moe_T{T}", lambda T=T, sl=slabs, ex=exs: moe_step(dev, sl, ex, T, gbps, tune=not a.quick))
+    from deltafin.bench import kernels_gemv
+
+    section("gemv_moe", lambda sl=slabs, ex=exs: kernels_gemv.moe(sys.modules[__name__], dev, sl, ex, gbps, (1, 8)))
+    section("gemv_int8", lambda: kernels_gemv.int8(sys.modules[__name__], dev, gbps))
     del sets, slabs, exs
     section("prefill_gemm", lambda: time_prefill(dev))
     section("prefill_moe", lambda: prefill_moe(dev, _expert_set("mxfp4", 64, dev)[0], gbps))
@@ -470,6 +490,9 @@ def _summary(res: dict, gbps: float) -> None:
     if isinstance(pm, dict) and "s" in pm:
         print(f"prefill moe 4096 tok x 16 of 64 experts: {pm['s'] * 1e3:.1f} ms = {pm['TFLOPs']:.0f} TFLOP/s, "
               f"{pm['tok_s_per_layer']:.0f} tok/s per layer; cfg {pm['cfg']}")
+    from deltafin.bench import kernels_gemv
+
+    print("\n".join(kernels_gemv.summary(res, gbps)))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def add_place_args(p) -> None:
 def add_simulate_args(p) -> None:
     p.add_argument("--drives", default="report4", metavar="SPEC",
                    help="the drive set of the base scenarios (--emulate-drives grammar; default report4: internal "
-                        "7 GB/s + three 6 GB/s Thunderbolt 5 enclosures, the original report's machine)")
+                        "7 GB/s + three 6 GB/s Thunderbolt 5 enclosures, the machine of the public Kimi K3 write-up on an M5 Max 128 GB at 1.00 tok/s)")
     p.add_argument("--tokens", type=int, default=8, help="decoded tokens per scenario")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens for time to first token (0: skip)")
     p.add_argument("--cache-gb", default="16,32,64", help="expert cache sizes to simulate, comma-separated")
@@ -46,7 +46,7 @@ def add_simulate_args(p) -> None:
                    help="also run the emulator (real bytes, modelled drives) on the same configurations, scaled "
                         "down to what this machine moves, and report the agreement")
     p.add_argument("--crosscheck-gbps", type=float, default=1.0,
-                   help="summed read rate the report's drives are scaled to for --crosscheck (default 1 GB/s)")
+                   help="summed read rate the M5 Max write-up's drives are scaled to for --crosscheck (default 1 GB/s)")
     p.add_argument("--json", metavar="PATH", help="write every record as JSON")
     c = p.add_argument_group("cluster (expert parallel over machines; --cluster runs only this projection)")
     c.add_argument("--cluster", action="store_true",
@@ -60,7 +60,7 @@ def add_simulate_args(p) -> None:
 
 def add_bench_drives_args(sub) -> None:
     b = sub.add_parser("drives", help="decode with each placement policy on emulated drives shaped like the "
-                                      "report's, beside their summed read rate")
+                                      "M5 Max write-up's, beside their summed read rate")
     b.set_defaults(module="cmd_drives")
     b.add_argument("--spec", default="report4", help="emulated drive set before scaling (default report4)")
     b.add_argument("--scale", type=float, default=None,
@@ -230,7 +230,7 @@ def _crosscheck(shape, drives, args) -> list[dict]:
 
     rows = crosscheck_scenarios(shape, drives, summed_gbps=args.crosscheck_gbps, seed=args.seed)
     print(f"\ncross-check: the same configurations through the emulator (real bytes from memory, modelled drives), "
-          f"{rows[0]['layers'] if rows else 0} layers, rates scaled so the report's drives sum to "
+          f"{rows[0]['layers'] if rows else 0} layers, rates scaled so the M5 Max write-up's drives sum to "
           f"{args.crosscheck_gbps:g} GB/s")
     print(f"{'scenario':52s} {'sim tok/s':>9s} {'emu tok/s':>9s} {'emu/sim':>7s}")
     for r in rows:

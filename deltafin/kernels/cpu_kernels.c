@@ -665,3 +665,319 @@ int df_simd_width(void) {
     return 1;
 #endif
 }
+
+/* ======================================================================================================== */
+/* Prefill GEMM for 4-bit weights (many tokens): int16 activations x exact integer weights, AVX-512 VNNI.    */
+/* ======================================================================================================== */
+/* Each token's activations are quantized once per call to int16 with one scale per block of 32 (d = max|x| /
+ * 32767, q = round(x / d): |x - d q| <= d (1/2 + 2^-7), about 2^-16 of the block's largest value, far finer than
+ * bf16). A weight nibble n is read through the Q8 table as u = v + K >= 0 (v the stored value as an integer:
+ * MXFP4 2 x E2M1 in [-12, 12], K = 12; INT4 n - 8, K = 8), exact in int16. vpdpwssd sums int16 x int16 pairs
+ * into int32 exactly, starting from -K x sum(q) of the block, so the int32 is sum(v q) (|.| <= 12 x 32767 x 32 <
+ * 2^24: its float conversion is exact too); one float multiply-add per block applies weight scale x value factor
+ * x d. Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs (element 2p in the low half,
+ * 2p + 1 in the high half), vector-major: for block b, pair p, vector j, the 16 rows' pairs, so one load feeds 16
+ * output rows while a token's pair is broadcast. The micro-kernel keeps GW_MR tokens x GW_NV row vectors of
+ * accumulators in registers; blocks are walked in GW_KB-block chunks so the panel's chunk stays in L1 across all
+ * tokens. Every token's sum runs block by block in the same order whatever T is or how the tokens are grouped:
+ * results do not depend on the batch. Panels are handed to threads as they free up. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define GW_VNNI 1
+#ifndef GW_NV
+#define GW_NV 2 /* row vectors (16 rows each) per panel */
+#endif
+#ifndef GW_MR
+#define GW_MR 6 /* tokens per micro-kernel */
+#endif
+#ifndef GW_KB
+#define GW_KB 16 /* blocks of 32 per chunk: 16 x 32 x GW_NV x 16 x 2 bytes = 32 KB of panel per chunk */
+#endif
+#define GW_ROWS (16 * GW_NV)
+
+/* 16 x 16 int32 transpose in registers: r[a] element e -> r[e] element a. */
+static inline void gw_transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i+3 */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+typedef struct {
+    __m512i tr[4];  /* byte transpose: pairs 4q..4q+3 x rows 0..15 from four vectors of 4 rows x 16 bytes */
+    __m512i put[4]; /* row l's low / high nibble value of pair 4q + m into bytes 0 / 2 of dword l */
+    __m512i tab;    /* the Q8 table in every 128-bit lane */
+} gw_consts_t;
+
+static void gw_consts(const uint8_t *tab8, gw_consts_t *k) {
+    uint8_t tr[4][64], put[4][64];
+    for (int q = 0; q < 4; q++)
+        for (int m = 0; m < 4; m++)
+            for (int l = 0; l < 16; l++) {
+                tr[q][16 * m + l] = (uint8_t)((l % 8 >= 4 ? 64 : 0) + 16 * (l % 4) + 4 * q + m);
+                put[m][4 * l] = (uint8_t)(16 * m + l);           /* from the low-nibble values */
+                put[m][4 * l + 2] = (uint8_t)(64 + 16 * m + l);  /* from the high-nibble values */
+                put[m][4 * l + 1] = put[m][4 * l + 3] = 0;       /* zeroed by the mask */
+            }
+    for (int q = 0; q < 4; q++) {
+        k->tr[q] = _mm512_loadu_si512(tr[q]);
+        k->put[q] = _mm512_loadu_si512(put[q]);
+    }
+    k->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab8));
+}
+
+/* One block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, one per pair:
+ * bytes transposed to pair-major, both nibbles looked up 64 bytes at a time, then spread to dwords. */
+static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, int64_t H, int64_t b,
+                                   const gw_consts_t *k, int32_t *dst) {
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane */
+        __m128i row[4];
+        for (int m = 0; m < 4; m++) {
+            const int64_t rr = r + 4 * i + m;
+            row[m] = rr < R ? _mm_loadu_si128((const __m128i *)(packed + rr * H + b * 16)) : _mm_setzero_si128();
+        }
+        z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row[0]), row[1], 1),
+                                                     row[2], 2), row[3], 3);
+    }
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (int q = 0; q < 4; q++) { /* t: byte 16m + l = byte 4q + m of row l */
+        const __m512i t = _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, _mm512_permutex2var_epi8(z[0], k->tr[q], z[1]),
+                                                 _mm512_permutex2var_epi8(z[2], k->tr[q], z[3]));
+        const __m512i lo = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(t, m15));
+        const __m512i hi = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(_mm512_srli_epi16(t, 4), m15));
+        for (int m = 0; m < 4; m++)
+            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16,
+                                _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, lo, k->put[m], hi));
+    }
+}
+
+/* Rows [r0, r0 + GW_ROWS) -> wp (int32 pairs, the layout above) and ws (float scales x value factor,
+ * [nb][GW_NV][16], 0 past R). */
+static void gw_decode_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C) {
+    const int64_t H = C / 2, nb = C / 32;
+    const __m512 vm = _mm512_set1_ps(mult);
+    for (int j = 0; j < GW_NV; j++) {
+        const int64_t r = r0 + 16 * j;
+        for (int64_t b = 0; b < nb; b++) gw_decode_block(packed, r, R, H, b, k, wp + (b * 16 * GW_NV + j) * 16);
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) { /* 16 rows x 16 blocks of scales, transposed */
+            const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+            __m512i v[16];
+            for (int l = 0; l < 16; l++) /* rows past R are not read */
+                v[l] = r + l >= R ? _mm512_setzero_si512()
+                                  : _mm512_castps_si512(_mm512_mul_ps(
+                                        q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
+            gw_transpose16(v);
+            for (int bb = 0; bb < n; bb++) _mm512_storeu_si512(ws + ((b0 + bb) * GW_NV + j) * 16, v[bb]);
+        }
+    }
+}
+
+/* Tokens [t0, t0 + MR) x the panel's rows, blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
+static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int16_t *xq,
+                                                          const float *xs, const int32_t *xc, float *out, int64_t t0,
+                                                          const int MR, int64_t r0, const __mmask16 *mask, int64_t b0,
+                                                          int64_t b1, int64_t R, int64_t C) {
+    const int64_t nb = C / 32;
+    __m512 f[8][GW_NV]; /* MR <= 8 */
+    for (int t = 0; t < MR; t++)
+        for (int j = 0; j < GW_NV; j++)
+            f[t][j] = b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], out + (t0 + t) * R + r0 + 16 * j);
+    for (int64_t b = b0; b < b1; b++) {
+        __m512i a[8][GW_NV];
+        for (int t = 0; t < MR; t++) {
+            const __m512i c = _mm512_set1_epi32(xc[(t0 + t) * nb + b]);
+            for (int j = 0; j < GW_NV; j++) a[t][j] = c;
+        }
+        const int32_t *w = wp + b * 16 * GW_NV * 16;
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            __m512i wv[GW_NV];
+            for (int j = 0; j < GW_NV; j++) wv[j] = _mm512_loadu_si512(w + (p * GW_NV + j) * 16);
+            for (int t = 0; t < MR; t++) {
+                int32_t pair;
+                memcpy(&pair, xq + (t0 + t) * C + b * 32 + 2 * p, 4);
+                const __m512i xb = _mm512_set1_epi32(pair);
+                for (int j = 0; j < GW_NV; j++) a[t][j] = _mm512_dpwssd_epi32(a[t][j], wv[j], xb);
+            }
+        }
+        __m512 s[GW_NV];
+        for (int j = 0; j < GW_NV; j++) s[j] = _mm512_loadu_ps(ws + (b * GW_NV + j) * 16);
+        for (int t = 0; t < MR; t++) {
+            const __m512 d = _mm512_set1_ps(xs[(t0 + t) * nb + b]);
+            for (int j = 0; j < GW_NV; j++)
+                f[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][j]), _mm512_mul_ps(s[j], d), f[t][j]);
+        }
+    }
+    for (int t = 0; t < MR; t++)
+        for (int j = 0; j < GW_NV; j++) _mm512_mask_storeu_ps(out + (t0 + t) * R + r0 + 16 * j, mask[j], f[t][j]);
+}
+
+/* Token t's row of x -> xq (int16), xs (one scale per block; NaN or inf in a block reaches its scale) and xc
+ * (-K x the block's sum of q, where the block's int32 sums start). */
+static void gw_quantize(const float *x, int K, int16_t *xq, float *xs, int32_t *xc, int64_t C) {
+    for (int64_t b = 0; b < C / 32; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        /* max drops NaN: x - x is 0, or NaN for NaN and inf, found apart */
+        const float bad = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_sub_ps(x0, x0), _mm512_sub_ps(x1, x1)));
+        const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
+        const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm512_cvtsepi32_epi16(q0));
+        _mm256_storeu_si256((__m256i *)(xq + b * 32 + 16), _mm512_cvtsepi32_epi16(q1));
+        xs[b] = d;
+        xc[b] = -K * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* A buffer of at least n bytes kept per thread across calls: fresh pages per call (large mallocs are mmapped)
+ * cost a page fault each, which measured a fifth of a K3 matrix's decode. NULL when it cannot grow. n = 0
+ * releases a buffer over GW_KEEP bytes (a long prompt's activations are not kept for the rest of the run). */
+#define GW_KEEP (32 << 20)
+static void *gw_buffer(int which, size_t n) {
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
+    if (n == 0 && cap[which] > GW_KEEP) {
+        free(buf[which]);
+        buf[which] = NULL;
+        cap[which] = 0;
+    }
+    if (cap[which] < n) {
+        free(buf[which]);
+        cap[which] = 0;
+        buf[which] = aligned_alloc(64, (n + 63) / 64 * 64);
+        if (buf[which]) cap[which] = n;
+    }
+    return buf[which];
+}
+
+static void gw_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                     const gw_consts_t *k, const int16_t *xq, const float *xs, const int32_t *xc, int32_t *wp,
+                     float *ws, float *out, int64_t r0, int64_t R, int64_t C, int64_t T) {
+    const int64_t nb = C / 32;
+    __mmask16 mask[GW_NV];
+    for (int j = 0; j < GW_NV; j++) {
+        const int64_t left = R - r0 - 16 * j;
+        mask[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    }
+    gw_decode_panel(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C);
+    for (int64_t b0 = 0; b0 < nb; b0 += GW_KB) {
+        const int64_t b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
+        int64_t t0 = 0;
+        for (; t0 + GW_MR <= T; t0 += GW_MR) gw_tile(wp, ws, xq, xs, xc, out, t0, GW_MR, r0, mask, b0, b1, R, C);
+        switch (T - t0) { /* the last few tokens: the same arithmetic, fewer of them */
+        case 1: gw_tile(wp, ws, xq, xs, xc, out, t0, 1, r0, mask, b0, b1, R, C); break;
+        case 2: gw_tile(wp, ws, xq, xs, xc, out, t0, 2, r0, mask, b0, b1, R, C); break;
+        case 3: gw_tile(wp, ws, xq, xs, xc, out, t0, 3, r0, mask, b0, b1, R, C); break;
+        case 4: gw_tile(wp, ws, xq, xs, xc, out, t0, 4, r0, mask, b0, b1, R, C); break;
+        case 5: gw_tile(wp, ws, xq, xs, xc, out, t0, 5, r0, mask, b0, b1, R, C); break;
+        case 6: gw_tile(wp, ws, xq, xs, xc, out, t0, 6, r0, mask, b0, b1, R, C); break;
+        case 7: gw_tile(wp, ws, xq, xs, xc, out, t0, 7, r0, mask, b0, b1, R, C); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+/* y [T, R] = x [T, C] @ W^T for a 4-bit W (kind as in q4_rows; tab8 and K the Q8 table and its offset; mult the
+ * value factor, 0.5 for MXFP4). Returns 0, -1 when buffers could not be allocated, -2 when this build has no
+ * vector code for it (the caller takes the tiled float path). */
+int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K, float mult,
+               const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
+#ifdef GW_VNNI
+    const int64_t nb = C / 32, np = (R + GW_ROWS - 1) / GW_ROWS;
+    int16_t *xq = gw_buffer(0, T * C * sizeof(int16_t));
+    float *xs = gw_buffer(1, T * nb * sizeof(float));
+    int32_t *xc = gw_buffer(2, T * nb * sizeof(int32_t));
+    int rc = xq && xs && xc ? 0 : -1;
+    gw_consts_t k;
+    gw_consts(tab8, &k);
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *ws = malloc(nb * GW_ROWS * sizeof(float));
+            int32_t *wp = gw_buffer(3, nb * 16 * GW_ROWS * sizeof(int32_t));
+#pragma omp for schedule(dynamic, 4) /* a thread that loses its core holds back 4 tokens, not half */
+            for (int64_t t = 0; t < T; t++) gw_quantize(x + t * C, K, xq + t * C, xs + t * nb, xc + t * nb, C);
+            if (!wp || !ws) {
+#pragma omp atomic write
+                rc = -1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < np; p++)
+                if (wp && ws)
+                    gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, xc, wp, ws, out, p * GW_ROWS, R, C, T);
+            free(ws);
+        }
+    }
+    for (int i = 0; i < 3; i++) gw_buffer(i, 0);
+    return rc;
+#else
+    (void)kind, (void)packed, (void)scales, (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out;
+    (void)R, (void)C, (void)T, (void)nthreads;
+    return -2;
+#endif
+}
+
+/* 1 when df_q4gw_mm has its vector code in this build. */
+int df_q4gw_vnni(void) {
+#ifdef GW_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#include <time.h>
+
+/* The int16 dot-product peak of this machine, GOP/s (a multiply and an add each) on nthreads threads: 16
+ * independent vpdpwssd chains per thread, n rounds each; the limit the GEMM's figures are printed beside. 0 when
+ * this build has no VNNI code. */
+double df_gw_peak(int nthreads, int64_t n) {
+#ifdef GW_VNNI
+    double best = 0.0;
+    for (int rep = 0; rep < 3; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int64_t sink = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : sink)
+        {
+            __m512i a[16], w = _mm512_set1_epi32(0x00030001), x = _mm512_set1_epi32(0x00020005);
+            for (int i = 0; i < 16; i++) a[i] = _mm512_set1_epi32(i);
+            for (int64_t k = 0; k < n; k++) {
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) a[i] = _mm512_dpwssd_epi32(a[i], w, x);
+                __asm__ volatile("" : "+v"(w), "+v"(x)); /* keeps the loop from being folded */
+            }
+            for (int i = 0; i < 16; i++) sink += _mm512_reduce_add_epi32(a[i]);
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        const double g = (double)nthreads * (double)n * 16 * 64 / dt / 1e9 + (double)(sink & 0);
+        best = g > best ? g : best;
+    }
+    return best;
+#else
+    (void)nthreads, (void)n;
+    return 0.0;
+#endif
+}

@@ -8,15 +8,18 @@ through Triton's interpreter (tests of the wiring on machines without a GPU).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 import torch
 
+log = logging.getLogger(__name__)
 LINEAR_FORMATS = ("mxfp4", "int8", "int4g32")
 _ROLES = ("gate", "up", "down")
 # kernels used so far in this process, for the run's stats line
 USED: set[str] = set()
+_BROKEN: set[str] = set()  # small fused kernels that failed to build here: their torch forms run for the process
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -68,3 +71,72 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
     act, beta, lbeta = (ACT_SILU, 4.0, 25.0) if glu[0] == "silu" else (ACT_SITU, float(glu[1]), float(glu[2]))
     USED.add(f"triton:grouped_{slab.format}")
     return grouped_glu(x, slots, weights, slab, act, beta, lbeta)
+
+
+def kda_states(W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, decay: torch.Tensor, S: torch.Tensor):
+    """KDA's chunk-to-chunk state loop in one Triton launch (``kda._states``'s contract), or None where the
+    tile shapes do not fit the kernel and the torch loop applies. Not the model's default: on the H200 at
+    K3 widths it measured slower than the torch loop (4.6 ms vs 3.9 ms for 4,096 tokens, bench kda --parts)."""
+    from deltafin.kernels import triton_kda
+
+    if not triton_kda.fits(W.shape[2], W.shape[3], U.shape[3]):
+        return None
+    USED.add("triton:kda_states")
+    return triton_kda.kda_states(W, U, kd, decay, S)
+
+
+def kda_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: torch.Tensor, sub: int):
+    """KDA's in-chunk products L and P (``kda._products``'s contract) in one Triton pass, or None where the
+    sub-block is too small for the kernel's tiles and the torch form applies. Callers ask ``enabled`` first."""
+    from deltafin.kernels import triton_kda
+    from deltafin.models.kda import EXP_LIMIT
+
+    if not triton_kda.products_fit(k.shape[2], k.shape[3], sub):
+        return None
+    USED.add("triton:kda_products")
+    return triton_kda.kda_products(q, k, G, b, sub, EXP_LIMIT)
+
+
+def _small(name: str, x: torch.Tensor, width: int, *args):
+    """A kernel of ``triton_small`` on x, or None where the torch form applies (not the kernel path, a row
+    too wide, or that kernel failed to build here, which is logged once)."""
+    if name in _BROKEN or not enabled(x):
+        return None
+    from deltafin.kernels import triton_small
+
+    if not triton_small.fits(width):
+        return None
+    try:
+        y = getattr(triton_small, name)(*args)
+    except Exception as e:  # noqa: BLE001 - a Triton build failure must not stop a run: the torch forms are exact
+        log.warning("fused %s off, its torch form runs: %s: %s", name, type(e).__name__, e)
+        _BROKEN.add(name)
+        return None
+    USED.add(f"triton:{name}")
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Fused RMSNorm of x [..., D] with float32 w [D], or None (the torch form runs)."""
+    return _small("rms_norm", x, x.shape[-1], x, w, eps)
+
+
+def mix_norm(V: torch.Tensor, w_mix: torch.Tensor, w_norm: torch.Tensor, eps_mix: float, eps_norm: float
+             ) -> torch.Tensor | None:
+    """Fused AttnRes mix of V [S, T, D] and RMSNorm of the result, or None (the torch forms run)."""
+    return _small("mix_norm", V, V.shape[-1], V, w_mix, w_norm, eps_mix, eps_norm)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.Tensor | None:
+    """Fused SiTU-GLU activation, or None (the torch form runs)."""
+    return _small("situ_glu", g, 0, g, u, beta, lbeta)
+
+
+def kda_step(x: torch.Tensor, H: int, K: int, W: int, hist: torch.Tensor, S: torch.Tensor, *args):
+    """One token of a KDA layer from its projections to the gated norm (``triton_small.kda_step``), or None
+    (the torch forms run)."""
+    from deltafin.kernels import triton_small
+
+    if not (triton_small.kda_fits(H, K, W) and hist.is_contiguous() and S.is_contiguous()):
+        return None
+    return _small("kda_step", x, 0, *args[:6], hist, *args[6:12], S, *args[12:])

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltafin.kernels import triton_gemv
 from deltafin.kernels.triton_tiles import (
     FMT_INT4G32,
     FMT_INT8,
@@ -48,6 +49,30 @@ def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
         acc = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     out = y_ptr + pid_k * T * N + offs_t[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_t < T)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _sum_cast_kernel(x_ptr, y_ptr, N, stride_r, stride_m, R: tl.constexpr, BN: tl.constexpr):
+    """y[m, n] = sum over r in order of x[r, m, n] (float32), stored in y's dtype."""
+    m, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = pid_n * BN + tl.arange(0, BN)
+    mask = offs < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for r in range(R):
+        acc += tl.load(x_ptr + r * stride_r + m * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * N + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [R, M, N] (rows of N contiguous) summed over R in order, in float32, cast to dtype: [M, N] in one
+    launch (torch takes two: the sum, then the cast), for split-K partial sums and the grouped experts'
+    k terms of a token."""
+    R, M, N = x.shape
+    assert x.stride(-1) == 1
+    y = torch.empty((M, N), device=x.device, dtype=dtype)
+    bn = min(1024, triton.next_power_of_2(N))
+    _sum_cast_kernel[(M, triton.cdiv(N, bn))](x, y, N, x.stride(0), x.stride(1), R=R, BN=bn, num_warps=4)
+    return y
 
 
 # Programs wanted per launch so that every multiprocessor has a couple of weight streams in flight.
@@ -93,6 +118,8 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T, K = x2.shape
+    if fmt == "int8" and (cfg.get("gemv") if cfg else triton_gemv.use_int8_gemv(T, N, K)):
+        return triton_gemv.int8_gemv(x2, p, s, cfg).reshape(*lead, N)  # decode: the GEMV form
     c = cfg or linear_config(fmt, T, N, K)
     # one split writes the result in x's dtype directly; several write float32 partial sums
     part = torch.empty(c["splits"], T, N, device=x.device, dtype=torch.float32 if c["splits"] > 1 else x.dtype)
@@ -101,7 +128,7 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
                          K_PER_SPLIT=c["k_per_split"], FMT=format_code(fmt, x.dtype, c.get("scaled")), ROW_SCALE=fmt == "int8", IEEE=x.dtype == torch.float32 or INTERPRET,
                          BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"],
                          num_stages=c["num_stages"])
-    y = part[0] if c["splits"] == 1 else part.sum(0)
+    y = part[0] if c["splits"] == 1 else sum_cast(part, x.dtype)
     return y.to(x.dtype).reshape(*lead, N)
 
 

@@ -10,6 +10,7 @@ experts is taken afterwards in slot order (arrival order never changes a result)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton import format_code
-from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
+from deltafin.kernels import triton_gemv
+from deltafin.kernels.triton import format_code, sum_cast
+from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight, mma_weight_t
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
 ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
@@ -87,6 +89,57 @@ def _down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot
              mask=valid[:, None] & (offs_n < D)[None, :])
 
 
+@triton.jit
+def _gate_up_kernel_t(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
+                      TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                      ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, IEEE: tl.constexpr,
+                      BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``_gate_up_kernel`` with the weight tile as the left operand (products [BN, BT], see mma_weight_t)."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    r = b * BT + tl.arange(0, BT)
+    pair = tl.load(rows_ptr + r)
+    valid = pair >= 0
+    tok = tl.where(valid, pair // TOPK, 0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
+    u_p, u_s = upp + slot * p_slot, ups + slot * s_slot
+    acc_g = tl.zeros((BN, BT), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BT), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + tok[None, :] * stride_x + offs_k[:, None],
+                     mask=valid[None, :] & (offs_k < K)[:, None], other=0.0)
+        acc_g = mma_weight_t(acc_g, xt, g_p, g_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
+        acc_u = mma_weight_t(acc_u, xt, u_p, u_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
+    h = _act(acc_g, acc_u, ACT, BETA, LBETA)
+    tl.store(h_ptr + r[None, :] * I + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
+             mask=valid[None, :] & (offs_n < I)[:, None])
+
+
+@triton.jit
+def _down_kernel_t(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
+                   I: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``_down_kernel`` with the weight tile as the left operand."""
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    r = b * BT + tl.arange(0, BT)
+    pair = tl.load(rows_ptr + r)
+    valid = pair >= 0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    d_p, d_s = dp + slot * p_slot, ds + slot * s_slot
+    acc = tl.zeros((BN, BT), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        ht = tl.load(h_ptr + r[None, :] * I + offs_k[:, None],
+                     mask=valid[None, :] & (offs_k < I)[:, None], other=0.0)
+        acc = mma_weight_t(acc, ht, d_p, d_s, offs_n, k0, D, I, FMT, IEEE, BN, BK)
+    w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    tl.store(y_ptr + pair[None, :] * D + offs_n[:, None], acc * w[None, :],
+             mask=valid[None, :] & (offs_n < D)[:, None])
+
+
 class ExpertSlab:
     """Fixed-size expert slots on one device: per role (gate, up, down) a packed-data tensor and a scale
     tensor with a leading slot dimension. ``views(slot)`` gives a slot's tensors (reads land in them);
@@ -102,6 +155,8 @@ class ExpertSlab:
         self.scale = {r: torch.empty((slots, *example[r].scale.shape), dtype=example[r].scale.dtype,
                                      device=device) for r in self.ROLES}
         self.shapes = {r: example[r].shape for r in self.ROLES}
+        gate = self.data["gate"]  # slot_of runs for every expert of every layer: its constants, once
+        self._base, self._slot_bytes, self._cuda = gate.data_ptr(), gate[0].numel() * gate.element_size(), gate.is_cuda
 
     def fits(self, tensors: dict) -> bool:
         return all(r in tensors and getattr(tensors[r], "format", None) == self.format
@@ -122,11 +177,9 @@ class ExpertSlab:
     def slot_of(self, tensors: dict) -> int | None:
         """The slot whose views ``tensors`` are, or None."""
         d = tensors["gate"].data
-        base = self.data["gate"]
-        if d.device != base.device or d.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
-            return None
-        slot, rem = divmod(d.data_ptr() - base.data_ptr(), base[0].numel() * base.element_size())
-        return slot if rem == 0 and 0 <= slot < self.slots else None
+        # an address inside the slab's one allocation (live allocations never overlap) on its kind of device
+        slot, rem = divmod(d.data_ptr() - self._base, self._slot_bytes)
+        return slot if rem == 0 and 0 <= slot < self.slots and d.is_cuda == self._cuda else None
 
     @classmethod
     def stack(cls, experts: list[dict], device: torch.device | str) -> ExpertSlab:
@@ -160,13 +213,26 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
     """Rows per block from the average rows per expert: 16 for decode, 64 or 128 for prefill (H200 sweep of
     ``deltafin.bench.kernels_cuda``: decode BN 64 x BK 128, 4 warps, 4 stages; prefill 128 x 128 x 64)."""
     avg = pairs / max(experts, 1)
+    if triton_gemv.GEMV_MOE and avg <= 1:  # every pair has its own expert (decode): the GEMV form
+        return triton_gemv.moe_gemv_config()
     if avg <= 16:
         c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     elif avg <= 256:
         c = {"BT": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     else:
         c = {"BT": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+    if avg > 16 and _swap_prefill():
+        c["swap"] = True
     return dict(c, BN_down=c["BN"], BK_down=c["BK"])
+
+
+# Prefill tiles with the weight as the left operand (``_gate_up_kernel_t``); DELTAFIN_MOE_SWAP=0/1 overrides.
+SWAP_PREFILL = False
+
+
+def _swap_prefill() -> bool:
+    env = os.environ.get("DELTAFIN_MOE_SWAP")
+    return SWAP_PREFILL if env is None else env == "1"
 
 
 @dataclass
@@ -192,6 +258,14 @@ def plan_moe(slots: torch.Tensor | np.ndarray, device: torch.device | str, K: in
     return MoePlan(torch.from_numpy(rows).to(device), torch.from_numpy(blk).to(device), T, k, c)
 
 
+def _unit_blocks(p: MoePlan) -> tuple[MoePlan, dict]:
+    """A one-pair-per-block (GEMV) plan as the tensor-core kernels' layout: each pair alone in a block of 16."""
+    c = {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "BN_down": 64, "BK_down": 128}
+    rows = torch.full((p.rows.numel(), 16), -1, dtype=p.rows.dtype, device=p.rows.device)
+    rows[:, 0] = p.rows
+    return MoePlan(rows.reshape(-1), p.blk, p.tokens, p.k, c), c
+
+
 def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tensor, slab: ExpertSlab,
                 act: int = ACT_SILU, beta: float = 4.0, lbeta: float = 25.0, cfg: dict | None = None,
                 plan: MoePlan | None = None) -> torch.Tensor:
@@ -205,6 +279,10 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
     I, K = slab.shapes["gate"]
     p = plan or plan_moe(slots, x.device, K, I, cfg)
     c, k = p.cfg, p.k
+    if c.get("gemv"):
+        if slab.format == "mxfp4":
+            return triton_gemv.grouped_glu_gemv(x, p.rows, p.blk, k, weights, slab, act, beta, lbeta, c)
+        p, c = _unit_blocks(p)  # no GEMV form for this format: one pair per padded tensor-core block
     dev = x.device
     x = x.contiguous()
     ieee = x.dtype == torch.float32 or INTERPRET
@@ -212,15 +290,16 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
     nb = p.blk.numel()
     h = torch.empty(p.rows.numel(), I, device=dev, dtype=x.dtype)
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
-    _gate_up_kernel[(nb, triton.cdiv(I, c["BN"]))](
+    swap = c.get("swap", False)  # the weight tile as the left operand (prefill tiles; see mma_weight_t)
+    (_gate_up_kernel_t if swap else _gate_up_kernel)[(nb, triton.cdiv(I, c["BN"]))](
         x, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(),
         TOPK=k, K=K, I=I, FMT=fmt, ACT=act, BETA=beta, LBETA=lbeta, IEEE=ieee,
         BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-    _down_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
+    (_down_kernel_t if swap else _down_kernel)[(nb, triton.cdiv(D, c["BN_down"]))](
         h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])
-    return y.view(T, k, D).sum(1).to(x.dtype)
+    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in slot order

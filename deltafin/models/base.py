@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from deltafin.kernels import cuda as kc
 from deltafin.kernels import matmul, matmul_many
 from deltafin.quant.record import QTensor, dequantize
 
@@ -86,6 +87,10 @@ def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype)
 
 
 def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Tensor:
+    if kc.enabled(x):  # bf16 on the kernel path: one fused launch (float32, the reference, stays below)
+        y = kc.rms_norm(x, dense(w, torch.float32), eps)
+        if y is not None:
+            return y
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return dense(w, torch.float32).mul(y).to(x.dtype)
@@ -93,11 +98,16 @@ def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Te
 
 class SequenceState:
     """One sequence's state: the next position and one model-specific object per layer (KV cache,
-    latent cache, recurrent state...). Models create it with ``Model.new_state()``."""
+    latent cache, recurrent state...). Models create it with ``Model.new_state()``.
+
+    ``at``, when set, holds ``pos`` as a one-element device tensor for a one-token step recorded into a CUDA
+    graph (``runtime/cuda_graphs.py``): a model that supports it then reads the position from there, not
+    from the Python int, so a replay at any later position computes the right thing."""
 
     def __init__(self, layers: list):
         self.pos = 0
         self.layers = layers
+        self.at: torch.Tensor | None = None
 
 
 def moe_dispatch(

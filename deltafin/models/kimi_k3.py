@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import cuda as kc
 from deltafin.models import kda, mla
 from deltafin.models.base import (
     ExpertSource,
@@ -158,11 +159,34 @@ def attn_res_mix(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tenso
     return (pi.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
 
+def mix_norm(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tensor, norm_w, eps: float) -> torch.Tensor:
+    """rms_norm(Mix(p, blocks), norm_w) (Mix = p itself without blocks): one fused launch on the bf16 kernel
+    path, the torch forms otherwise (float32 stays the exact reference)."""
+    if kc.enabled(p):
+        y = kc.mix_norm(torch.stack([*blocks, p]), w, dense(norm_w, torch.float32), eps, eps)
+        if y is not None:
+            return y
+    return rms_norm(attn_res_mix(p, blocks, w, eps) if blocks else p, norm_w, eps)
+
+
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU (§3.4): beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta), in fp32."""
+    if kc.enabled(g):
+        y = kc.situ_glu(g, u, beta, linear_beta)
+        if y is not None:
+            return y
     gf, uf = g.float(), u.float()
     act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
     return act.to(g.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A latent MoE layer's routing decision (``Model.moe_begin``) and the input it was made on."""
+
+    ids: torch.Tensor  # [T, k] long: the chosen experts
+    weights: torch.Tensor  # [T, k] float32: their routing weights (scaling factor included)
+    x: torch.Tensor  # [T, D]: the normed MLP input
 
 
 _KDA_NAMES = ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
@@ -239,12 +263,12 @@ class Model(DecoderLM):
         """AttnRes mix, snapshot, then KDA or MLA on T tokens at positions state.pos.. (§3.3 steps 1-3)."""
         pre, eps = f"model.layers.{i}.", self.cfg.rms_norm_eps
         p, blocks = carry.p, carry.blocks
-        h = attn_res_mix(p, blocks, self.vec[pre + "self_attention_res"], eps) if blocks else p
+        x = mix_norm(p, blocks, self.vec[pre + "self_attention_res"], self.vec[pre + "input_layernorm.weight"], eps)
         if i % self.cfg.attn_res_block_size == 0:  # snapshot the raw incoming sum, after the mix above
             blocks, p = (*blocks, p), None
-        x = rms_norm(h, self.vec[pre + "input_layernorm.weight"], eps)
         st = state.layers[i]
-        a = self._kda(pre + "self_attn.", x, st) if self.cfg.is_kda(i) else self._mla(pre + "self_attn.", x, st, state.pos)
+        a = self._kda(pre + "self_attn.", x, st) if self.cfg.is_kda(i) else \
+            self._mla(pre + "self_attn.", x, st, state.pos, state.at)
         return Carry(a if p is None else p + a, blocks)
 
     def mlp_part(self, i: int, carry: Carry, experts: ExpertSource) -> Carry:
@@ -253,12 +277,13 @@ class Model(DecoderLM):
 
     def _mlp_input(self, i: int, carry: Carry) -> torch.Tensor:
         pre, eps = f"model.layers.{i}.", self.norm_eps
-        h = attn_res_mix(carry.p, carry.blocks, self.vec[pre + "mlp_res"], eps)
-        return rms_norm(h, self.vec[pre + "post_attention_layernorm.weight"], eps)
+        return mix_norm(carry.p, carry.blocks, self.vec[pre + "mlp_res"], self.vec[pre + "post_attention_layernorm.weight"],
+                        eps)
 
     def head(self, carry: Carry) -> torch.Tensor:
         """Final mix over all snapshots and p, model.norm, lm_head: float32 logits [T, V] (§3.6)."""
-        return super().head(attn_res_mix(carry.p, carry.blocks, self.vec["model.output_attn_res"], self.norm_eps))
+        x = mix_norm(carry.p, carry.blocks, self.vec["model.output_attn_res"], self.norm_w, self.norm_eps)
+        return linear(x, self.lm_head).float()  # [T, V]
 
     # ------------------------------------------------------------------ attention
 
@@ -267,38 +292,64 @@ class Model(DecoderLM):
         T = x.shape[0]
         H, K = self.cfg.kda_num_heads, self.cfg.kda_head_dim
         w, vec = self.w, self.vec
+        if T == 1 and kc.enabled(x):  # bf16 decode on the kernel path: everything between the projections fused
+            o = self._kda_fused(pre, x, st)
+            if o is not None:
+                return linear(o, w[pre + "o_proj.weight"])
         qkv, hist = [], []
         for j, n in enumerate("qkv"):
             y = linear(x, w[pre + f"{n}_proj.weight"]).float()  # [T, H*K]
             y, h = kda.short_conv(y, vec[pre + f"{n}_conv1d.weight"], st.conv[j])
             qkv.append(y.view(T, H, K))
             hist.append(h)
-        st.conv = torch.stack(hist)
+        st.conv.copy_(torch.stack(hist))  # in place: a replayed CUDA graph holds these buffers
         q = kda.l2norm(qkv[0]) * K**-0.5  # fla's default scale K^-1/2 (§3.1 step 4)
         k, v = kda.l2norm(qkv[1]), qkv[2]
         z = linear(linear(x, w[pre + "f_a_proj.weight"]), w[pre + "f_b_proj.weight"]).float() + vec[pre + "dt_bias"]
         g = kda.lower_bound_gate(z.view(T, H, K), vec[pre + "A_log"], self.cfg.gate_lower_bound)  # [T, H, K]
         beta = torch.sigmoid(linear(x, w[pre + "b_proj.weight"]).float())  # [T, H]
         if T == 1:
-            o, st.S = kda.recurrent(q, k, v, g, beta, st.S)
+            o, S = kda.recurrent(q, k, v, g, beta, st.S)
         else:
-            o, st.S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk)
+            products = kc.kda_products if kc.enabled(x) else None  # fused in-chunk products on the fast CUDA path
+            o, S = kda.chunked(q, k, v, g, beta, st.S, self.kda_chunk, self.cfg.gate_lower_bound,
+                               products=products)
+        st.S.copy_(S)
         gate = torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).view(T, H, K)
         o = rms_norm(o, vec[pre + "o_norm.weight"], self.cfg.rms_norm_eps) * gate  # [T, H, K]
         return linear(o.reshape(T, H * K).to(x.dtype), w[pre + "o_proj.weight"])
 
-    def _mla(self, pre: str, x: torch.Tensor, cache: GrowingCache, pos: int) -> torch.Tensor:
-        """Gated MLA without rope (§3.2): latent cache; absorbed form for one token, expanded for more."""
+    def _kda_fused(self, pre: str, x: torch.Tensor, st: kda.KDAState) -> torch.Tensor | None:
+        """The one-token KDA step in one kernel after the projections (kernels/triton_small.py), or None."""
+        c, w, vec = self.cfg, self.w, self.vec
+        proj = [linear(x, w[pre + f"{n}_proj.weight"]) for n in "qkv"]
+        taps = [vec[pre + f"{n}_conv1d.weight"] for n in "qkv"]
+        z = linear(linear(x, w[pre + "f_a_proj.weight"]), w[pre + "f_b_proj.weight"])
+        b, gl = linear(x, w[pre + "b_proj.weight"]), linear(x, w[pre + "g_proj.weight"])
+        return kc.kda_step(x, c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size, st.conv, st.S, *proj, *taps,
+                           z, vec[pre + "dt_bias"], vec[pre + "A_log"], b, gl, vec[pre + "o_norm.weight"],
+                           c.gate_lower_bound, c.rms_norm_eps, c.kda_head_dim**-0.5, kda.L2_EPS)
+
+    def _mla(self, pre: str, x: torch.Tensor, cache: GrowingCache, pos: int, at: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Gated MLA without rope (§3.2): latent cache; absorbed form for one token, expanded for more.
+        ``at`` (one token only): the position as a device tensor; the token attends over the cache's whole
+        buffer with the rows past it masked, so nothing here depends on the Python int (a CUDA graph)."""
         c, T, w = self.cfg, x.shape[0], self.w
         if pos + T > cache.max_len:
             raise ValueError(f"MLA cache holds {cache.max_len} tokens; cannot add {T} at position {pos}; "
                              f"create the state with a larger max_len")
         H, dn, r, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         q, latent, k_pe = mla.project(x, lambda n: w.get(pre + n), H, dn, r, R)  # k_pe stays un-rotated
-        rows = cache.write(pos, torch.cat((latent, k_pe), -1))  # [S, R+r]
-        attend = mla.attend_absorbed if T == 1 else mla.attend_expanded
         scale = (dn + r) ** -0.5  # §3.2 step 4: 192^-0.5 for K3
-        ctx = attend(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn, c.v_head_dim, scale, pos)
+        if at is not None and T == 1:
+            rows = cache.write_at(at, torch.cat((latent, k_pe), -1))  # [capacity, R+r]
+            ctx = mla.attend_absorbed_at(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn,
+                                         c.v_head_dim, scale, at)
+        else:
+            rows = cache.write(pos, torch.cat((latent, k_pe), -1))  # [S, R+r]
+            attend = mla.attend_absorbed if T == 1 else mla.attend_expanded
+            ctx = attend(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn, c.v_head_dim, scale, pos)
         if c.mla_use_output_gate:
             ctx = ctx * torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).to(ctx.dtype)
         return linear(ctx, w[pre + "o_proj.weight"])
@@ -328,17 +379,44 @@ class Model(DecoderLM):
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
-        pre, w = f"model.layers.{i}.block_sparse_moe.", self.w
         ids, wts = self._router(i, x)
-        z = linear(x, w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
-        glu = ("situ", self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
-        y = moe_dispatch(z, ids, wts, i, experts, self._expert, glu)  # [T, Lat] weighted sum over slots
+        z, shared = self._moe_side(i, x)
+        y = moe_dispatch(z, ids, wts, i, experts, self._expert, self.glu)  # [T, Lat] weighted sum over slots
+        return self._moe_finish(i, y, shared)
+
+    @property
+    def glu(self) -> tuple:
+        """The routed experts' activation, as the grouped CUDA kernels name it."""
+        return ("situ", self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
+
+    # A runner that syncs with the host once per MoE layer splits mlp_part into: moe_begin (input mix and
+    # norm, router: all the host needs to fetch the experts), moe_side (the latent down projection and the
+    # shared experts, which the GPU can run while the host fetches), then moe_end once the routed experts ran:
+    # moe_end(i, c, r, side, moe_dispatch(side[0], r.ids, r.weights, ...)) equals mlp_part(i, c, ...) bit for bit.
+
+    def moe_begin(self, i: int, carry: Carry) -> Routed:
+        x = self._mlp_input(i, carry)
+        return Routed(*self._router(i, x), x)
+
+    def moe_side(self, i: int, r: Routed) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(z [T, Lat] the routed experts' input, the shared experts' output [T, D] or None)."""
+        return self._moe_side(i, r.x)
+
+    def moe_end(self, i: int, carry: Carry, r: Routed, side: tuple, y: torch.Tensor) -> Carry:
+        """The rest of ``mlp_part`` given y [T, Lat], the routing-weighted sum of the routed experts on z."""
+        return Carry(carry.p + self._moe_finish(i, y, side[1]), carry.blocks)
+
+    def _moe_side(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pre = f"model.layers.{i}.block_sparse_moe."
+        z = linear(x, self.w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
+        return z, self._situ_mlp(pre + "shared_experts.", x) if self.cfg.num_shared_experts else None
+
+    def _moe_finish(self, i: int, y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        pre = f"model.layers.{i}.block_sparse_moe."
         if self.cfg.latent_moe_use_norm:
             y = rms_norm(y, self.vec[pre + "routed_expert_norm.weight"], self.cfg.rms_norm_eps)
-        y = linear(y, w[pre + "routed_expert_up_proj.weight"])  # [T, D]
-        if self.cfg.num_shared_experts:
-            y = y + self._situ_mlp(pre + "shared_experts.", x)
-        return y
+        y = linear(y, self.w[pre + "routed_expert_up_proj.weight"])  # [T, D]
+        return y if shared is None else y + shared
 
     def _expert(self, z: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
         """One routed expert on its tokens' latents z [n, Lat], in float32 (MXFP4 records dequantized)."""

@@ -62,6 +62,13 @@ class GrowingCache:
         self.length = end
         return self.buf.narrow(self.axis, 0, end)
 
+    def write_at(self, at: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store one row [1, *row] at the position held in the device tensor ``at`` [1] and return the whole
+        buffer (positions past ``at`` hold older rows or zeros). For a step recorded into a CUDA graph, where
+        no Python int may pick the position; the caller moves ``length`` on (it knows the position)."""
+        assert self.axis == 0 and rows.shape[0] == 1, "write_at takes one row of a position-major cache"
+        return self.buf.index_copy_(0, at, rows)
+
     def _grow(self, end: int) -> None:
         capacity = max(2 * self.capacity, end)
         if end <= self.max_len:
@@ -179,6 +186,23 @@ def attention(
     if q.device.type == "cuda" and sinks is None:
         return _attention_sdpa(q, k, v, pos, scale, window)
     return _attention_grouped(q, k, v, pos, scale, window, sinks)
+
+
+def attention_upto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token at the position held in the device tensor ``at`` [1] over whole cache buffers:
+    q [1, H, dk], k [Hkv, C, dk], v [Hkv, C, dv] with C >= at + 1; keys past ``at`` are masked (their rows must
+    be finite). The grouped form of ``attention`` for any device (no copies of K/V per query head), with the
+    same operations in the same order, so on the CPU it equals ``attention(q, k[:, :at+1], ...)``.
+    Returns [1, H, dv]."""
+    T, H, dk = q.shape
+    Hkv, C, dv = v.shape
+    G = H // Hkv
+    qg = q.reshape(T, Hkv, G, dk).permute(1, 2, 0, 3)  # [Hkv, G, 1, dk]
+    s = (qg.reshape(Hkv, G * T, dk) @ k.transpose(1, 2) * scale).view(Hkv, G, T, C)
+    hide = torch.arange(C, device=q.device) > at  # [C] keys after the query's position
+    p = _probs(s.masked_fill(hide, float("-inf")), None, v.dtype)  # [Hkv, G, 1, C]
+    o = (p.view(Hkv, G * T, C) @ v).view(Hkv, G, T, dv)
+    return o.permute(2, 0, 1, 3).reshape(T, H, dv)
 
 
 def self_attention(

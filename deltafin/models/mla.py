@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from deltafin.models.base import dense, linear, rms_norm
-from deltafin.models.layers import attention
+from deltafin.models.layers import attention, attention_upto
 from deltafin.quant.record import QTensor
 
 EXPAND_BUDGET = 1 << 28  # most elements of per-call expanded K/V
@@ -67,6 +67,17 @@ def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float,
     w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
     o = attention(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)  # [T, H, R]
+    return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, H * dv)
+
+
+def attend_absorbed_at(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float, at: torch.Tensor) -> torch.Tensor:
+    """attend_absorbed for one token at the position held in the device tensor ``at`` [1]: rows [C, R+r] is
+    the latent cache's whole buffer, rows past ``at`` masked (a decode step replayed from a CUDA graph)."""
+    T, H, _ = q_nope.shape
+    R = rows.shape[-1] - q_rot.shape[-1]
+    w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
+    o = attention_upto(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], at, scale)  # [T, H, R]
     return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, H * dv)
 
 

@@ -48,6 +48,7 @@ class EngineOptions:
     progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
     exact: bool = True  # the float32 plain-torch reference path; False: fused kernels (the CLI's default)
     dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
+    cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -204,6 +205,7 @@ class Engine:
             self.opts = opts = replace(opts, max_len=n)
         self.routes = None
         self._on_layer = None  # prefill progress, called after each layer
+        self._graphs = None  # the CUDA-graph decode runner once made (False: graphs do not apply)
         if opts.record_routes:
             self.record_routes(opts.record_routes)
         if self.cluster is not None:  # last: every rank is ready to follow once this returns
@@ -329,17 +331,41 @@ class Engine:
     @torch.inference_mode()
     def local_step(self, batch: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False
                    ) -> list[torch.Tensor]:
-        if self.routes is None or sum(int(ids.shape[0]) for ids, _ in batch) != 1:
+        one_token = sum(int(ids.shape[0]) for ids, _ in batch) == 1
+        if self.routes is None or not one_token:
             with self.math():
-                return forward_batch(self.model, batch, self.source, all_logits, on_layer=self._on_layer)
+                return self._pass(batch, all_logits, one_token)
         self.source.routes = []  # one token: each fetch is exactly its routed experts
         try:
             with self.math():
-                out = forward_batch(self.model, batch, self.source, all_logits)
+                out = self._pass(batch, all_logits, one_token)
             self.routes.write(self.source.routes)
         finally:
             self.source.routes = None
         return out
+
+    def _pass(self, batch, all_logits: bool, one_token: bool) -> list[torch.Tensor]:
+        """One decode token of one sequence replays the CUDA graphs where they apply; anything else (prefill,
+        several sequences) takes the layer-by-layer path."""
+        graphs = self._decode_graphs() if one_token else None
+        if graphs is not None:
+            (ids, st), = batch
+            return [graphs.step(ids, st)]
+        return forward_batch(self.model, batch, self.source, all_logits, on_layer=self._on_layer)
+
+    def _decode_graphs(self):
+        """The CUDA-graph decode runner (``runtime/cuda_graphs.py``), made at the first decode step; None
+        where graphs do not apply (the reason is logged once)."""
+        if self._graphs is None:
+            from deltafin.runtime import cuda_graphs
+
+            why = "turned off (EngineOptions.cuda_graphs)" if not self.opts.cuda_graphs else \
+                "a cluster rank exchanges expert results every layer" if self.cluster is not None else \
+                cuda_graphs.why_not(self.model, self.source, self.device, self.dtype)
+            if why is not None and self.device.type == "cuda":
+                log.info("decode steps run without CUDA graphs: %s", why)
+            self._graphs = False if why else cuda_graphs.DecodeGraphs(self.model, self.source)
+        return self._graphs or None
 
     def prefill(self, prompts: list[list[int]], states: list[SequenceState]) -> tuple[list[torch.Tensor], PrefillReport]:
         """Prefill prompts together, expert-major, in chunks planned from the memory budget."""

@@ -146,7 +146,8 @@ class StreamingExperts:
                     getattr(t, "format", None) not in MOE_FORMATS for t in tensors.values()):
                 return False
             # the cache budget in slots, but never past what the device can hold beside the scratch ring
-            slots = self.cache.budget // nbytes
+            # nor past every expert of the model: a cache that holds them all needs no more slots
+            slots = min(self.cache.budget // nbytes, len(self.model.moe_layers) * self.model.num_experts)
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 slots = min(slots, max(int(free - (2 << 30)) // nbytes - self.SCRATCH_SLOTS, 0))

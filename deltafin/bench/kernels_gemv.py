@@ -1,0 +1,136 @@
+"""The decode GEMV kernels (``kernels/triton_gemv.py``) beside the tensor-core kernels they may replace.
+
+Part of ``deltafin.bench.kernels_cuda`` (``--gemv`` runs this part alone): the 16-expert Kimi K3 MXFP4 step
+at 1 and 8 tokens and the int8 trunk GEMVs at 1 token, each block configuration checked against the float64
+reference first, then timed as CUDA-graph replays over rotated weight copies; every figure is weight bytes
+per second over the device-to-device copy rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import ModuleType
+
+import torch
+
+# (BN, BK, num_warps, num_stages, decode); the MoE one is used for gate/up and down alike. The H200 sweep
+# over BN 16-64 x BK 256-1024 x 4-8 warps (fp16 decode) put BN 16 x BK 512 and BN 32 x BK 256 at 4 warps
+# first (0.28 of copy at T=1; T=8 0.04: each pair re-reads its expert); these are the finalists.
+MOE_CFGS = ((16, 512, 4, 3, 0), (16, 512, 4, 3, 1), (32, 256, 4, 3, 0), (32, 256, 4, 3, 1), (16, 256, 4, 3, 1),
+            (8, 512, 4, 3, 1))
+# (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
+# BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
+INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),
+             (8, 1024, 4, 3, 1056, True), (16, 512, 4, 3, 528, True), (8, 256, 4, 3, 1056, True))
+
+
+@contextlib.contextmanager
+def _flags_off():
+    """The tensor-core kernels' own configs, whatever the GEMV flags say."""
+    from deltafin.kernels import triton_gemv as G
+
+    saved = G.GEMV_INT8, G.GEMV_MOE
+    G.GEMV_INT8 = G.GEMV_MOE = False
+    try:
+        yield
+    finally:
+        G.GEMV_INT8, G.GEMV_MOE = saved
+
+
+def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1,)) -> list[dict]:
+    """Every token routed to all 16 experts (k = 16): each expert's bytes are read once per step. kc: the
+    running ``kernels_cuda`` module (its widths, shrunk by --smoke, and timing helpers)."""
+    from deltafin.kernels.triton_gemv import moe_gemv_config
+    from deltafin.kernels.triton_moe import grouped_glu, moe_config, plan_moe
+
+    k, lat, inter = 16, kc.LAT, kc.INTER
+    nbytes = sum(q.nbytes for t in exs[0] for q in t.values())
+    out = []
+    for T in Ts[:1 if kc.SMOKE else None]:
+        ids = torch.arange(k, device=dev).repeat(T, 1)
+        wts = torch.rand(T, k, device=dev)
+        x = torch.randn(T, lat, device=dev).to(torch.bfloat16)
+        ref = kc._moe_ref(x, ids, wts, exs[0], 1)
+        with _flags_off():
+            cands = [("tensor-core", moe_config(T * k, k, lat, inter))]
+        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d)) for bn, bk, w, st, d in MOE_CFGS[:2 if kc.SMOKE else None]]
+        for kind, cfg in cands:
+            row = {"T": T, "kernel": kind, "cfg": cfg}
+            try:
+                row["rel_err"] = kc._rel(grouped_glu(x, ids, wts, slabs[0], 1, cfg=cfg), ref)
+                pl = plan_moe(ids, dev, lat, inter, cfg)
+                t = kc._bench(kc._graph(lambda pl=pl, x=x, w=wts: [grouped_glu(x, None, w, sl, 1, plan=pl) for sl in slabs]),
+                              100) / len(slabs)
+            except Exception as e:  # a configuration that does not compile is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                out.append(row)
+                continue
+            row.update(ok=row["rel_err"] <= 1.5e-2, s=t, ratio=nbytes / t / 1e9 / gbps)
+            out.append(row)
+    return out
+
+
+def int8(kc: ModuleType, dev, gbps: float) -> list[dict]:
+    """Every K3 trunk shape at T = 1: the tensor-core kernel's default config and each GEMV config."""
+    from deltafin.kernels import triton as K
+    from deltafin.kernels.triton_gemv import int8_gemv_config
+
+    out = []
+    for name, N, Kd, n in kc.KDA_SHAPES + kc.MLA_SHAPES + kc.MOE_TRUNK_SHAPES:
+        copies = max(1, min(8, int(400e6 // (N * Kd))))
+        q, s, w = kc._weights("int8", N, Kd, dev, copies)
+        x = torch.randn(1, Kd, device=dev).to(torch.bfloat16)
+        ref = x.double() @ w.double().T
+        nb = N * Kd + 4 * N
+        cands = [("tensor-core", K.linear_config("int8", 1, N, Kd))]
+        cands += [("gemv", int8_gemv_config(N, Kd, bn, bk, wp, st, tg, mg))
+                  for bn, bk, wp, st, tg, mg in INT8_CFGS[:2 if kc.SMOKE else None]]
+        for i, (kind, cfg) in enumerate(cands):
+            row = {"shape": name, "N": N, "K": Kd, "count": n, "kernel": kind, "cfg_index": i, "cfg": cfg}
+            try:
+                row["rel_err"] = kc._rel(K.int8_linear(x, q[0], s[0], cfg), ref)
+                t = kc._bench(kc._graph(lambda cfg=cfg, c=copies, x=x, q=q, s=s: [
+                    K.int8_linear(x, q[j], s[j], cfg) for j in range(c)]), 100) / copies
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                out.append(row)
+                continue
+            row.update(ok=row["rel_err"] <= 8e-3, s=t, ratio=nb / t / 1e9 / gbps)
+            out.append(row)
+    return out
+
+
+def summary(res: dict, gbps: float) -> list[str]:
+    """Compact table lines: MoE per T (tensor-core vs best GEMV), int8 bytes-weighted over the shapes."""
+    lines = [f"--- GEMV kernels (limit: device-to-device copy {gbps:.0f} GB/s, same run) ---"]
+    rows = res.get("gemv_moe")
+    if isinstance(rows, list):
+        for T in sorted({r["T"] for r in rows}):
+            for r in (r for r in rows if r["T"] == T):
+                c = r["cfg"]
+                tag = f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')} dec {c.get('decode', '-')}"
+                fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"
+                       + ("" if r["ok"] else " FAIL")) if "s" in r else r.get("error", "")
+                lines.append(f"moe T={T} {r['kernel']:<11} {tag:<28} {fig}")
+    rows = res.get("gemv_int8")
+    if isinstance(rows, list):
+        ok = [r for r in rows if r.get("ok")]
+        shapes = {(r["shape"], r["N"], r["K"], r["count"]) for r in rows}
+        nb = sum((N * Kd + 4 * N) * n for _, N, Kd, n in shapes)
+        for i in sorted({r["cfg_index"] for r in ok}):
+            sel = [r for r in ok if r["cfg_index"] == i]
+            if len(sel) == len(shapes):
+                ts = sum(r["s"] * r["count"] for r in sel)
+                c = sel[0]["cfg"]
+                lines.append(f"int8 T=1 cfg {i} {sel[0]['kernel']:<11} BN {c['BN']} BK {c['BK']} w {c['num_warps']}"
+                             f" target {INT8_CFGS[i - 1][4] if i else '-'} magic {c.get('magic', '-')}: {nb / ts / 1e9 / gbps:.2f} of copy "
+                             f"bytes-weighted; worst shape {min(r['ratio'] for r in sel):.2f}")
+        best = {}
+        for r in ok:
+            if r["kernel"] == "gemv" and (r["shape"] not in best or r["s"] < best[r["shape"]]["s"]):
+                best[r["shape"]] = r
+        for r in best.values():
+            old = next((o["ratio"] for o in ok if o["shape"] == r["shape"] and o["cfg_index"] == 0), float("nan"))
+            lines.append(f"  int8 {r['shape']:<20} {r['N']:>6}x{r['K']:<6} tensor-core {old:.2f}, "
+                         f"best gemv {r['ratio']:.2f} (cfg {r['cfg_index']})")
+    return lines
