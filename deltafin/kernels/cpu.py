@@ -174,12 +174,14 @@ def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
 
 
 def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
-    """down(silu(gate x) * up x) for x [T, D] in one compiled call (Q8 path, T <= FUSED_TOKENS, the three
-    records 4-bit in one format and scale type) -> float32 [T, D]; None where the separate matmuls apply.
-    Runs once per expert per token in decode, so the checks are kept to plain attribute reads."""
+    """down(silu(gate x) * up x) for x [T, D] in one compiled call (the Q8 path's token range: up to
+    GEMM_TOKENS where the int16 GEMM takes over, else FUSED_TOKENS; the three records 4-bit in one format and
+    scale type) -> float32 [T, D]; None where the separate matmuls apply. Runs once per expert per token in
+    decode, so the checks are kept to plain attribute reads."""
     T, D = x.shape
     fmt = getattr(gate, "format", None)
-    if T > FUSED_TOKENS or fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(
+    lib = lib or native.library()
+    if T > (GEMM_TOKENS if gemm_enabled(lib) else FUSED_TOKENS) or fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(
             down, "format", None) != fmt:
         return None
     I = gate.shape[0]  # noqa: E741
@@ -187,7 +189,6 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None)
     if (tuple(gate.shape) != (I, D) or tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
             or not gs.dtype == us.dtype == ds.dtype):
         return None
-    lib = lib or native.library()
     if not q8_enabled(lib):
         return None
     if fmt == "mxfp4":
