@@ -56,29 +56,43 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool) -> No
 Q8_SLACK = 0.5 + 2.0**-10
 
 
-def _q8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _q8_bound(x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32, levels: int = 127
+              ) -> torch.Tensor:
     T, C = x.shape
-    d = x.double().abs().view(T, C // 32, 32).amax(-1, keepdim=True).div(127).expand(T, C // 32, 32).reshape(T, C)
+    nb = -(-C // block)  # int8 widths need not be whole blocks: the last block is the columns left
+    xa = torch.nn.functional.pad(x.double().abs(), (0, nb * block - C))
+    d = xa.view(T, nb, block).amax(-1, keepdim=True).div(levels).expand(T, nb, block).reshape(T, -1)[:, :C]
     aw = w.double().abs()
-    n = C // 32 + 8
+    n = C // 32 + 8 if n is None else n
     g = n * U / (1 - n * U)
     return (d * Q8_SLACK) @ aw.T + g * ((x.double().abs() + d * Q8_SLACK) @ aw.T)
 
 
-def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32,
+              levels: int = 127) -> None:
     ref = x.double() @ w.double().T
     err = (y.double() - ref).abs()
-    bound = _q8_bound(x, w)
+    bound = _q8_bound(x, w, n, block, levels)
     assert torch.all(err <= bound), f"max error {err.max():.3g}"
     # the bound is a real constraint: a few percent of sum |w x| (a wrong block or scale lands far outside it)
     assert torch.all(bound <= 0.05 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
 def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool, lib=None) -> None:
-    if fused and fmt != "int8" and cpu.q8_enabled(lib):
+    if fused and fmt == "int8" and cpu.i16_enabled(lib):
+        _check_q8(y, x, w, int8_a16_roundings(x.shape[1]), block=128, levels=32767)
+    elif fused and cpu.q8_enabled(lib):
         _check_q8(y, x, w)
     else:
         _check(y, x, w, fused)
+
+
+def int8_a16_roundings(C: int) -> int:
+    """int8 rows x int16 activations (blocks of 128, d = max|x| / 32767, the Q8 bound's form): the int32 block
+    sums are exact (|sum| <= 128 x 128 x 32767 < 2^31), then per block one fused multiply-add per lane, a 4-level
+    lane reduction, the row scale, and the float32 rounding of the dequantized reference weight: C/128 + 6. The
+    portable loop rounds twice per block (scale product, addition); the larger count bounds both."""
+    return 2 * -(-C // 128) + 8
 
 
 def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
@@ -146,8 +160,9 @@ def test_fused_kernels_match_reference(fmt, R, C):
 def test_int8_odd_width_and_float_int4_scales():
     rec = _records(45, 96, seed=3)
     q = rec["int8"].data[:, :83].contiguous()  # a width that is not a multiple of the vector length
-    x = torch.randn(5, 83)
-    _check(cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), fused=True)
+    for T in (1, 5):  # one token takes the four-row loop, several the token loop
+        x = torch.randn(T, 83)
+        _check_fmt("int8", cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), True)
     i4 = rec["int4g32"]
     x = torch.randn(2, 96)
     _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
@@ -257,7 +272,7 @@ def test_smallest_e8m0_scale_is_two_to_the_minus_127():
     _check_fmt("mxfp4", y, x, w, fused=True)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int8"])
 def test_q8_off_selects_the_float_decode_loop(fmt, monkeypatch):
     rec = _records(37, 256, seed=6)[fmt]
     x = torch.randn(3, 256)
@@ -311,3 +326,99 @@ def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, capl
     monkeypatch.setattr(native, "_why", {})
     assert native.library() is None
     assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32-f32"])
+@pytest.mark.parametrize("I,D", [(96, 64), (32, 160)])
+def test_fused_swiglu_matches_the_three_matmuls(fmt, I, D):
+    """One call for a whole 4-bit expert against the fast path's three matmuls with torch's SiLU between.
+
+    Gate and up are bit-identical in both (the same quantized x, the same rows); only SiLU's last bit may differ
+    (expf against torch's exp, a few ulps of h). That moves each Q8 code of h by at most one step and each block
+    scale by a few ulps, so |y_fused - y_three| <= sum_c |Wd_c| d(c) (1 + 2^-10) plus each side's float32 rounding,
+    gamma_n sum_c |Wd_c| (|h_c| + d(c)), n <= I/32 + 8 (the Q8 bound's count)."""
+    if not cpu.q8_enabled():
+        pytest.skip("the fused expert is on the Q8 path only")
+    base = fmt.split("-")[0]
+    g, u = _records(I, D, seed=I)[base], _records(I, D, seed=I + 1)[base]
+    d = _records(D, I, seed=D)[base]
+    if fmt.endswith("f32"):
+        g, u, d = (QTensor(r.format, r.shape, r.data, r.scale.float()) for r in (g, u, d))
+    most = cpu.GEMM_TOKENS if cpu.gemm_enabled() else cpu.FUSED_TOKENS  # the Q8 path's token range
+    assert cpu.swiglu(torch.randn(most + 1, D), g, u, d) is None
+    x = torch.randn(most, D, generator=torch.Generator().manual_seed(7))
+    fused = cpu.swiglu(x, g, u, d)
+    assert fused is not None and fused.shape == (most, D)
+    lin = getattr(cpu, f"{base}_linear")
+    h = torch.nn.functional.silu(lin(x, g.data, g.scale)) * lin(x, u.data, u.scale)
+    three = lin(h, d.data, d.scale)
+    wd = dequantize(d).double().abs()
+    T = h.shape[0]
+    dh = h.double().abs().view(T, I // 32, 32).amax(-1, keepdim=True).div(127).expand(T, I // 32, 32).reshape(T, I)
+    n = I // 32 + 8
+    bound = (dh * (1 + 2.0**-10)) @ wd.T + 2 * (n * U / (1 - n * U)) * ((h.double().abs() + dh) @ wd.T)
+    assert torch.all((fused.double() - three.double()).abs() <= bound)
+    for t in (0, most - 1):  # a token's result does not depend on its batch
+        assert torch.equal(cpu.swiglu(x[t : t + 1], g, u, d)[0], fused[t])
+
+
+def test_fused_swiglu_dispatch():
+    """kernels.swiglu runs only on the fast path, for 4-bit experts in one format; otherwise the caller's
+    three matmuls run (None)."""
+    from deltafin.models.common import swiglu_expert
+
+    if not cpu.q8_enabled():
+        pytest.skip("the fused expert is on the Q8 path only")
+    r = {n: _records(32, 64, seed=s)["mxfp4"] for n, s in (("gate", 1), ("up", 2))}
+    r["down"] = _records(64, 32, seed=3)["mxfp4"]
+    x = torch.randn(2, 64)
+    assert kernels.swiglu(x, r["gate"], r["up"], r["down"]) is None  # the exact path
+    with kernels.fast():
+        y = swiglu_expert(x, r)
+        assert torch.equal(y, cpu.swiglu(x, r["gate"], r["up"], r["down"]))
+        i8 = _records(64, 32, seed=3)["int8"]
+        assert kernels.swiglu(x, r["gate"], r["up"], i8) is None  # mixed formats: three matmuls
+        assert kernels.swiglu(torch.randn(cpu.FUSED_TOKENS + 1, 64), r["gate"], r["up"], r["down"]) is None
+
+
+@pytest.mark.parametrize("T", [1, 3, cpu.FUSED_TOKENS])
+def test_int8_many_equals_separate_calls(T):
+    """q, k and v in one call: x quantized once, the rows of all three in one pass; each result bit for bit
+    that of its own int8_linear call (odd row counts and a width that is not whole blocks)."""
+    if not cpu.i16_enabled():
+        pytest.skip("one call per matrix without the int16 path")
+    ws = [_records(R, 224, seed=R)["int8"] for R in (37, 5, 130)]
+    ws = [QTensor("int8", (w.shape[0], 201), w.data[:, :201].contiguous(), w.scale) for w in ws]  # not whole blocks
+    x = torch.randn(T, 201, generator=torch.Generator().manual_seed(T))
+    many = cpu.int8_linear_many(x, ws)
+    for y, w in zip(many, ws, strict=True):
+        assert torch.equal(y, cpu.int8_linear(x, w.data, w.scale))
+        _check_fmt("int8", y, x, dequantize(w), fused=True)
+    with kernels.fast():
+        assert all(torch.equal(a, b) for a, b in zip(kernels.matmul_many(x, ws), many, strict=True))
+        plain = torch.randn(7, 201)  # not all int8: one matmul each
+        ys = kernels.matmul_many(x, [ws[0], plain])
+        assert torch.equal(ys[0], many[0]) and torch.equal(ys[1], x @ plain.T)
+    exact = kernels.matmul_many(x, ws)  # off the fast path: the torch reference, one at a time
+    assert all(torch.equal(a, torch_ref.matmul(x, w)) for a, w in zip(exact, ws, strict=True))
+
+
+def test_rows_split_over_threads_give_the_one_thread_results(monkeypatch):
+    """Rows are independent, so splitting them over threads (any matrix when SERIAL_ELEMENTS is 0) changes no
+    bit of any result; test shapes are otherwise below the threshold and run on one thread."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread here")
+    recs = _records(130, 512, seed=11)
+    x = torch.randn(3, 512)
+    down = _records(512, 128, seed=12)["mxfp4"]
+    runs = []
+    for serial in (cpu.SERIAL_ELEMENTS, 0):
+        monkeypatch.setattr(cpu, "SERIAL_ELEMENTS", serial)
+        ys = [getattr(cpu, f"{f}_linear")(x[:t], r.data, r.scale) for f, r in recs.items() for t in (1, 3)]
+        if cpu.q8_enabled():
+            g = _records(128, 512, seed=13)["mxfp4"]
+            ys.append(cpu.swiglu(x, g, g, down))
+        if cpu.i16_enabled():
+            ys += cpu.int8_linear_many(x, [recs["int8"], recs["int8"]])
+        runs.append(ys)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

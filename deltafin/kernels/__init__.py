@@ -99,3 +99,26 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
             y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
             return y.reshape(*lead, w.shape[0]).to(x.dtype)
     return torch_ref.matmul(x, w)
+
+
+def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor,
+           down: QTensor | torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate x) * up x) for x [T, D] in one fused call where the fast path has one (the CPU backend's
+    few-token 4-bit experts), in x's dtype; None where the caller runs the three matmuls."""
+    if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    fn = getattr(_BACKENDS["cpu"] if "cpu" in _BACKENDS else backend("cpu"), "swiglu", None)
+    y = None if fn is None else fn(x, gate, up, down)
+    return y if y is None or y.dtype == x.dtype else y.to(x.dtype)
+
+
+def matmul_many(x: torch.Tensor, ws: list[QTensor | torch.Tensor]) -> list[torch.Tensor]:
+    """[matmul(x, w) for w in ws] for matrices that read the same x [T, in]; on the fast CPU path int8 records
+    run in one fused call (x quantized once, one parallel pass), with the results of separate calls."""
+    if (_FAST.get() and x.device.type == "cpu" and x.dim() == 2 and len(ws) > 1
+            and all(isinstance(w, QTensor) and w.format == "int8" and len(w.shape) == 2 for w in ws)):
+        fn = getattr(_BACKENDS["cpu"] if "cpu" in _BACKENDS else backend("cpu"), "int8_linear_many", None)
+        ys = None if fn is None else fn(x, list(ws))
+        if ys is not None:
+            return [y if y.dtype == x.dtype else y.to(x.dtype) for y in ys]
+    return [matmul(x, w) for w in ws]

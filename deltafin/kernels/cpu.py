@@ -19,16 +19,24 @@ per block of 32 (one float scale d = max|x| / 127 per block) and the block sums 
 (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
 loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there, the Q8 loop
 would not be).
+
+int8 rows up to ``FUSED_TOKENS`` tokens take int16 activations on the same switch (``i16_enabled``): one
+scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extended into VNNI's int16 dot product
+(a third of the float loop's vector instructions per byte, so the trunk GEMVs keep pace with memory). Its
+rounding (|x - d q| <= d / 2) is 256 times finer than the 4-bit path's 8-bit activations, which changed greedy
+tokens of a tiny Kimi K3 when applied to its int8 trunk.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
 
 from deltafin.kernels import native
 from deltafin.quant import int4, mxfp4
+from deltafin.quant.record import QTensor
 
 # Measured on a K3 expert (3072 x 3584, 2 cores): the fused loop costs ~4 ms per token, a decoded tile ~37 ms
 # once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
@@ -39,7 +47,11 @@ FUSED_TOKENS = 16
 # 2.1-2.5x faster than the decoded tile at 64-128 tokens.
 GEMM_TOKENS = 5
 TILE_BYTES = 8 << 20
-SERIAL_ELEMENTS = 1 << 18  # smaller matrices run on the calling thread: waking the others costs more
+# Smaller matrices run on the calling thread: waking the others costs more. With idle OpenMP threads asleep
+# (OMP_WAIT_POLICY=PASSIVE, set in deltafin/__init__.py) a wake took ~100 us or more on the 2-core VM, so a
+# Qwen3-MoE expert (768 x 2048 MXFP4, 2.4 MB with gate/up/down fused) ran slower on two threads (410-630 us)
+# than on one (290-330 us); from ~4M weights (K3's trunk and experts, any matrix over ~2-4 MB) two threads win.
+SERIAL_ELEMENTS = 1 << 22
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
 _INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
 _E8M0 = torch.exp2(torch.arange(256, dtype=torch.float64) - 127).to(torch.float32)
@@ -60,7 +72,7 @@ def _threads(R: int, C: int, T: int) -> int:
 
 
 USED: set[str] = set()  # kernel variants run so far ("mxfp4_q8", "int8_linear", ...), for the stats line
-_Q8_BUILT: dict[int, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
+_Q8_BUILT: dict[object, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
 
 
 def q8_enabled(lib=None) -> bool:
@@ -71,6 +83,15 @@ def q8_enabled(lib=None) -> bool:
     if id(lib) not in _Q8_BUILT:  # asked once per library: this runs on every matmul
         _Q8_BUILT[id(lib)] = bool(lib.df_q8_vnni()) or lib.df_simd_width() == 1
     return _Q8_BUILT[id(lib)]
+
+
+def i16_enabled(lib=None) -> bool:
+    """Whether int8 matmuls of up to FUSED_TOKENS tokens take int16 activations (see the module docstring)."""
+    lib = lib or native.library()
+    key = ("a16", id(lib))
+    if key not in _Q8_BUILT:
+        _Q8_BUILT[key] = bool(lib.df_a16_vnni()) or lib.df_simd_width() == 1
+    return _Q8_BUILT[key] and os.environ.get("DELTAFIN_CPU_Q8", "1") != "0"
 
 
 def _x32(x: torch.Tensor) -> torch.Tensor:
@@ -152,12 +173,56 @@ def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib, "int4g32")
 
 
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
+    """down(silu(gate x) * up x) for x [T, D] in one compiled call (the Q8 path's token range: up to
+    GEMM_TOKENS where the int16 GEMM takes over, else FUSED_TOKENS; the three records 4-bit in one format and
+    scale type) -> float32 [T, D]; None where the separate matmuls apply. Runs once per expert per token in
+    decode, so the checks are kept to plain attribute reads."""
+    T, D = x.shape
+    fmt = getattr(gate, "format", None)
+    lib = lib or native.library()
+    if T > (GEMM_TOKENS if gemm_enabled(lib) else FUSED_TOKENS) or fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(
+            down, "format", None) != fmt:
+        return None
+    I = gate.shape[0]  # noqa: E741
+    gs, us, ds = gate.scale, up.scale, down.scale
+    if (tuple(gate.shape) != (I, D) or tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
+            or not gs.dtype == us.dtype == ds.dtype):
+        return None
+    if not q8_enabled(lib):
+        return None
+    if fmt == "mxfp4":
+        kind, gp, up_, dp = 0, gate.data, up.data, down.data
+    else:  # int4g32: int32 words read as bytes (see int4g32_linear)
+        kind = 1 if gs.dtype == torch.bfloat16 else 2
+        gp, up_, dp = (w.data.view(torch.uint8) for w in (gate, up, down))
+        if kind == 2:
+            gs, us, ds = gs.float(), us.float(), ds.float()
+    gp, gs, up_, us, dp, ds = (t.contiguous() for t in (gp, gs, up_, us, dp, ds))
+    USED.add(f"{fmt}_q8_swiglu")
+    tab, k, mult = _Q8[kind]
+    x = _x32(x)
+    out = torch.empty(T, D, dtype=torch.float32)
+    rc = lib.df_q4q8_swiglu(kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
+                            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(),
+                            I, D, T, _threads(I, D, T))
+    if rc != 0:
+        raise MemoryError(f"Q8 activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_Q8=0 to skip them")
+    return out
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:
     """x [T, in] @ W^T for W = q [out, in] int8 * s [out] float32 -> float32 [T, out]."""
     lib = lib or native.library()
     T, C = x.shape
     R = q.shape[0]
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
+    if T <= FUSED_TOKENS and i16_enabled(lib):
+        USED.add("int8_a16")
+        out = torch.empty(T, R, dtype=torch.float32)
+        if lib.df_i8a16_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T)):
+            raise MemoryError(f"int16 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
+        return out
     USED.add("int8_linear" if T <= FUSED_TOKENS else "int8_tile")
     if T <= FUSED_TOKENS:
         out = torch.empty(T, R, dtype=torch.float32)
@@ -169,3 +234,24 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
         w = q[r0 : r0 + rows].to(torch.float32)  # the tile, decoded once for all tokens
         torch.mm(x, w.T, out=out[:, r0 : r0 + w.shape[0]])
     return out.mul_(s)
+
+
+def int8_linear_many(x: torch.Tensor, ws: list[QTensor], lib=None) -> list[torch.Tensor] | None:
+    """[x @ W^T for W in ws] for int8 records [out_i, in] that share x [T, in], in one compiled call (x quantized
+    once, one parallel pass over all their rows; each result as int8_linear's), or None where int8_linear
+    applies one at a time (many tokens, no int16 path)."""
+    T, C = x.shape
+    lib = lib or native.library()
+    if T > FUSED_TOKENS or not i16_enabled(lib):
+        return None
+    qs = [w.data.contiguous() for w in ws]
+    ss = [w.scale.to(torch.float32).contiguous() for w in ws]
+    outs = [torch.empty(T, q.shape[0], dtype=torch.float32) for q in qs]
+    n = len(ws)
+    ptrs = [(ctypes.c_void_p * n)(*[t.data_ptr() for t in ts]) for ts in (qs, ss, outs)]
+    rows = (ctypes.c_int64 * n)(*[q.shape[0] for q in qs])
+    x = _x32(x)
+    USED.add("int8_a16_many")
+    if lib.df_i8a16_multi(n, *ptrs, rows, x.data_ptr(), C, T, _threads(sum(rows), C, T)):
+        raise MemoryError(f"int16 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
+    return outs

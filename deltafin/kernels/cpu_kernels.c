@@ -376,6 +376,120 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
 #endif
 }
 
+/* int8 rows, one to a few tokens, with int16 activations: each token's row is quantized once per call to int16
+ * per block of 128 columns (d = max|x| / 32767, q = round(x / d)), and the weights meet it in int16 x int16 ->
+ * int32 (exact) with VNNI's vpdpwssd: each weight byte is sign-extended once, with no float conversion and no
+ * float multiply-add per byte (one per 128 columns), a third of the float loop's vector instructions per byte.
+ * The rounding, |x - d q| <= d / 2, is 256 times finer than 8-bit activations: the greedy tokens stay the
+ * float loop's (8-bit activations per block of 32 measurably changed a tiny Kimi K3's choices). */
+#define A16B 128 /* columns per block */
+
+typedef struct {
+    int16_t *q; /* [T, NB * 128], 0 past C */
+    float *d;   /* [T, NB] */
+    int64_t NB;
+} i8a16_t;
+
+static void a16_quantize(const float *x, int64_t T, int64_t C, i8a16_t *a) {
+    const int64_t NB = a->NB;
+    memset(a->q, 0, T * NB * A16B * sizeof(int16_t));
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < NB; b++) {
+            const float *xb = x + t * C + b * A16B;
+            const int n = C - b * A16B < A16B ? (int)(C - b * A16B) : A16B;
+            float amax = 0.0f;
+            for (int j = 0; j < n; j++) {
+                const float v = xb[j] < 0 ? -xb[j] : xb[j];
+                amax = v > amax || v != v ? v : amax; /* NaN wins: it reaches the scale, hence the result */
+            }
+            const float id = amax > 0.0f && amax <= 3.4e38f ? 32767.0f / amax : 0.0f;
+            int16_t *q = a->q + (t * NB + b) * A16B;
+            for (int j = 0; j < n; j++) q[j] = (int16_t)(int)nearbyintf(xb[j] * id);
+            a->d[t * NB + b] = amax / 32767.0f;
+        }
+}
+
+#ifndef I8PF
+#define I8PF 1 /* prefetch the next rows, a row ahead */
+#endif
+
+static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float *out, int64_t r0, int64_t r1,
+                       int64_t R, int64_t C, int64_t T) {
+    const int64_t NB = a->NB;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* the 4 masks of a block's 32-column steps: full, or the columns left in the last block */
+    __mmask32 last[4];
+    for (int j = 0; j < 4; j++) {
+        const int64_t n = C - (NB - 1) * A16B - j * 32;
+        last[j] = n >= 32 ? ~(__mmask32)0 : n <= 0 ? 0 : (((__mmask32)1 << n) - 1);
+    }
+    const __mmask32 full[4] = {~(__mmask32)0, ~(__mmask32)0, ~(__mmask32)0, ~(__mmask32)0};
+    int64_t r = r0;
+    if (T == 1) /* four rows at a time share the activation loads; the same sums as below */
+        for (; r + 4 <= r1; r += 4) {
+            __m512 f[4];
+            for (int i = 0; i < 4; i++) f[i] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < NB; b++) {
+                const __mmask32 *m = b + 1 < NB ? full : last;
+                const int16_t *xq = a->q + b * A16B;
+                const __m512 dv = _mm512_set1_ps(a->d[b]);
+                for (int i = 0; i < 4; i++) {
+                    const int8_t *p = w + (r + i) * C + b * A16B;
+                    if (I8PF && r + 4 + i < r1) {
+                        _mm_prefetch((const char *)(p + 4 * C), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(p + 4 * C + 64), _MM_HINT_T0);
+                    }
+                    __m512i acc = _mm512_setzero_si512();
+                    for (int j = 0; j < 4; j++)
+                        acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m[j], p + 32 * j)),
+                                                  _mm512_loadu_si512(xq + 32 * j));
+                    f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dv, f[i]);
+                }
+            }
+            for (int i = 0; i < 4; i++) out[r + i] = _mm512_reduce_add_ps(f[i]) * s[r + i];
+        }
+    __m512 f[TT];
+    for (; r < r1; r++) {
+        const int8_t *row = w + r * C;
+        for (int64_t t0 = 0; t0 < T; t0 += TT) {
+            const int64_t nt = T - t0 < TT ? T - t0 : TT;
+            for (int64_t t = 0; t < nt; t++) f[t] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < NB; b++) {
+                const __mmask32 *m = b + 1 < NB ? full : last;
+                if (I8PF && r + 1 < r1) {
+                    _mm_prefetch((const char *)(row + C + b * A16B), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(row + C + b * A16B + 64), _MM_HINT_T0);
+                }
+                __m512i wv[4];
+                for (int j = 0; j < 4; j++)
+                    wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m[j], row + b * A16B + 32 * j));
+                for (int64_t t = 0; t < nt; t++) {
+                    const int16_t *xq = a->q + ((t0 + t) * NB + b) * A16B;
+                    __m512i acc = _mm512_setzero_si512();
+                    for (int j = 0; j < 4; j++) acc = _mm512_dpwssd_epi32(acc, wv[j], _mm512_loadu_si512(xq + 32 * j));
+                    f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(a->d[(t0 + t) * NB + b]), f[t]);
+                }
+            }
+            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(f[t]) * s[r];
+        }
+    }
+#else
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *row = w + r * C;
+        for (int64_t t = 0; t < T; t++) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < NB; b++) {
+                const int16_t *xq = a->q + (t * NB + b) * A16B;
+                int32_t acc = 0;
+                for (int64_t c = b * A16B; c < C && c < (b + 1) * A16B; c++) acc += (int32_t)row[c] * xq[c - b * A16B];
+                sum += (float)acc * a->d[t * NB + b];
+            }
+            out[t * R + r] = sum * s[r];
+        }
+    }
+#endif
+}
+
 /* Rows in chunks of even count, handed to threads as they free up: on a shared machine a thread that loses
  * its core for a while does not hold the whole call back. About 8 chunks per thread. */
 #define SPLIT(nthreads, R, body)                                                          \
@@ -426,6 +540,113 @@ int df_q4q8_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
     free(q.xs);
     free(q.corr);
     return rc;
+}
+
+static int q8x_alloc(q8x_t *q, int64_t T, int64_t C) {
+    q->G = (C / 32 + QG - 1) / QG;
+    q->xe = malloc(T * q->G * 64);
+    q->xo = malloc(T * q->G * 64);
+    q->xs = malloc(T * (((q->G + 3) / 4) * 16) * sizeof(float));
+    q->corr = malloc(T * q->G * 16 * sizeof(int32_t));
+    return q->xe && q->xo && q->xs && q->corr;
+}
+
+static void q8x_free(q8x_t *q) {
+    free(q->xe);
+    free(q->xo);
+    free(q->xs);
+    free(q->corr);
+}
+
+/* One SwiGLU expert of 4-bit weights for T tokens in one call: out = down(silu(gate x) * up x), gate and up
+ * [I, D], down [D, I], all in one format (kind, tab8, K, mult as for df_q4q8_mm). x is quantized once for gate
+ * and up, whose rows run in one parallel pass; the product is quantized and the down rows run in a second.
+ * The same arithmetic as three df_q4q8_mm calls with silu(g) * u between them, less the host round trips
+ * (SiLU here is g / (1 + expf(-g)), which may differ from torch's in the last bit). Returns 0, or -1 when the
+ * buffers could not be allocated. */
+int df_q4q8_swiglu(int kind, const uint8_t *gp, const void *gs, const uint8_t *up, const void *us,
+                   const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
+                   const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+    q8x_t qx = {0}, qh = {0};
+    float *g = malloc(T * I * sizeof(float)), *u = malloc(T * I * sizeof(float));
+    int rc = -1;
+    if (g && u && q8x_alloc(&qx, T, D) && q8x_alloc(&qh, T, I)) {
+        q8_quantize(x, T, D, K, mult, &qx);
+        SPLIT(nthreads, I, {
+            q8_rows(kind, gp, gs, tab8, K, e8m0, &qx, g, r0, r1, I, D, T);
+            q8_rows(kind, up, us, tab8, K, e8m0, &qx, u, r0, r1, I, D, T);
+        })
+        for (int64_t i = 0; i < T * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        q8_quantize(g, T, I, K, mult, &qh);
+        SPLIT(nthreads, D, q8_rows(kind, dp, ds, tab8, K, e8m0, &qh, out, r0, r1, D, I, T))
+        rc = 0;
+    }
+    q8x_free(&qx);
+    q8x_free(&qh);
+    free(g);
+    free(u);
+    return rc;
+}
+
+/* int8 rows x int16 activations (see i8a16_rows): x float32 [T, C]. Returns 0, or -1 when the activation
+ * buffers could not be allocated. */
+int df_i8a16_mm(const int8_t *w, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,
+                int nthreads) {
+    i8a16_t a;
+    a.NB = (C + A16B - 1) / A16B;
+    a.q = malloc(T * a.NB * A16B * sizeof(int16_t));
+    a.d = malloc(T * a.NB * sizeof(float));
+    int rc = -1;
+    if (a.q && a.d) {
+        a16_quantize(x, T, C, &a);
+        SPLIT(nthreads, R, i8a16_rows(w, s, &a, out, r0, r1, R, C, T))
+        rc = 0;
+    }
+    free(a.q);
+    free(a.d);
+    return rc;
+}
+
+/* Rows [r0, r1) of a list of matrices, cut at each matrix's end. */
+static void i8a16_span(int n, const int8_t *const *w, const float *const *s, float *const *out, const int64_t *R,
+                       const i8a16_t *a, int64_t r0, int64_t r1, int64_t C, int64_t T) {
+    int64_t base = 0;
+    for (int m = 0; m < n && base < r1; base += R[m], m++) {
+        const int64_t lo = r0 > base ? r0 - base : 0;
+        const int64_t hi = r1 - base < R[m] ? r1 - base : R[m];
+        if (lo < hi) i8a16_rows(w[m], s[m], a, out[m], lo, hi, R[m], C, T);
+    }
+}
+
+/* Several int8 matrices that read the same x (attention's q, k and v): x is quantized once and the rows of all
+ * of them, taken as one list, run in one parallel pass. Each matrix's rows get the arithmetic of df_i8a16_mm,
+ * so the results are those of separate calls. w, s, out, R: n entries each. */
+int df_i8a16_multi(int n, const int8_t *const *w, const float *const *s, float *const *out, const int64_t *R,
+                   const float *x, int64_t C, int64_t T, int nthreads) {
+    i8a16_t a;
+    int64_t total = 0;
+    for (int m = 0; m < n; m++) total += R[m];
+    a.NB = (C + A16B - 1) / A16B;
+    a.q = malloc(T * a.NB * A16B * sizeof(int16_t));
+    a.d = malloc(T * a.NB * sizeof(float));
+    int rc = -1;
+    if (a.q && a.d) {
+        a16_quantize(x, T, C, &a);
+        SPLIT(nthreads, total, i8a16_span(n, w, s, out, R, &a, r0, r1, C, T))
+        rc = 0;
+    }
+    free(a.q);
+    free(a.d);
+    return rc;
+}
+
+/* 1 when the int8 x int16 path has its vector (AVX-512 VNNI) code here, 0 when it runs the plain C loop. */
+int df_a16_vnni(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* 1 when the Q8 path has its vector (AVX-512 VNNI) code here, 0 when it runs the plain C loop. */

@@ -32,6 +32,10 @@ _SIGNATURES = {
     "df_q4_decode": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_i8_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4q8_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_i8a16_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_q4q8_swiglu": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_a16_vnni": [],
+    "df_i8a16_multi": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "df_q8_vnni": [],
     "df_simd_width": [],
     "df_q4gw_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
@@ -107,6 +111,8 @@ def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 lib.df_q4gw_mm.restype = lib.df_q4gw_vnni.restype = _INT
                 lib.df_gw_peak.restype = ctypes.c_double
                 lib.df_simd_width.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
+                lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_swiglu.restype = _INT
+                lib.df_i8a16_multi.restype = _INT
         if lib is None:
             log.warning("fast CPU kernels off, the plain torch path runs: %s", why)
         _loaded[extra], _why[extra] = lib, why

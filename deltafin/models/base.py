@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from deltafin.kernels import cuda as kc
-from deltafin.kernels import matmul
+from deltafin.kernels import matmul, matmul_many
 from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
@@ -59,6 +59,15 @@ def linear(x: torch.Tensor, w: QTensor | torch.Tensor, bias: QTensor | torch.Ten
     if bias is not None:
         y = y + (bias if isinstance(bias, torch.Tensor) else dequantize(bias, x.dtype)).to(x.dtype)
     return y
+
+
+def linears(x: torch.Tensor, ws: Sequence[QTensor | torch.Tensor],
+            biases: Sequence[QTensor | torch.Tensor | None]) -> list[torch.Tensor]:
+    """[linear(x, w, b) for w, b in zip(ws, biases)] for x [T, in]: matrices that read the same input (q, k, v),
+    which the fast path may run in one call (``kernels.matmul_many``)."""
+    ys = matmul_many(x, list(ws)) if x.dim() == 2 else [matmul(x, w) for w in ws]
+    return [y if b is None else y + (b if isinstance(b, torch.Tensor) else dequantize(b, x.dtype)).to(x.dtype)
+            for y, b in zip(ys, biases, strict=True)]
 
 
 def dense(w: QTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -143,7 +152,17 @@ def moe_dispatch(
             fetched = iter(got)
     out = x.new_zeros(T, k, D)  # [T, k, D]
     seen = 0
+    # One token (decode): each expert's slot is read off the host ids, with no per-expert index tensors; the
+    # same products land in the same slots as below.
+    row = ids_host[0].tolist() if T == 1 else []
+    slot_of = {e: s for s, e in enumerate(row)} if T == 1 and len(set(row)) == k else None
     for eid, tensors in fetched:
+        if slot_of is not None:
+            s = slot_of[eid]
+            y = expert_fn(x, tensors)  # [1, D]
+            out[0, s] = y[0] * weights[0, s].to(y.dtype)
+            seen += 1
+            continue
         tok, slot = (ids == eid).nonzero(as_tuple=True)
         y = expert_fn(x[tok], tensors)  # [n, D]
         out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)

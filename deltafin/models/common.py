@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import swiglu as fused_swiglu
 from deltafin.models.base import (
     ExpertSource,
     SequenceState,
@@ -27,6 +28,7 @@ from deltafin.models.base import (
     dense,
     embed_rows,
     linear,
+    linears,
     moe_dispatch,
     rms_norm,
 )
@@ -39,6 +41,9 @@ from deltafin.quant.record import QTensor
 
 def swiglu_expert(x: torch.Tensor, tensors: Mapping[str, QTensor | torch.Tensor]) -> torch.Tensor:
     """down(silu(gate x) * up x) for x [n, D] and records gate/up [I, D], down [D, I]. Returns [n, D]."""
+    y = fused_swiglu(x, tensors["gate"], tensors["up"], tensors["down"])  # None off the fast path
+    if y is not None:
+        return y
     return linear(F.silu(linear(x, tensors["gate"])) * linear(x, tensors["up"]), tensors["down"])
 
 
@@ -343,7 +348,8 @@ class GQADecoder(DecoderLM):
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H*d], k and v [T, Hkv*d] (or already split into heads) for the normed stream h [T, D]."""
         lw = self.layers[i]
-        return linear(h, lw["q"], lw["q_b"]), linear(h, lw["k"], lw["k_b"]), linear(h, lw["v"], lw["v_b"])
+        q, k, v = linears(h, (lw["q"], lw["k"], lw["v"]), (lw["q_b"], lw["k_b"], lw["v_b"]))
+        return q, k, v
 
     def _window(self, i: int) -> int | None:
         return getattr(self.cfg, "sliding_window", None)
