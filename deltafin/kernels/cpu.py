@@ -48,7 +48,8 @@ FUSED_TOKENS = 16
 GEMM_TOKENS = 5
 TILE_BYTES = 8 << 20
 # Smaller matrices run on the calling thread: waking the others costs more. With idle OpenMP threads asleep
-# (OMP_WAIT_POLICY=PASSIVE, set in deltafin/__init__.py) a wake took ~100 us or more on the 2-core VM, so a
+# (OMP_WAIT_POLICY=PASSIVE; deltafin/__init__.py now lets them spin briefly first) a wake took ~100 us or
+# more on the 2-core VM, so a
 # Qwen3-MoE expert (768 x 2048 MXFP4, 2.4 MB with gate/up/down fused) ran slower on two threads (410-630 us)
 # than on one (290-330 us); from ~4M weights (K3's trunk and experts, any matrix over ~2-4 MB) two threads win.
 SERIAL_ELEMENTS = 1 << 22
