@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -335,20 +334,10 @@ def time_prefill(dev) -> list[dict]:
         f = _fn(fmt)
         err = _rel(f(x, p[0], s[0]), x.double() @ w.double().T)
         t = _bench(lambda f=f, x=x, p=p, s=s: f(x, p[0], s[0]))
-        before = os.environ.get("DELTAFIN_PREFILL_SWAP")
-        os.environ["DELTAFIN_PREFILL_SWAP"] = "1"  # the weight tile as the left operand
-        try:
-            err_swap = _rel(f(x, p[0], s[0]), x.double() @ w.double().T)
-            t_swap = _bench(lambda f=f, x=x, p=p, s=s: f(x, p[0], s[0]))
-        finally:
-            os.environ.pop("DELTAFIN_PREFILL_SWAP")
-            if before is not None:
-                os.environ["DELTAFIN_PREFILL_SWAP"] = before
         wb = w.to(torch.bfloat16)
         tb = _bench(lambda x=x, wb=wb: x @ wb.T)
         fl = 2 * T * N * Kd
         out.append({"fmt": fmt, "T": T, "N": N, "K": Kd, "rel_err": err, "s": t, "TFLOPs": fl / t / 1e12,
-                    "swap_rel_err": err_swap, "swap_s": t_swap, "swap_TFLOPs": fl / t_swap / 1e12,
                     "bf16_matmul_TFLOPs": fl / tb / 1e12, "ratio_to_bf16": tb / t})
     return out
 
@@ -361,23 +350,21 @@ def prefill_moe(dev, slab, gbps) -> dict:
     ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
     wts = torch.rand(T, k, device=dev)
     x = torch.randn(T, LAT, device=dev).to(torch.bfloat16)
-    best, rows = None, []
-    fl = 2 * T * k * 3 * INTER * LAT
+    best = None
     for bt, bn, bk, w in ((64, 128, 64, 8), (64, 64, 128, 4), (128, 128, 64, 8), (64, 128, 128, 8)):
         cfg = {"BT": bt, "BN": bn, "BK": bk, "BN_down": bn, "BK_down": bk, "num_warps": w, "num_stages": 3}
-        for scaled, swap in ((False, False), (True, False), (False, True), (True, True)):
-            c = dict(cfg, scaled=scaled, swap=swap)  # swap: the weight tile as the left operand
+        for scaled in (False, True):
+            c = dict(cfg, scaled=scaled)
             try:
                 pl = plan_moe(ids, dev, LAT, INTER, c)
                 t = _bench(lambda pl=pl: grouped_glu(x, None, wts, slab, 1, plan=pl), 300)
             except Exception as e:
                 print("prefill moe cfg failed", c, type(e).__name__, str(e)[:120])
                 continue
-            rows.append({"cfg": c, "s": t, "TFLOPs": fl / t / 1e12})
             if best is None or t < best["s"]:
                 best = {"cfg": c, "s": t}
+    fl = 2 * T * k * 3 * INTER * LAT
     best["TFLOPs"] = fl / best["s"] / 1e12
-    best["sweep"] = rows
     best["tok_s_per_layer"] = T / best["s"]
     return best
 
@@ -495,9 +482,8 @@ def _summary(res: dict, gbps: float) -> None:
     pg = res.get("prefill_gemm")
     if isinstance(pg, list):
         for r in pg:
-            print(f"prefill {r['fmt']} {r['N']}x{r['K']} T={r['T']}: {r['TFLOPs']:.0f} TFLOP/s, weight left "
-                  f"{r['swap_TFLOPs']:.0f} (bf16 matmul {r['bf16_matmul_TFLOPs']:.0f}), rel err {r['rel_err']:.1e} / "
-                  f"{r['swap_rel_err']:.1e}")
+            print(f"prefill {r['fmt']} {r['N']}x{r['K']} T={r['T']}: {r['TFLOPs']:.0f} TFLOP/s "
+                  f"(bf16 matmul {r['bf16_matmul_TFLOPs']:.0f}), rel err {r['rel_err']:.1e}")
     pm = res.get("prefill_moe")
     if isinstance(pm, dict) and "s" in pm:
         print(f"prefill moe 4096 tok x 16 of 64 experts: {pm['s'] * 1e3:.1f} ms = {pm['TFLOPs']:.0f} TFLOP/s, "

@@ -14,8 +14,6 @@ float32 precision (no TF32).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +26,6 @@ from deltafin.kernels.triton_tiles import (
     FMT_MXFP4_SCALED,
     INTERPRET,
     mma_weight,
-    mma_weight_t,
 )
 
 
@@ -78,28 +75,6 @@ def sum_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
-
-@triton.jit
-def _linear_kernel_t(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
-                     K_PER_SPLIT: tl.constexpr, FMT: tl.constexpr, ROW_SCALE: tl.constexpr, IEEE: tl.constexpr,
-                     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``_linear_kernel`` with the weight tile as the left operand (products [BN, BT]; see mma_weight_t)."""
-    pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    acc = tl.zeros((BN, BT), dtype=tl.float32)
-    k_lo = pid_k * K_PER_SPLIT
-    for i in range(0, K_PER_SPLIT, BK):
-        k0 = k_lo + i
-        offs_k = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + offs_t[None, :] * stride_x + offs_k[:, None],
-                     mask=(offs_t < T)[None, :] & (offs_k < K)[:, None], other=0.0)
-        acc = mma_weight_t(acc, xt, p_ptr, s_ptr, offs_n, k0, N, K, FMT, IEEE, BN, BK)
-    if ROW_SCALE:
-        acc = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)[:, None]
-    out = y_ptr + pid_k * T * N + offs_t[None, :] * N + offs_n[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_t < T)[None, :] & (offs_n < N)[:, None])
-
 # Programs wanted per launch so that every multiprocessor has a couple of weight streams in flight.
 _TARGET_PROGRAMS = 264
 
@@ -120,19 +95,7 @@ def linear_config(fmt: str, T: int, N: int, K: int) -> dict:
     k_per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, k_per)
     return {"BT": bt, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages, "splits": splits,
-            "k_per_split": k_per, "swap": T > 64 and swap_prefill()}
-
-
-# Prefill tiles (linears past 64 tokens, grouped experts past 16 rows per expert) with the weight tile as the
-# left operand of the tensor-core product; DELTAFIN_PREFILL_SWAP=0/1 overrides. Off by measurement: on the H200
-# (kernels_cuda, T=4096) int8 12288x7168 ran at 379 TFLOP/s against 407, MXFP4 expert shapes at 106-107 against
-# 230-232, and the grouped prefill sweep's best configuration kept the usual tiles.
-SWAP_PREFILL = False
-
-
-def swap_prefill() -> bool:
-    env = os.environ.get("DELTAFIN_PREFILL_SWAP")
-    return SWAP_PREFILL if env is None else env == "1"
+            "k_per_split": k_per}
 
 
 _FMT = {"mxfp4": FMT_MXFP4, "int8": FMT_INT8, "int4g32": FMT_INT4G32}
@@ -161,7 +124,7 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
     # one split writes the result in x's dtype directly; several write float32 partial sums
     part = torch.empty(c["splits"], T, N, device=x.device, dtype=torch.float32 if c["splits"] > 1 else x.dtype)
     grid = (triton.cdiv(N, c["BN"]), triton.cdiv(T, c["BT"]), c["splits"])
-    (_linear_kernel_t if c.get("swap") else _linear_kernel)[grid](x2, p, s, part, T, N, K, x2.stride(0),
+    _linear_kernel[grid](x2, p, s, part, T, N, K, x2.stride(0),
                          K_PER_SPLIT=c["k_per_split"], FMT=format_code(fmt, x.dtype, c.get("scaled")), ROW_SCALE=fmt == "int8", IEEE=x.dtype == torch.float32 or INTERPRET,
                          BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"],
                          num_stages=c["num_stages"])

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from deltafin.kernels import triton_gemv
-from deltafin.kernels.triton import format_code, sum_cast, swap_prefill
-from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight, mma_weight_t
+from deltafin.kernels.triton import format_code, sum_cast
+from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
 ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
@@ -86,57 +86,6 @@ def _down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot
     w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
     tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc * w[:, None],
              mask=valid[:, None] & (offs_n < D)[None, :])
-
-
-@triton.jit
-def _gate_up_kernel_t(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
-                      TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                      ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, IEEE: tl.constexpr,
-                      BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``_gate_up_kernel`` with the weight tile as the left operand (products [BN, BT], see mma_weight_t)."""
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(blk_ptr + b).to(tl.int64)
-    r = b * BT + tl.arange(0, BT)
-    pair = tl.load(rows_ptr + r)
-    valid = pair >= 0
-    tok = tl.where(valid, pair // TOPK, 0)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
-    u_p, u_s = upp + slot * p_slot, ups + slot * s_slot
-    acc_g = tl.zeros((BN, BT), dtype=tl.float32)
-    acc_u = tl.zeros((BN, BT), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + tok[None, :] * stride_x + offs_k[:, None],
-                     mask=valid[None, :] & (offs_k < K)[:, None], other=0.0)
-        acc_g = mma_weight_t(acc_g, xt, g_p, g_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
-        acc_u = mma_weight_t(acc_u, xt, u_p, u_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
-    h = _act(acc_g, acc_u, ACT, BETA, LBETA)
-    tl.store(h_ptr + r[None, :] * I + offs_n[:, None], h.to(h_ptr.dtype.element_ty),
-             mask=valid[None, :] & (offs_n < I)[:, None])
-
-
-@triton.jit
-def _down_kernel_t(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
-                   I: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``_down_kernel`` with the weight tile as the left operand."""
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(blk_ptr + b).to(tl.int64)
-    r = b * BT + tl.arange(0, BT)
-    pair = tl.load(rows_ptr + r)
-    valid = pair >= 0
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    d_p, d_s = dp + slot * p_slot, ds + slot * s_slot
-    acc = tl.zeros((BN, BT), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        ht = tl.load(h_ptr + r[None, :] * I + offs_k[:, None],
-                     mask=valid[None, :] & (offs_k < I)[:, None], other=0.0)
-        acc = mma_weight_t(acc, ht, d_p, d_s, offs_n, k0, D, I, FMT, IEEE, BN, BK)
-    w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-    tl.store(y_ptr + pair[None, :] * D + offs_n[:, None], acc * w[None, :],
-             mask=valid[None, :] & (offs_n < D)[:, None])
 
 
 class ExpertSlab:
@@ -220,8 +169,6 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
         c = {"BT": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4}
     else:
         c = {"BT": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
-    if avg > 16 and swap_prefill():  # the weight as the left operand (``_gate_up_kernel_t``)
-        c["swap"] = True
     return dict(c, BN_down=c["BN"], BK_down=c["BK"])
 
 
@@ -280,15 +227,14 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
     nb = p.blk.numel()
     h = torch.empty(p.rows.numel(), I, device=dev, dtype=x.dtype)
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
-    swap = c.get("swap", False)  # the weight tile as the left operand (prefill tiles; see mma_weight_t)
-    (_gate_up_kernel_t if swap else _gate_up_kernel)[(nb, triton.cdiv(I, c["BN"]))](
+    _gate_up_kernel[(nb, triton.cdiv(I, c["BN"]))](
         x, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(),
         TOPK=k, K=K, I=I, FMT=fmt, ACT=act, BETA=beta, LBETA=lbeta, IEEE=ieee,
         BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-    (_down_kernel_t if swap else _down_kernel)[(nb, triton.cdiv(D, c["BN_down"]))](
+    _down_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
         h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])

@@ -123,28 +123,3 @@ def mma_weight(acc, x, p_ptr, s_ptr, offs_n, k0, N, K, FMT: tl.constexpr, IEEE: 
         return tl.dot_scaled(x.to(tl.bfloat16), None, "bf16", tl.trans(b), s, "e2m1", acc)
     else:
         return mma(acc, x, weight_tile(p_ptr, s_ptr, offs_n, k0, N, K, FMT, BN, BK), IEEE)
-
-
-@triton.jit
-def mma_weight_t(acc, xt, p_ptr, s_ptr, offs_n, k0, N, K, FMT: tl.constexpr, IEEE: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
-    """acc [BN, BT] += W[offs_n, k0:k0+BK] @ xt [BK, BT]: the weight as the left operand.
-
-    The transposed form of ``mma_weight`` for prefill tiles: on Hopper the left operand of a tensor-core
-    product may come from registers, so the tile decoded there feeds the product without a trip through
-    shared memory, while the activations (the right operand) are plain loads."""
-    if FMT == 3:
-        offs_h = k0 // 2 + tl.arange(0, BK // 2)
-        offs_b = k0 // 32 + tl.arange(0, BK // 32)
-        nm = offs_n < N
-        b = tl.load(p_ptr + offs_n[:, None] * (K // 2) + offs_h[None, :],
-                    mask=nm[:, None] & (offs_h < K // 2)[None, :], other=0)
-        s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_b[None, :],
-                    mask=nm[:, None] & (offs_b < K // 32)[None, :], other=127)
-        return tl.dot_scaled(b, s, "e2m1", xt.to(tl.bfloat16), None, "bf16", acc)
-    else:
-        w = weight_tile(p_ptr, s_ptr, offs_n, k0, N, K, FMT, BN, BK)
-        if IEEE:
-            return tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            return tl.dot(w.to(xt.dtype), xt, acc)
