@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton_tiles import e2m1_bits, e8m0_value
+from deltafin.kernels.triton_tiles import e2m1_bits, e8m0_value, glu_act
 
 # Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,250 GB/s in the run):
 # - MoE: the 16-expert K3 step at one token 0.236 ms = 0.28 of copy here vs 0.269 ms = 0.25 through the
@@ -86,21 +86,6 @@ def _mx_gemv_acc(acc, p_ptr, s_ptr, x_ptr, offs_n, k0, N, K: tl.constexpr, BN: t
 
 
 @triton.jit
-def _tanh(z):
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # saturates to +-1 without NaN at large |z|
-
-
-@triton.jit
-def _act(g, u, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr):
-    # the same math as triton_moe._act (SwiGLU / SiTU-GLU), kept beside the kernel that inlines it
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    if ACT == 0:
-        return g * sig * u
-    else:
-        return BETA * _tanh(g / BETA) * sig * (LBETA * _tanh(u / LBETA))
-
-
-@triton.jit
 def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
                          RS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
                          BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -118,7 +103,7 @@ def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stri
                              DECODE)
         acc_u = _mx_gemv_acc(acc_u, upp + slot * p_slot, ups + slot * s_slot, xp, offs_n, k0, I, K, BN,
                              BK // 32, DECODE)
-    h = _act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ACT, BETA, LBETA)
+    h = glu_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ACT, BETA, LBETA)
     tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 

@@ -19,24 +19,10 @@ import triton.language as tl
 
 from deltafin.kernels import triton_gemv
 from deltafin.kernels.triton import format_code, sum_cast
-from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, mma_weight
+from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, glu_act, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
 ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
-
-
-@triton.jit
-def _tanh(z):
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # saturates to +-1 without NaN at large |z|
-
-
-@triton.jit
-def _act(g, u, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr):
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    if ACT == 0:
-        return g * sig * u
-    else:
-        return BETA * _tanh(g / BETA) * sig * (LBETA * _tanh(u / LBETA))
 
 
 @triton.jit
@@ -61,7 +47,7 @@ def _gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x,
                     mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
         acc_g = mma_weight(acc_g, x, g_p, g_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
         acc_u = mma_weight(acc_u, x, u_p, u_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
-    h = _act(acc_g, acc_u, ACT, BETA, LBETA)
+    h = glu_act(acc_g, acc_u, ACT, BETA, LBETA)
     tl.store(h_ptr + r[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_n < I)[None, :])
 

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton_moe import ACT_SITU, _act
+from deltafin.kernels.triton_moe import ACT_SITU
+from deltafin.kernels.triton_tiles import glu_act
 
 MAX_ROW = 16384  # widest row one program holds in registers (Kimi K3's widest normed row is 7168)
 
@@ -73,7 +74,7 @@ def _situ_kernel(g_ptr, u_ptr, y_ptr, N, ACT: tl.constexpr, BETA: tl.constexpr, 
     m = offs < N
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, _act(g, u, ACT, BETA, LBETA).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + offs, glu_act(g, u, ACT, BETA, LBETA).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _warps(block: int) -> int:

@@ -123,3 +123,19 @@ def mma_weight(acc, x, p_ptr, s_ptr, offs_n, k0, N, K, FMT: tl.constexpr, IEEE: 
         return tl.dot_scaled(x.to(tl.bfloat16), None, "bf16", tl.trans(b), s, "e2m1", acc)
     else:
         return mma(acc, x, weight_tile(p_ptr, s_ptr, offs_n, k0, N, K, FMT, BN, BK), IEEE)
+
+
+@triton.jit
+def tanh_sat(z):
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # saturates to +-1 without NaN at large |z|
+
+
+@triton.jit
+def glu_act(g, u, ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr):
+    """The gated activation of the grouped expert kernels: SwiGLU silu(g) * u (ACT 0) or Kimi K3's SiTU-GLU
+    beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta) (ACT 1), in float32."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == 0:
+        return g * sig * u
+    else:
+        return BETA * tanh_sat(g / BETA) * sig * (LBETA * tanh_sat(u / LBETA))
