@@ -51,8 +51,8 @@ def run(args) -> dict:
     print(f"prefill ({rec['mode']}{', expert math skipped' if args.io_only else ''}, {args.device}): "
           f"{args.prompt}-token prompt, time to first token {ttft:.2f} s vs floor {floor:.2f} s "
           f"(unique expert bytes {unique / 1e9:.2f} GB / raw direct {raw:.2f} GB/s) = {rec['ratio']:.2f}x "
-          f"(target <= 1.10 I/O-only); read amplification {rec['read_amplification']:.2f}"
-          + ("" if args.io_only else f"; expert math {math_s:.2f} s ({rec['math']}; full mode target <= 1.5x)")
+          f"(target <= {'1.10' if args.io_only else '1.5'}); read amplification {rec['read_amplification']:.2f}"
+          + ("" if args.io_only else f"; expert math {math_s:.2f} s ({rec['math']})")
           + f". Projected Kimi K3 on ~25 GB/s of drives: {k3 * rec['ratio']:.0f} s to first token")
     if args.json:
         from deltafin.store.manifest import write_json_atomic
