@@ -123,22 +123,12 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     x = _x32(x)
     if T > GEMM_TOKENS and gemm_enabled(lib):
         USED.add(f"{fmt}_gemm")
-        tab, k, mult = _Q8[kind]
-        out = torch.empty(T, R, dtype=torch.float32)
-        rc = lib.df_q4gw_mm(kind, packed.data_ptr(), scales.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(),
-                            x.data_ptr(), out.data_ptr(), R, C, T, nt)
-        if rc != 0:
-            raise MemoryError(f"GEMM buffers for [{T}, {C}] x [{R}, {C}]; set DELTAFIN_CPU_GEMM=0 to skip them")
-        return out
+        return _q4_quantized(lib.df_q4gw_mm, kind, x, packed, scales, nt,
+                             f"GEMM buffers for [{T}, {C}] x [{R}, {C}]; set DELTAFIN_CPU_GEMM=0 to skip them")
     if T <= FUSED_TOKENS and q8_enabled(lib):
         USED.add(f"{fmt}_q8")
-        tab, k, mult = _Q8[kind]
-        out = torch.empty(T, R, dtype=torch.float32)
-        rc = lib.df_q4q8_mm(kind, packed.data_ptr(), scales.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(),
-                            x.data_ptr(), out.data_ptr(), R, C, T, nt)
-        if rc != 0:
-            raise MemoryError(f"Q8 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
-        return out
+        return _q4_quantized(lib.df_q4q8_mm, kind, x, packed, scales, nt,
+                             f"Q8 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
     if T <= FUSED_TOKENS:
         USED.add(f"{fmt}_linear")
         xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # [T, C/2]: each nibble lane meets its column
@@ -155,6 +145,19 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
         lib.df_q4_decode(kind, packed.data_ptr(), scales.data_ptr(), lut.data_ptr(), _E8M0.data_ptr(),
                          w.data_ptr(), r0, n, C, nt)
         torch.mm(x, w[:n].T, out=out[:, r0 : r0 + n])
+    return out
+
+
+def _q4_quantized(fn, kind: int, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, nt: int,
+                  no_memory: str) -> torch.Tensor:
+    """One of the kernels that quantize the activations (``df_q4q8_mm``, ``df_q4gw_mm``: same arguments);
+    ``no_memory`` says what could not be allocated and how to avoid it."""
+    (T, C), R = x.shape, packed.shape[0]
+    tab, k, mult = _Q8[kind]
+    out = torch.empty(T, R, dtype=torch.float32)
+    if fn(kind, packed.data_ptr(), scales.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(),
+          out.data_ptr(), R, C, T, nt) != 0:
+        raise MemoryError(no_memory)
     return out
 
 
