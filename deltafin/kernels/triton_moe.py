@@ -26,15 +26,22 @@ ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/
 
 
 @triton.jit
+def _block(rows_ptr, blk_ptr, BT: tl.constexpr):
+    """Block b's slab slot and its BT pair rows: (slot, row numbers, pair index or -1, pair present)."""
+    b = tl.program_id(0)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    r = b * BT + tl.arange(0, BT)
+    pair = tl.load(rows_ptr + r)
+    return slot, r, pair, pair >= 0
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
                     TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                     ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, IEEE: tl.constexpr,
                     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(blk_ptr + b).to(tl.int64)
-    r = b * BT + tl.arange(0, BT)
-    pair = tl.load(rows_ptr + r)
-    valid = pair >= 0
+    pid_n = tl.program_id(1)
+    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
     tok = tl.where(valid, pair // TOPK, 0)
     offs_n = pid_n * BN + tl.arange(0, BN)
     g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
@@ -56,11 +63,8 @@ def _gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x,
 def _down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
                  I: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr,
                  BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    b, pid_n = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(blk_ptr + b).to(tl.int64)
-    r = b * BT + tl.arange(0, BT)
-    pair = tl.load(rows_ptr + r)
-    valid = pair >= 0
+    pid_n = tl.program_id(1)
+    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
     offs_n = pid_n * BN + tl.arange(0, BN)
     d_p, d_s = dp + slot * p_slot, ds + slot * s_slot
     acc = tl.zeros((BT, BN), dtype=tl.float32)
