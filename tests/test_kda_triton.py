@@ -1,4 +1,4 @@
-"""KDA's Triton kernels (in-chunk products, state loop) against the torch forms and the recurrence.
+"""KDA's Triton kernel (in-chunk products) against the torch form and the recurrence.
 
 Without a GPU the kernel runs under Triton's interpreter (small shapes, a few seconds); with one (``-m gpu``)
 it runs compiled at Kimi K3's widths. Tolerance as in test_kda.py: float32 products in both, only the
@@ -25,21 +25,6 @@ from tests.test_kda import F32_TOL, _close, _inputs  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("T,H,K,V,bv", [(150, 2, 16, 32, 16), (64, 1, 32, 16, 32)])
-def test_states_kernel_matches_torch_loop(T, H, K, V, bv):
-    x = [t.float().to(DEV) for t in _inputs(T, H, K, V, seed=11, shift=4.0)]
-    want = kda.recurrent(*(t.cpu() for t in x))
-    seen = []
-
-    def fused(*a):
-        seen.append(1)
-        return triton_kda.kda_states(*a, bv=bv)
-
-    got = kda.chunked(*x, chunk=32, states=fused)
-    assert seen, "the fused loop was not called"
-    _close([t.cpu() for t in got], want, F32_TOL)
-
-
 @pytest.mark.parametrize("shift", [0.0, 8.0])  # 8: decays at the gate's lower bound (largest in-block factors)
 def test_products_kernel_matches_torch(shift):
     T, H, K, c, sub = 128, 2, 32, 64, 16
@@ -54,24 +39,22 @@ def test_products_kernel_matches_torch(shift):
         assert torch.isfinite(a).all() and (a - w).abs().max() <= 1e-6 * max(1.0, w.abs().max().item())
 
 
-def test_chunked_with_both_kernels_matches_recurrence():
+def test_chunked_with_the_kernel_matches_recurrence():
     x = [t.float().to(DEV) for t in _inputs(150, 2, 16, 16, seed=15, shift=4.0)]
     want = kda.recurrent(*(t.cpu() for t in x))
-    got = kda.chunked(*x, chunk=32, gate_bound=-5.0, states=kc.kda_states, products=kc.kda_products)
-    assert {"triton:kda_states", "triton:kda_products"} <= kc.USED
+    got = kda.chunked(*x, chunk=32, gate_bound=-5.0, products=kc.kda_products)
+    assert "triton:kda_products" in kc.USED
     _close([t.cpu() for t in got], want, F32_TOL)
 
 
 def test_dispatch_declines_shapes_the_kernel_cannot_tile():
-    W, U = torch.zeros(2, 1, 64, 8), torch.zeros(2, 1, 64, 16)
-    assert kc.kda_states(W, U, W.transpose(-1, -2), torch.zeros(2, 1, 8, 1), torch.zeros(1, 8, 16)) is None
     x = _inputs(40, 1, 8, 16, seed=12, dtype=torch.float32)
-    _close(kda.chunked(*x, states=kc.kda_states), kda.recurrent(*x), F32_TOL)
+    _close(kda.chunked(*x, products=kc.kda_products), kda.recurrent(*x), F32_TOL)
     assert kc.kda_products(*(torch.zeros(1, 1, 64, 16),) * 3, torch.zeros(1, 1, 64, 1), sub=8) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_states_kernel_at_k3_widths():
+def test_products_kernel_at_k3_widths():
     x = [t.float().cuda() for t in _inputs(1000, 96, 128, 128, seed=13, dtype=torch.float32)]
-    _close(kda.chunked(*x, states=kc.kda_states, products=kc.kda_products), kda.chunked(*x), F32_TOL)
+    _close(kda.chunked(*x, products=kc.kda_products), kda.chunked(*x), F32_TOL)

@@ -6,7 +6,7 @@ at the given widths (float32, decays from K3's lower-bound gate). For each lengt
 between them, and two floors measured on the same device: the form's matmul FLOPs at the measured float32
 GEMM rate, and its unavoidable bytes (q, k, v, g, beta in; o out) at the measured device copy rate.
 ``--parts`` also times the pieces of one segment (in-chunk products, WY inverse, state loop); on CUDA the
-fused Triton state loop is timed beside the torch loop (``--triton`` tile configurations). ``--slice``
+fused Triton products are timed beside the torch form. ``--slice``
 also times the K3 slice prefill (``deltafin bench prefill --synthetic k3-slice``) with the per-chunk form,
 the figure to set beside that command's own run.
 """
@@ -14,7 +14,6 @@ the figure to set beside that command's own run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import time
@@ -81,8 +80,8 @@ def _rel_diff(a, b) -> float:
     return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b, strict=True))
 
 
-def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, rates: tuple[float, float],
-               configs: list[str]) -> dict:
+def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, rates: tuple[float, float]
+               ) -> dict:
     x = inputs(T, H, K, V, device)
     new = timed(lambda: kda.chunked(*x, gate_bound=BOUND), device, reps)
     old = timed(lambda: kda.chunked_reference(*x), device, 1)
@@ -94,18 +93,13 @@ def run_length(T: int, H: int, K: int, V: int, device: torch.device, reps: int, 
          "flop_floor_s": f_floor, "byte_floor_s": b_floor, "floor_ratio": new / max(f_floor, b_floor)}
     if device.type == "cuda":
         from deltafin.kernels import cuda as kc
-        from deltafin.kernels import triton_kda
 
         variants = {"products": {"products": kc.kda_products}}
-        for cfg in configs:  # the fused products with each state loop configuration
-            bv, warps, stages = (int(t) for t in cfg.split(":"))
-            fn = functools.partial(triton_kda.kda_states, bv=bv, warps=warps, stages=stages)
-            variants[f"fused_{cfg}"] = {"products": kc.kda_products, "states": fn}
         for name, kw in variants.items():
             try:
                 r[f"triton_{name}_s"] = timed(lambda kw=kw: kda.chunked(*x, gate_bound=BOUND, **kw), device, reps)
                 r[f"triton_{name}_rel_diff"] = _rel_diff(kda.chunked(*x, gate_bound=BOUND, **kw), ref)
-            except Exception as e:  # a tile configuration the compiler refuses (shared memory, registers)
+            except Exception as e:  # the compiler refuses the tiles (shared memory, registers)
                 r[f"triton_{name}_error"] = str(e)[:200]
     return r
 
@@ -148,14 +142,13 @@ def parts(T: int, H: int, K: int, V: int, device: torch.device, reps: int) -> di
             lambda: torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True), device, reps),
         "states_s": timed(lambda: kda._states(W, U, kd, dec, S), device, reps),
         "products_s": timed(lambda: kda._products(qb, kb, G, bb, sub), device, reps),
-    } | (_fused_parts(qb, kb, G, bb, sub, (W, U, kd, dec, S), device, reps) if device.type == "cuda" else {})
+    } | (_fused_parts(qb, kb, G, bb, sub, device, reps) if device.type == "cuda" else {})
 
 
-def _fused_parts(q, k, G, b, sub, states_args, device, reps) -> dict:
+def _fused_parts(q, k, G, b, sub, device, reps) -> dict:
     from deltafin.kernels import cuda as kc
 
-    return {"products_triton_s": timed(lambda: kc.kda_products(q, k, G, b, sub), device, reps),
-            "states_triton_s": timed(lambda: kc.kda_states(*states_args), device, reps)}
+    return {"products_triton_s": timed(lambda: kc.kda_products(q, k, G, b, sub), device, reps)}
 
 
 def main(argv=None) -> int:
@@ -166,8 +159,6 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128, help="key and value width per head")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", action="store_true")
-    ap.add_argument("--triton", nargs="*", default=["32:4:1", "16:4:1", "64:8:1", "32:4:2", "32:8:2"],
-                    help="Triton state loop configurations to time (with the fused products), BV:WARPS:STAGES")
     ap.add_argument("--slice", type=int, default=0, metavar="TOKENS",
                     help="also the K3 slice prefill of TOKENS with the per-chunk form (CUDA)")
     ap.add_argument("--layers", type=int, default=5, help="slice layers (with --slice)")
@@ -182,7 +173,7 @@ def main(argv=None) -> int:
     print(f"KDA chunked on {res['device']}, H={a.heads}, K=V={a.dim}, float32: GEMM {rates[0] / 1e12:.1f} TFLOP/s, "
           f"copy {rates[1] / 1e9:.0f} GB/s (measured)")
     for T in a.tokens:
-        r = run_length(T, a.heads, a.dim, a.dim, dev, a.reps, rates, a.triton)
+        r = run_length(T, a.heads, a.dim, a.dim, dev, a.reps, rates)
         res["lengths"].append(r)
         print(f"T={T}: batched {r['new_s'] * 1e3:.2f} ms vs per-chunk {r['old_s'] * 1e3:.1f} ms "
               f"({r['speedup']:.1f}x); floor {max(r['flop_floor_s'], r['byte_floor_s']) * 1e3:.2f} ms "

@@ -73,18 +73,6 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
     return grouped_glu(x, slots, weights, slab, act, beta, lbeta)
 
 
-def kda_states(W: torch.Tensor, U: torch.Tensor, kd: torch.Tensor, decay: torch.Tensor, S: torch.Tensor):
-    """KDA's chunk-to-chunk state loop in one Triton launch (``kda._states``'s contract), or None where the
-    tile shapes do not fit the kernel and the torch loop applies. Not the model's default: on the H200 at
-    K3 widths it measured slower than the torch loop (4.6 ms vs 3.9 ms for 4,096 tokens, bench kda --parts)."""
-    from deltafin.kernels import triton_kda
-
-    if not triton_kda.fits(W.shape[2], W.shape[3], U.shape[3]):
-        return None
-    USED.add("triton:kda_states")
-    return triton_kda.kda_states(W, U, kd, decay, S)
-
-
 def kda_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: torch.Tensor, sub: int):
     """KDA's in-chunk products L and P (``kda._products``'s contract) in one Triton pass, or None where the
     sub-block is too small for the kernel's tiles and the torch form applies. Callers ask ``enabled`` first."""

@@ -22,8 +22,7 @@ L2_EPS = 1e-6  # §3.1 step 4 (fla l2norm): x / sqrt(sum(x^2) + 1e-6), eps added
 CHUNK = 64  # §3.1 chunked prefill: fla naive_chunk_kda uses 64-token chunks
 SUB = 16  # sub-block of a chunk inside which decays are factored through one reference (see _intra)
 EXP_LIMIT = 80.0  # largest exponent a factor may take: K * e^80 stays far below float32's max (e^88.7)
-StatesFn = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]  # a kernel backend's kda_states
-ProductsFn = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]  # and kda_products
+ProductsFn = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]  # a kernel backend's kda_products
 SEGMENT = 8192  # tokens whose chunks are batched at once (bounds the temporaries: ~12 x T*H*K floats)
 
 
@@ -90,15 +89,14 @@ def chunked(
     S: torch.Tensor,
     chunk: int = CHUNK,
     gate_bound: float | None = None,
-    states: StatesFn | None = None,
     products: ProductsFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`recurrent`, in the WY form with every chunk's S-independent part computed at once.
 
     Only the state update passes from chunk to chunk (two batched matmuls each). ``gate_bound`` is a lower
-    bound of g (the config's gate_lower_bound); None takes min(g), which costs one device sync. ``states``
-    and ``products`` may stand in for :func:`_states` and :func:`_products` (fused kernels of the same
-    contract; each returns None where it does not apply, and the torch form runs).
+    bound of g (the config's gate_lower_bound); None takes min(g), which costs one device sync. ``products``
+    may stand in for :func:`_products` (a fused kernel of the same contract; it returns None where it does not
+    apply, and the torch form runs).
     """
     T, H, K = q.shape
     if T == 0:
@@ -109,7 +107,7 @@ def chunked(
     outs = []
     for t0 in range(0, T, seg):
         sl = slice(t0, t0 + seg)
-        o, S = _segment(q[sl], k[sl], v[sl], g[sl], beta[sl], S, chunk, sub, states, products)
+        o, S = _segment(q[sl], k[sl], v[sl], g[sl], beta[sl], S, chunk, sub, products)
         outs.append(o)
     return torch.cat(outs), S
 
@@ -145,7 +143,7 @@ def _blocks(x: torch.Tensor, N: int, c: int) -> torch.Tensor:
     return x.reshape(N, c, *x.shape[1:]).transpose(1, 2).contiguous()
 
 
-def _segment(q, k, v, g, beta, S, c: int, sub: int, states, products) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment(q, k, v, g, beta, S, c: int, sub: int, products) -> tuple[torch.Tensor, torch.Tensor]:
     T, H, _ = q.shape
     N = -(-T // c)
     q, k, v, g = (_blocks(x, N, c) for x in (q, k, v, g))  # [N, H, c, *]
@@ -159,8 +157,7 @@ def _segment(q, k, v, g, beta, S, c: int, sub: int, states, products) -> tuple[t
     last = G[:, :, -1:]  # [N, H, 1, K]
     kd = (k * (last - G).exp()).transpose(-1, -2)  # [N, H, K, c]
     decay = last.transpose(-1, -2).exp()  # [N, H, K, 1]
-    fused = states(W, U, kd, decay, S) if states is not None else None
-    S_in, Vn = fused if fused is not None else _states(W, U, kd, decay, S)
+    S_in, Vn = _states(W, U, kd, decay, S)
     o = torch.baddbmm((P @ Vn).flatten(0, 1), (q * eG).flatten(0, 1), S_in[:N].flatten(0, 1))
     return o.view(N, H, c, -1).transpose(1, 2).reshape(N * c, H, -1)[:T], S_in[N].clone()
 
