@@ -24,12 +24,7 @@ from tests.test_kimi_k3 import checkpoint_records  # noqa: E402
 PROMPT = [5, 17, 200, 33, 9, 120, 64, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(dtype=torch.float32, device="cpu", **overrides):

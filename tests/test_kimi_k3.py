@@ -27,13 +27,7 @@ CHUNK = 8  # small KDA chunks so prompts span several, the last one partial
 _FMT = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: thread start-up costs more than it saves, and spinning threads stall a busy CI box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- helpers
