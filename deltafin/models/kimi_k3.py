@@ -344,8 +344,8 @@ class Model(DecoderLM):
         scale = (dn + r) ** -0.5  # §3.2 step 4: 192^-0.5 for K3
         if at is not None and T == 1:
             rows = cache.write_at(at, torch.cat((latent, k_pe), -1))  # [capacity, R+r]
-            ctx = mla.attend_absorbed_at(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn,
-                                         c.v_head_dim, scale, at)
+            ctx = mla.attend_absorbed(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn,
+                                      c.v_head_dim, scale, at)
         else:
             rows = cache.write(pos, torch.cat((latent, k_pe), -1))  # [S, R+r]
             attend = mla.attend_absorbed if T == 1 else mla.attend_expanded

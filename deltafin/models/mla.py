@@ -56,28 +56,21 @@ def split_kv_b(w: QTensor | torch.Tensor, H: int, dn: int, dv: int, dtype: torch
     return wh[:, :dn], wh[:, dn:]
 
 
-def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float, pos: int) -> torch.Tensor:
+def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float, pos: int | torch.Tensor
+                    ) -> torch.Tensor:
     """q_nope [T, H, dn], q_rot [T, H, r], rows [S, R+r] of positions 0..pos+T-1 -> [T, H*dv].
 
     kv_b_proj is folded into the query and the output, so the latent rows act as one key/value head that
     every query head shares: scores against the whole row (latent, then rope key), values from the latent.
+    ``pos`` may be a device tensor [1] for one token: then rows is the latent cache's whole buffer and rows
+    past ``pos`` are masked (a decode step replayed from a CUDA graph, no Python int in it).
     """
     T, H, _ = q_nope.shape
     R = rows.shape[-1] - q_rot.shape[-1]
     w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-    o = attention(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)  # [T, H, R]
-    return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, H * dv)
-
-
-def attend_absorbed_at(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float, at: torch.Tensor) -> torch.Tensor:
-    """attend_absorbed for one token at the position held in the device tensor ``at`` [1]: rows [C, R+r] is
-    the latent cache's whole buffer, rows past ``at`` masked (a decode step replayed from a CUDA graph)."""
-    T, H, _ = q_nope.shape
-    R = rows.shape[-1] - q_rot.shape[-1]
-    w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-    o = attention_upto(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], at, scale)  # [T, H, R]
+    attend = attention_upto if isinstance(pos, torch.Tensor) else attention
+    o = attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)  # [T, H, R]
     return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, H * dv)
 
 
