@@ -107,7 +107,7 @@ def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Te
     few-token 4-bit experts), in x's dtype; None where the caller runs the three matmuls."""
     if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
         return None
-    fn = getattr(_BACKENDS["cpu"] if "cpu" in _BACKENDS else backend("cpu"), "swiglu", None)
+    fn = getattr(backend("cpu"), "swiglu", None)
     y = None if fn is None else fn(x, gate, up, down)
     return y if y is None or y.dtype == x.dtype else y.to(x.dtype)
 
@@ -117,7 +117,7 @@ def matmul_many(x: torch.Tensor, ws: list[QTensor | torch.Tensor]) -> list[torch
     run in one fused call (x quantized once, one parallel pass), with the results of separate calls."""
     if (_FAST.get() and x.device.type == "cpu" and x.dim() == 2 and len(ws) > 1
             and all(isinstance(w, QTensor) and w.format == "int8" and len(w.shape) == 2 for w in ws)):
-        fn = getattr(_BACKENDS["cpu"] if "cpu" in _BACKENDS else backend("cpu"), "int8_linear_many", None)
+        fn = getattr(backend("cpu"), "int8_linear_many", None)
         ys = None if fn is None else fn(x, list(ws))
         if ys is not None:
             return [y if y.dtype == x.dtype else y.to(x.dtype) for y in ys]

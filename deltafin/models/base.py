@@ -55,10 +55,11 @@ class ResidentExperts:
 
 def linear(x: torch.Tensor, w: QTensor | torch.Tensor, bias: QTensor | torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ b) for a weight record [out, in] in any format, computed in x's dtype."""
-    y = matmul(x, w)
-    if bias is not None:
-        y = y + (bias if isinstance(bias, torch.Tensor) else dequantize(bias, x.dtype)).to(x.dtype)
-    return y
+    return _plus_bias(matmul(x, w), bias, x.dtype)
+
+
+def _plus_bias(y: torch.Tensor, bias: QTensor | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return y if bias is None else y + (bias if isinstance(bias, torch.Tensor) else dequantize(bias, dtype)).to(dtype)
 
 
 def linears(x: torch.Tensor, ws: Sequence[QTensor | torch.Tensor],
@@ -66,8 +67,7 @@ def linears(x: torch.Tensor, ws: Sequence[QTensor | torch.Tensor],
     """[linear(x, w, b) for w, b in zip(ws, biases)] for x [T, in]: matrices that read the same input (q, k, v),
     which the fast path may run in one call (``kernels.matmul_many``)."""
     ys = matmul_many(x, list(ws)) if x.dim() == 2 else [matmul(x, w) for w in ws]
-    return [y if b is None else y + (b if isinstance(b, torch.Tensor) else dequantize(b, x.dtype)).to(x.dtype)
-            for y, b in zip(ys, biases, strict=True)]
+    return [_plus_bias(y, b, x.dtype) for y, b in zip(ys, biases, strict=True)]
 
 
 def dense(w: QTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
