@@ -145,7 +145,7 @@ def test_grouped_gemv_matches_reference(act, dtype):
 
 def test_e2m1_gemv_decode_covers_every_byte():
     """Every packed byte under a spread of E8M0 scales: the down GEMV of unit vectors gives W back exactly."""
-    from deltafin.kernels.triton_gemv import _gemv_down_kernel
+    from deltafin.kernels.triton_gemv import _gemv_down_kernel, pack_pairs
     from deltafin.quant import mxfp4
 
     g = torch.Generator().manual_seed(2)
@@ -153,9 +153,10 @@ def test_e2m1_gemv_decode_covers_every_byte():
     scales = torch.randint(100, 150, (1, 8, 2), generator=g, dtype=torch.uint8)
     w = mxfp4.dequantize(packed[0], scales[0]).double()
     h = torch.eye(64, dtype=torch.float32, device=DEV)  # pair p multiplies unit vector p
-    for decode in (0, 1):
+    hp, hsc = pack_pairs(h)  # decode 2's input (exact for unit vectors: each nonzero word scales 1 to 2^13)
+    for decode in (0, 1, 2) if DEV == "cuda" else (0, 1):  # decode 2 is inline PTX: GPU only
         y = torch.empty(64, 8, dtype=torch.float32, device=DEV)
-        _gemv_down_kernel[(64, 1)](h, torch.arange(64, dtype=torch.int32, device=DEV),
+        _gemv_down_kernel[(64, 1)](h, hp, hsc, torch.arange(64, dtype=torch.int32, device=DEV),
                                    torch.zeros(64, dtype=torch.int32, device=DEV), torch.ones(64, device=DEV),
                                    packed.to(DEV), scales.to(DEV), y, 256, 16, RS=1, I=64, D=8, BN=8, BK=64,
                                    DECODE=decode)

@@ -29,14 +29,13 @@ import torch
 # Kimi K3 widths (../specs/KIMI_K3.md): hidden 7168, latent 3584, expert intermediate 3072.
 HID, LAT, INTER = 7168, 3584, 3072
 # The int8 trunk GEMVs of one decode step: (name, out, in, count per layer kind).
-KDA_SHAPES = [("kda.qkvg", 12288, HID, 4), ("kda.o", HID, 12288, 1), ("kda.f_a", 128, HID, 1),
-              ("kda.f_b", 12288, 128, 1), ("kda.b", 96, HID, 1)]
-MLA_SHAPES = [("mla.q_a", 1536, HID, 1), ("mla.q_b", 96 * 192, 1536, 1), ("mla.kv_a", 576, HID, 1),
-              ("mla.kv_b", 96 * 256, 512, 1), ("mla.o", HID, 12288, 1)]
+KDA_SHAPES = [("kda.in", 4 * 12288 + 128 + 96, HID, 1), ("kda.o", HID, 12288, 1), ("kda.f_b", 12288, 128, 1)]
+MLA_SHAPES = [("mla.in", 1536 + 576 + 12288, HID, 1), ("mla.q_b", 96 * 192, 1536, 1), ("mla.kv_b", 96 * 256, 512, 1),
+              ("mla.o", HID, 12288, 1)]
 TUNE_INT8_SHAPES = [("kda.qkvg", 12288, HID, 1), ("kda.o", HID, 12288, 1), ("mla.q_a", 1536, HID, 1),
                     ("mla.kv_b", 96 * 256, 512, 1)]
-MOE_TRUNK_SHAPES = [("moe.router", 896, HID, 1), ("moe.latent_down", LAT, HID, 1), ("moe.latent_up", HID, LAT, 1),
-                    ("moe.shared_gate_up", 6144, HID, 2), ("moe.shared_down", HID, 6144, 1)]
+MOE_TRUNK_SHAPES = [("moe.router", 896, HID, 1), ("moe.side", LAT + 2 * 6144, HID, 1), ("moe.latent_up", HID, LAT, 1),
+                    ("moe.shared_down", HID, 6144, 1)]
 
 
 PREFILL_T = 4096

@@ -16,8 +16,8 @@ import torch
 # (BN, BK, num_warps, num_stages, decode); the MoE one is used for gate/up and down alike. The H200 sweep
 # over BN 16-64 x BK 256-1024 x 4-8 warps (fp16 decode) put BN 16 x BK 512 and BN 32 x BK 256 at 4 warps
 # first (0.28 of copy at T=1; T=8 0.04: each pair re-reads its expert); these are the finalists.
-MOE_CFGS = ((16, 512, 4, 3, 0), (16, 512, 4, 3, 1), (32, 256, 4, 3, 0), (32, 256, 4, 3, 1), (16, 256, 4, 3, 1),
-            (8, 512, 4, 3, 1))
+MOE_CFGS = ((16, 512, 4, 3, 0), (16, 512, 4, 3, 2), (32, 512, 4, 3, 2), (32, 256, 4, 3, 2), (64, 256, 8, 3, 2),
+            (16, 256, 4, 3, 2), (16, 1024, 4, 3, 2), (64, 512, 8, 3, 2), (32, 256, 4, 4, 2), (8, 512, 4, 3, 2))
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
 # BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
 INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),

@@ -16,6 +16,16 @@ E2M1 decode: a magnitude code c = e<<1 | m placed at bits 9..11 of an fp16 (sign
 2^(e-15) * (1 + m/2), or m * 2^-15 as a subnormal for e = 0: exactly the E2M1 value times 2^-14 for every
 code (fp16 subnormals are exact in hardware). The 2^14 goes into the E8M0 block scale, applied once per
 32-element block to the block's float32 sum.
+
+The packed fp16 form (decode 2, the default on a GPU): the codes stay in their 32-bit words (8 per word) and
+shifts and masks place two of them at once in an fp16x2 register, which meets the activations as fp16 pairs in
+one packed FMA (two products per instruction): about 3.5 instructions per weight against 10 for decoding each
+code to float32, which is what held the one-token step to 0.28 of the copy rate. The activations are packed
+once per call (``pack_pairs``; the gate/up kernel writes h packed for down): each word of 8 scaled by a power
+of two so its largest |x| lies in [2^13, 2^14) (products below 6, a word's fp16 sums below 24: no overflow),
+each word's 4-product fp16 sums added in float32 and scaled back. Rounding: fp16 keeps 11 bits where the bf16
+activations have 8, and each half sums 4 products, so a block's sum is within 2^-9 of its sum of |w x|
+(tests/test_kernels_gemv_pairs.py restates the arithmetic in torch and checks that bound).
 """
 
 from __future__ import annotations
@@ -24,19 +34,21 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels.triton_tiles import e2m1_bits, e8m0_value, glu_act
+from deltafin.kernels.triton_tiles import INTERPRET, e2m1_bits, e8m0_value, glu_act
 
-# Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,250 GB/s in the run):
-# - MoE: the 16-expert K3 step at one token 0.236 ms = 0.28 of copy here vs 0.269 ms = 0.25 through the
-#   tensor-core kernel; but with several pairs per expert each pair re-reads it (T=8, all 16 experts shared:
-#   0.04 vs 0.24), so only plans whose pairs all have distinct experts take it (``moe_config``).
-# - int8 at T=1: ahead of the tensor-core kernel up to ~44M weights (latent_up 0.49 vs 0.38, shared
-#   gate_up 0.55 vs 0.46, router 0.17 vs 0.14), behind on the 88M ones (kda.qkvg 0.59 vs 0.67): over the
-#   K3 trunk shapes bytes-weighted 0.54 with this cut-off vs 0.51 tensor-core alone, 0.50 GEMV alone.
+# Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,273 GB/s in the run):
+# - MoE: the 16-expert K3 step at one token 0.141 ms = 0.47 of copy with the packed fp16 form (decode 2),
+#   0.234 ms = 0.28 decoding each code to float32 (decode 0), 0.268 ms = 0.25 through the tensor-core kernel;
+#   but with several pairs per expert each pair re-reads it (T=8, all 16 experts shared: 0.08 vs 0.24), so
+#   only plans whose pairs all have distinct experts take it (``moe_config``).
+# - int8 at T=1, over the shapes the K3 decode step launches (same-input projections merged): the GEMV ahead
+#   of the tensor-core kernel up to ~26M weights (latent_up 0.49 vs 0.44, kv_b 0.41 vs 0.35, router 0.19 vs
+#   0.16), behind above (shared_down 44M 0.52 vs 0.58, q_b 28M 0.48 vs 0.51, the merged 100-350M ones
+#   0.63-0.69 vs 0.69-0.73).
 GEMV_INT8 = True
 GEMV_MOE = True
 MAX_TOKENS = 4
-INT8_MAX_WEIGHTS = 50_000_000
+INT8_MAX_WEIGHTS = 27_000_000
 
 
 def use_int8_gemv(T: int, N: int, K: int) -> bool:
@@ -53,6 +65,112 @@ def _e2m1_x2p14(b):
     lo = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
+
+
+# One word of 8 E2M1 codes (elements 0..7 of its four bytes, low nibble first) times 8 activations packed as four
+# fp16x2 pairs (x[k], x[k + 4]) for k = 0..3: pair k of codes is built in place by shifts and masks, magnitude
+# at fp16 bits 9..11 and sign at bit 15 (the code's value * 2^-14, exact, subnormal for code 1), multiplied
+# with packed fp16 FMAs (two products per instruction), and the two halves summed in float32.
+_WORD_DOT_ASM = tl.constexpr("""{
+.reg .b32 a, b, r, acc;
+.reg .b16 l, h;
+.reg .f32 fl, fh;
+shl.b32 a, $1, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 12; and.b32 b, b, 0x80008000; or.b32 r, a, b;
+mul.rn.f16x2 acc, r, $2;
+shl.b32 a, $1, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 8; and.b32 b, b, 0x80008000; or.b32 r, a, b;
+fma.rn.f16x2 acc, r, $3, acc;
+shl.b32 a, $1, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 4; and.b32 b, b, 0x80008000; or.b32 r, a, b;
+fma.rn.f16x2 acc, r, $4, acc;
+shr.u32 a, $1, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $1, 0x80008000; or.b32 r, a, b;
+fma.rn.f16x2 acc, r, $5, acc;
+mov.b32 {l, h}, acc;
+cvt.f32.f16 fl, l; cvt.f32.f16 fh, h;
+add.f32 fl, fl, fh;
+mov.b32 $0, fl;
+}""")
+
+
+@triton.jit
+def _fp16_bits(v):
+    """The fp16 bits of float32 values v (rounded to nearest) in the low half of an int32."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _store_pairs(xp_ptr, xsc_ptr, row, offs_w, lo, hi, W):
+    """Words offs_w [n] of one row, lo / hi [n, 4] float32 their elements 0..3 and 4..7 -> xp and xsc (the layout
+    of ``pack_pairs``): each word scaled by the power of two f that puts its largest |x| in [2^13, 2^14) (so
+    the fp16 products of ``_WORD_DOT_ASM`` stay below 6 and its sums below 24), xsc = 2^14 / f."""
+    k = tl.arange(0, 4)
+    wm = offs_w < W
+    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    ea = (amax.to(tl.int32, bitcast=True) >> 23) & 255  # biased exponent of the word's largest |x|
+    e = tl.minimum(267 - ea, 254)  # f = 2^(e - 127) = 2^(140 - ea); all-zero words get 2^127
+    f = (e << 23).to(tl.float32, bitcast=True)
+    pair = _fp16_bits(lo * f[:, None]) | (_fp16_bits(hi * f[:, None]) << 16)
+    # pair k of word 4b + j at [b, k, j]: a block's four words of one pair are adjacent (one vector load)
+    dst = row * (4 * W) + (offs_w[:, None] // 4) * 16 + k[None, :] * 4 + offs_w[:, None] % 4
+    tl.store(xp_ptr + dst, pair, mask=wm[:, None])
+    tl.store(xsc_ptr + row * W + offs_w, 16384.0 / f, mask=wm)
+
+
+@triton.jit
+def _store_pairs_vec(xp_ptr, xsc_ptr, row, w0, v, N: tl.constexpr, W):
+    """``_store_pairs`` for v [N] float32, the elements of words w0 .. w0 + N/8 of one row."""
+    lo, hi = tl.split(tl.permute(tl.reshape(v, (N // 8, 2, 4)), (0, 2, 1)))
+    _store_pairs(xp_ptr, xsc_ptr, row, w0 + tl.arange(0, N // 8), lo, hi, W)
+
+
+@triton.jit
+def _pack_pairs_kernel(x_ptr, xp_ptr, xsc_ptr, W, stride_x, WB: tl.constexpr):
+    """Row r of x [R, 8W] (W a multiple of 4) -> xp [R, W/4, 4, 4] int32 (at [b, k, j] pair k of word i = 4b + j:
+    fp16 of x[8i + k] * f and x[8i + k + 4] * f, low and high half) and xsc [R, W] float32 (``_store_pairs``)."""
+    r, pid = tl.program_id(0), tl.program_id(1)
+    offs_w = pid * WB + tl.arange(0, WB)
+    wm = (offs_w < W)[:, None]
+    xo = x_ptr + r.to(tl.int64) * stride_x + offs_w[:, None] * 8 + tl.arange(0, 4)[None, :]
+    lo = tl.load(xo, mask=wm, other=0.0).to(tl.float32)
+    hi = tl.load(xo + 4, mask=wm, other=0.0).to(tl.float32)
+    _store_pairs(xp_ptr, xsc_ptr, r.to(tl.int64), offs_w, lo, hi, W)
+
+
+def pack_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (K a multiple of 32) -> (xp [R, K/32, 4, 4] int32, xsc [R, K/8] float32), see _pack_pairs_kernel."""
+    R, K = x.shape
+    W = K // 8
+    xp = torch.empty(R, W, 4, device=x.device, dtype=torch.int32)
+    xsc = torch.empty(R, W, device=x.device, dtype=torch.float32)
+    wb = min(128, triton.next_power_of_2(W))
+    _pack_pairs_kernel[(R, triton.cdiv(W, wb))](x, xp, xsc, W, x.stride(0), WB=wb, num_warps=4)
+    return xp, xsc
+
+
+@triton.jit
+def _mx_gemv_acc_pairs(acc, p_ptr, s_ptr, xp_ptr, xsc_ptr, offs_n, k0, N, K: tl.constexpr, BN: tl.constexpr,
+                       G: tl.constexpr):
+    """acc [BN, G, 4] += each word's sum of W[offs_n, k0:k0+32G] * x times its scales: x packed by
+    ``pack_pairs`` (xp_ptr, xsc_ptr at the token's row), the packed fp16 products of ``_WORD_DOT_ASM``, each
+    word's sum scaled back by its xsc and its block's E8M0 scale (summed over words and blocks at the end)."""
+    offs_g = k0 // 32 + tl.arange(0, G)
+    gm = offs_g < K // 32
+    nm = offs_n < N
+    jw = tl.arange(0, 4)
+    offs_w = offs_g[None, :, None] * 4 + jw[None, None, :]  # [1, G, 4]: word index in the row
+    wmask = gm[None, :, None]
+    m3 = nm[:, None, None] & wmask
+    w = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None, None] * (K // 8) + offs_w, mask=m3,
+                other=0)  # [BN, G, 4] words of 8 codes
+    xq = xp_ptr + offs_g[None, :, None] * 16 + jw[None, None, :]  # pair k of the block's words at +4k
+    p0 = tl.load(xq, mask=wmask, other=0)
+    p1 = tl.load(xq + 4, mask=wmask, other=0)
+    p2 = tl.load(xq + 8, mask=wmask, other=0)
+    p3 = tl.load(xq + 12, mask=wmask, other=0)
+    xsc = tl.load(xsc_ptr + offs_w, mask=wmask, other=0.0)  # [1, G, 4]
+    s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_g[None, :], mask=nm[:, None] & gm[None, :],
+                other=127).to(tl.uint32)  # [BN, G]
+    d = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=r,r,r,r,r,r", [w, p0, p1, p2, p3], dtype=tl.int32,
+                                  is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    return acc + d * (e8m0_value(s)[:, :, None] * xsc)
 
 
 @triton.jit
@@ -86,7 +204,8 @@ def _mx_gemv_acc(acc, p_ptr, s_ptr, x_ptr, offs_n, k0, N, K: tl.constexpr, BN: t
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
+def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, hp_ptr, hsc_ptr,
+                         stride_x, p_slot, s_slot,
                          RS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
                          BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          DECODE: tl.constexpr):
@@ -96,19 +215,35 @@ def _gemv_gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stri
     pair = tl.load(rows_ptr + b * RS)
     xp = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     offs_n = pid_n * BN + tl.arange(0, BN)
-    acc_g = tl.zeros((BN, BK // 32), dtype=tl.float32)
-    acc_u = tl.zeros((BN, BK // 32), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        acc_g = _mx_gemv_acc(acc_g, gp + slot * p_slot, gs + slot * s_slot, xp, offs_n, k0, I, K, BN, BK // 32,
-                             DECODE)
-        acc_u = _mx_gemv_acc(acc_u, upp + slot * p_slot, ups + slot * s_slot, xp, offs_n, k0, I, K, BN,
-                             BK // 32, DECODE)
-    h = glu_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ACT, BETA, LBETA)
-    tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
+    if DECODE == 2:  # x packed by pack_pairs; per-word partial sums until the end
+        tok = (pair // TOPK).to(tl.int64)
+        acc_g = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            acc_g = _mx_gemv_acc_pairs(acc_g, gp + slot * p_slot, gs + slot * s_slot, xp_ptr + tok * (K // 2),
+                                       xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BN, BK // 32)
+            acc_u = _mx_gemv_acc_pairs(acc_u, upp + slot * p_slot, ups + slot * s_slot, xp_ptr + tok * (K // 2),
+                                       xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BN, BK // 32)
+        g_sum, u_sum = tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    else:
+        acc_g = tl.zeros((BN, BK // 32), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BK // 32), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            acc_g = _mx_gemv_acc(acc_g, gp + slot * p_slot, gs + slot * s_slot, xp, offs_n, k0, I, K, BN,
+                                 BK // 32, DECODE)
+            acc_u = _mx_gemv_acc(acc_u, upp + slot * p_slot, ups + slot * s_slot, xp, offs_n, k0, I, K, BN,
+                                 BK // 32, DECODE)
+        g_sum, u_sum = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    h = glu_act(g_sum, u_sum, ACT, BETA, LBETA)
+    if DECODE == 2:  # h straight into the down kernel's packed input (BN a multiple of 8)
+        _store_pairs_vec(hp_ptr, hsc_ptr, pair.to(tl.int64), pid_n * (BN // 8), h, BN, I // 8)
+    else:
+        tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < I)
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot, RS: tl.constexpr,
+def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
+                      RS: tl.constexpr,
                       I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       DECODE: tl.constexpr):
     """y[pair, n] = rw[pair] * (down h[pair])[n] in float32."""
@@ -116,17 +251,27 @@ def _gemv_down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s
     slot = tl.load(blk_ptr + b).to(tl.int64)
     pair = tl.load(rows_ptr + b * RS).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    acc = tl.zeros((BN, BK // 32), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        acc = _mx_gemv_acc(acc, dp + slot * p_slot, ds + slot * s_slot, h_ptr + pair * I, offs_n, k0, D, I, BN,
-                           BK // 32, DECODE)
+    if DECODE == 2:
+        acc3 = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            acc3 = _mx_gemv_acc_pairs(acc3, dp + slot * p_slot, ds + slot * s_slot, hp_ptr + pair * (I // 2),
+                                      hsc_ptr + pair * (I // 8), offs_n, k0, D, I, BN, BK // 32)
+        acc = tl.sum(acc3, axis=2)
+    else:
+        acc = tl.zeros((BN, BK // 32), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            acc = _mx_gemv_acc(acc, dp + slot * p_slot, ds + slot * s_slot, h_ptr + pair * I, offs_n, k0, D, I,
+                               BN, BK // 32, DECODE)
     w = tl.load(rw_ptr + pair)
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
 
 
-def moe_gemv_config(BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int = 0,
+def moe_gemv_config(BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int | None = None,
                     BN_down: int | None = None, BK_down: int | None = None) -> dict:
-    """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep."""
+    """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
+    (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
+    if decode is None:
+        decode = 0 if INTERPRET else 2
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
             "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK}
 
@@ -144,18 +289,27 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     x = x.contiguous()
     bk = min(c["BK"], max(32, triton.next_power_of_2(K)))
     bk_d = min(c["BK_down"], max(32, triton.next_power_of_2(I)))
-    h = torch.empty(T * k, I, device=dev, dtype=x.dtype)
+    dec = c.get("decode", 0)
+    if dec == 2:  # x packed once; h written packed by the gate/up kernel
+        assert K % 32 == 0 and I % 32 == 0 and c["BN"] % 8 == 0, "the packed fp16 form needs whole blocks"
+        xp, xsc = pack_pairs(x)
+        hp = torch.empty(T * k, I // 8, 4, device=dev, dtype=torch.int32)
+        hsc = torch.empty(T * k, I // 8, device=dev, dtype=torch.float32)
+        h = hsc  # unused
+    else:
+        xp = xsc = hp = hsc = x  # unused
+        h = torch.empty(T * k, I, device=dev, dtype=x.dtype)
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
     _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
-        x, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
+        x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(), RS=rs,
-        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=c.get("decode", 0),
+        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec,
         num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
-        h, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
-        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=c.get("decode", 0), num_warps=c["num_warps"],
+        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
+        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, num_warps=c["num_warps"],
         num_stages=c.get("num_stages", 3))
     from deltafin.kernels.triton import sum_cast  # (triton imports this module)
 
