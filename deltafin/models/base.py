@@ -70,6 +70,23 @@ def linears(x: torch.Tensor, ws: Sequence[QTensor | torch.Tensor],
     return [_plus_bias(y, b, x.dtype) for y, b in zip(ys, biases, strict=True)]
 
 
+def stack_rows(w: dict, names: Sequence[str]) -> QTensor | None:
+    """One int8 record [sum out, in] of the records ``names`` (matrices that read the same input), each entry
+    of ``w`` replaced by a row view of it: a one-token step then runs them as one GEMV (one launch, one pass
+    over x) and, once the caller drops the originals, at no extra memory. The views keep every other path
+    as it was. None (``w`` unchanged) unless all are 2-D int8 records of one input width on one device."""
+    ts = [w.get(n) for n in names]
+    if not all(isinstance(t, QTensor) and t.format == "int8" and len(t.shape) == 2 and t.scale is not None
+               for t in ts) or len({(t.shape[1], t.data.device) for t in ts}) != 1:
+        return None
+    data, scale = torch.cat([t.data for t in ts]), torch.cat([t.scale for t in ts])
+    r0 = 0
+    for n, t in zip(names, ts, strict=True):
+        w[n] = QTensor("int8", t.shape, data[r0 : r0 + t.shape[0]], scale[r0 : r0 + t.shape[0]])
+        r0 += t.shape[0]
+    return QTensor("int8", (r0, ts[0].shape[1]), data, scale)
+
+
 def dense(w: QTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The plain tensor of a record (norm weights, biases, embeddings rows)."""
     return w.to(dtype) if isinstance(w, torch.Tensor) else dequantize(w, dtype)

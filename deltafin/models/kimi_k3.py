@@ -27,6 +27,7 @@ from deltafin.models.base import (
     linear,
     moe_dispatch,
     rms_norm,
+    stack_rows,
 )
 from deltafin.models.common import DecoderLM, require_tensors, sigmoid_topk
 from deltafin.models.layers import GrowingCache
@@ -203,6 +204,7 @@ class Model(DecoderLM):
 
     def _setup(self) -> None:
         self.kda_chunk = kda.CHUNK
+        self._stacked: dict[str, tuple] | None = None  # stack_decode_projections
         self._check()
         self.vec = self._vectors()
 
@@ -226,6 +228,44 @@ class Model(DecoderLM):
             a = self.w[f"model.layers.{i}.self_attn.A_log"]
             if math.prod(a.shape) < A_LOG_FIRST_HEAD + H:
                 raise CheckpointError(f"layer {i}: A_log has shape {tuple(a.shape)}, fewer than {H} head entries")
+
+    def stack_decode_projections(self) -> None:
+        """Stack the int8 matrices that read the same input in a one-token step into one record per group: KDA's
+        q/k/v/f_a/b/g, MLA's q_a/kv_a/g, the MoE side's latent down and shared gate/up, the dense MLP's
+        gate/up (``base.stack_rows``: the originals become row views of it). The bf16 kernel path then runs
+        each group as one GEMV (one launch instead of two to six); other paths are unchanged. Idempotent; call
+        it once other references to the weights are dropped (until then the originals stay in memory too)."""
+        if self._stacked is not None:
+            return
+        self._stacked = {}
+        w, c = self.w, self.cfg
+        for i in range(self.num_layers):
+            pre = f"model.layers.{i}."
+            a = pre + "self_attn."
+            if c.is_kda(i):
+                attn = [a + f"{n}_proj.weight" for n in ("q", "k", "v", "f_a", "b", "g")]
+            elif w.get(a + "q_a_proj.bias") is None and w.get(a + "kv_a_proj_with_mqa.bias") is None:
+                attn = [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"]
+                attn += [a + "g_proj.weight"] * c.mla_use_output_gate
+            else:
+                attn = []
+            if c.is_moe(i):
+                m = pre + "block_sparse_moe."
+                mlp = [m + "routed_expert_down_proj.weight"]
+                mlp += [m + f"shared_experts.{n}_proj.weight" for n in ("gate", "up")] * bool(c.num_shared_experts)
+            else:
+                mlp = [pre + f"mlp.{n}_proj.weight" for n in ("gate", "up")]
+            for key, names in ((a, attn), (pre + "mlp.", mlp)):
+                sizes = [w[n].shape[0] for n in names if n in w]
+                t = stack_rows(w, names) if len(names) > 1 else None
+                if t is not None:
+                    self._stacked[key] = (t, sizes)
+
+    def _stacked_rows(self, key: str, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The outputs of the stacked group ``key`` for one token x [1, D] on the kernel path (one GEMV, split
+        in the group's order), or None where it runs matrix by matrix."""
+        s = self._stacked.get(key) if self._stacked and x.shape[0] == 1 and kc.enabled(x) else None
+        return None if s is None else list(linear(x, s[0]).split(s[1], -1))
 
     def _vectors(self) -> dict[str, torch.Tensor]:
         """Small float32 tensors (norms, AttnRes vectors, conv taps, decay parameters) prepared once."""
@@ -322,10 +362,15 @@ class Model(DecoderLM):
     def _kda_fused(self, pre: str, x: torch.Tensor, st: kda.KDAState) -> torch.Tensor | None:
         """The one-token KDA step in one kernel after the projections (kernels/triton_small.py), or None."""
         c, w, vec = self.cfg, self.w, self.vec
-        proj = [linear(x, w[pre + f"{n}_proj.weight"]) for n in "qkv"]
+        ys = self._stacked_rows(pre, x)
+        if ys is not None:
+            *proj, fa, b, gl = ys
+        else:
+            proj = [linear(x, w[pre + f"{n}_proj.weight"]) for n in "qkv"]
+            fa = linear(x, w[pre + "f_a_proj.weight"])
+            b, gl = linear(x, w[pre + "b_proj.weight"]), linear(x, w[pre + "g_proj.weight"])
         taps = [vec[pre + f"{n}_conv1d.weight"] for n in "qkv"]
-        z = linear(linear(x, w[pre + "f_a_proj.weight"]), w[pre + "f_b_proj.weight"])
-        b, gl = linear(x, w[pre + "b_proj.weight"]), linear(x, w[pre + "g_proj.weight"])
+        z = linear(fa, w[pre + "f_b_proj.weight"])
         return kc.kda_step(x, c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size, st.conv, st.S, *proj, *taps,
                            z, vec[pre + "dt_bias"], vec[pre + "A_log"], b, gl, vec[pre + "o_norm.weight"],
                            c.gate_lower_bound, c.rms_norm_eps, c.kda_head_dim**-0.5, kda.L2_EPS)
@@ -340,7 +385,9 @@ class Model(DecoderLM):
             raise ValueError(f"MLA cache holds {cache.max_len} tokens; cannot add {T} at position {pos}; "
                              f"create the state with a larger max_len")
         H, dn, r, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        q, latent, k_pe = mla.project(x, lambda n: w.get(pre + n), H, dn, r, R)  # k_pe stays un-rotated
+        ys = self._stacked_rows(pre, x)  # (q_a, kv_a[, g]) in one GEMV on the one-token kernel path
+        qa, kv, gl = (ys + [None])[:3] if ys is not None else (None, None, None)
+        q, latent, k_pe = mla.project(x, lambda n: w.get(pre + n), H, dn, r, R, qa=qa, kv=kv)  # k_pe un-rotated
         scale = (dn + r) ** -0.5  # §3.2 step 4: 192^-0.5 for K3
         if at is not None and T == 1:
             rows = cache.write_at(at, torch.cat((latent, k_pe), -1))  # [capacity, R+r]
@@ -351,20 +398,22 @@ class Model(DecoderLM):
             attend = mla.attend_absorbed if T == 1 else mla.attend_expanded
             ctx = attend(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn, c.v_head_dim, scale, pos)
         if c.mla_use_output_gate:
-            ctx = ctx * torch.sigmoid(linear(x, w[pre + "g_proj.weight"]).float()).to(ctx.dtype)
+            gl = linear(x, w[pre + "g_proj.weight"]) if gl is None else gl
+            ctx = ctx * torch.sigmoid(gl.float()).to(ctx.dtype)
         return linear(ctx, w[pre + "o_proj.weight"])
 
     # ------------------------------------------------------------------ MLPs
 
-    def _situ_mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
-        """SiTU-GLU MLP: the dense layer-0 MLP and the fused shared experts."""
+    def _situ_mlp(self, pre: str, x: torch.Tensor, gu: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """SiTU-GLU MLP: the dense layer-0 MLP and the fused shared experts (``gu``: gate x and up x if known)."""
         c, w = self.cfg, self.w
-        a = situ_glu(linear(x, w[pre + "gate_proj.weight"]), linear(x, w[pre + "up_proj.weight"]),
-                     c.activation_situ_beta, c.activation_situ_linear_beta)
+        g, u = gu or (linear(x, w[pre + "gate_proj.weight"]), linear(x, w[pre + "up_proj.weight"]))
+        a = situ_glu(g, u, c.activation_situ_beta, c.activation_situ_linear_beta)
         return linear(a, w[pre + "down_proj.weight"])
 
     def _dense_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self._situ_mlp(f"model.layers.{i}.mlp.", x)
+        pre = f"model.layers.{i}.mlp."
+        return self._situ_mlp(pre, x, self._stacked_rows(pre, x))
 
     def _is_moe(self, i: int) -> bool:
         return self.cfg.is_moe(i)
@@ -408,6 +457,9 @@ class Model(DecoderLM):
 
     def _moe_side(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         pre = f"model.layers.{i}.block_sparse_moe."
+        ys = self._stacked_rows(f"model.layers.{i}.mlp.", x)  # (latent down, shared gate, up) in one GEMV
+        if ys is not None:
+            return ys[0], self._situ_mlp(pre + "shared_experts.", x, ys[1:]) if len(ys) == 3 else None
         z = linear(x, self.w[pre + "routed_expert_down_proj.weight"])  # [T, Lat]
         return z, self._situ_mlp(pre + "shared_experts.", x) if self.cfg.num_shared_experts else None
 

@@ -27,18 +27,21 @@ LATENT_NORM_EPS = 1e-6
 
 
 def project(
-    h: torch.Tensor, p: Callable[[str], QTensor | None], H: int, dn: int, r: int, R: int, q_lora: bool = True
+    h: torch.Tensor, p: Callable[[str], QTensor | None], H: int, dn: int, r: int, R: int, q_lora: bool = True,
+    qa: torch.Tensor | None = None, kv: torch.Tensor | None = None,
 ):
     """The MLA projections of h [T, D] from one layer's ``self_attn.`` records ``p(name)`` (None if absent):
     q [T, H, dn+r] (through the q_a/q_b low-rank pair when ``q_lora``, else q_proj), the normalised latent
-    [T, R] and the rope key [T, r] before any rotation."""
+    [T, R] and the rope key [T, r] before any rotation. ``qa``, ``kv``: q_a h and kv_a h where the caller
+    computed them already (one stacked GEMV)."""
     T = h.shape[0]
     if q_lora:
-        qa = linear(h, p("q_a_proj.weight"), p("q_a_proj.bias"))
+        qa = linear(h, p("q_a_proj.weight"), p("q_a_proj.bias")) if qa is None else qa
         q = linear(rms_norm(qa, p("q_a_layernorm.weight"), LATENT_NORM_EPS), p("q_b_proj.weight"))
     else:
         q = linear(h, p("q_proj.weight"))
-    kv = linear(h, p("kv_a_proj_with_mqa.weight"), p("kv_a_proj_with_mqa.bias"))  # [T, R+r]
+    if kv is None:
+        kv = linear(h, p("kv_a_proj_with_mqa.weight"), p("kv_a_proj_with_mqa.bias"))  # [T, R+r]
     latent = rms_norm(kv[:, :R], p("kv_a_layernorm.weight"), LATENT_NORM_EPS)  # [T, R]
     return q.view(T, H, dn + r), latent, kv[:, R:]
 

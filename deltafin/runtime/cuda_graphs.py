@@ -100,6 +100,8 @@ class DecodeGraphs:
     def __init__(self, model, experts, capture: bool = True):
         self.model, self.experts = model, experts
         self.capture = capture and model.device.type == "cuda"
+        if model.device.type == "cuda":
+            model.stack_decode_projections()  # one GEMV per same-input group (idempotent)
         cfg = model.cfg
         self.moe = [i for i in range(model.num_layers) if cfg.is_moe(i)]
         self.k = cfg.num_experts_per_token

@@ -185,6 +185,10 @@ class Engine:
             weights = {k: v.to(self.device) for k, v in self.packed.trunk_records(b.update).items()}
         self.dtype = compute_dtype(opts.exact, opts.dtype, self.device)
         self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device, self.dtype)
+        del weights  # the model holds the records now; stacking below then frees the originals it replaces
+        stack = getattr(self.model, "stack_decode_projections", None)
+        if stack is not None and self.device.type == "cuda" and self.dtype == torch.bfloat16:
+            stack()  # same-input int8 projections as one GEMV each in a one-token step
         readers = None
         if opts.emulate_drives:
             from deltafin.io.emulator import emulated_readers
