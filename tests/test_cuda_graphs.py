@@ -272,7 +272,7 @@ def test_stacked_projections_are_views_and_keep_the_step(monkeypatch):
         model.stack_decode_projections()  # idempotent
         groups = model._stacked
         assert {k.split(".")[-2] for k in groups} >= {"self_attn", "mlp"}
-        for key, (t, sizes) in groups.items():
+        for t, sizes in groups.values():
             assert t.shape[0] == sum(sizes) and t.data.is_contiguous()
         views = [n for n, t in model.w.items() if getattr(t, "format", None) == "int8"
                  and any(t.data.untyped_storage().data_ptr() == g.data.untyped_storage().data_ptr()
