@@ -146,26 +146,31 @@ def pack_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _mx_gemv_acc_pairs(acc, p_ptr, s_ptr, xp_ptr, xsc_ptr, offs_n, k0, N, K: tl.constexpr, BN: tl.constexpr,
-                       G: tl.constexpr):
-    """acc [BN, G, 4] += each word's sum of W[offs_n, k0:k0+32G] * x times its scales: x packed by
-    ``pack_pairs`` (xp_ptr, xsc_ptr at the token's row), the packed fp16 products of ``_WORD_DOT_ASM``, each
-    word's sum scaled back by its xsc and its block's E8M0 scale (summed over words and blocks at the end)."""
+def _mx_words(p_ptr, offs_n, k0, N, K: tl.constexpr, G: tl.constexpr):
+    """[BN, G, 4] int32: the words of 8 codes of W[offs_n, k0:k0+32G] (zero past N or K)."""
+    offs_g = k0 // 32 + tl.arange(0, G)
+    offs_w = offs_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, G, 4]: word index in the row
+    m3 = (offs_n < N)[:, None, None] & (offs_g < K // 32)[None, :, None]
+    return tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None, None] * (K // 8) + offs_w, mask=m3, other=0)
+
+
+@triton.jit
+def _mx_gemv_acc_pairs(acc, w, s_ptr, xp_ptr, xsc_ptr, offs_n, k0, N, K: tl.constexpr, G: tl.constexpr):
+    """acc [BN, G, 4] += each word's sum of W[offs_n, k0:k0+32G] * x times its scales, w those words
+    (``_mx_words``): x packed by ``pack_pairs`` (xp_ptr, xsc_ptr at the token's row), the packed fp16
+    products of ``_WORD_DOT_ASM``, each word's sum scaled back by its xsc and its block's E8M0 scale (summed
+    over words and blocks at the end)."""
     offs_g = k0 // 32 + tl.arange(0, G)
     gm = offs_g < K // 32
     nm = offs_n < N
     jw = tl.arange(0, 4)
-    offs_w = offs_g[None, :, None] * 4 + jw[None, None, :]  # [1, G, 4]: word index in the row
     wmask = gm[None, :, None]
-    m3 = nm[:, None, None] & wmask
-    w = tl.load(p_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None, None] * (K // 8) + offs_w, mask=m3,
-                other=0)  # [BN, G, 4] words of 8 codes
     xq = xp_ptr + offs_g[None, :, None] * 16 + jw[None, None, :]  # pair k of the block's words at +4k
     p0 = tl.load(xq, mask=wmask, other=0)
     p1 = tl.load(xq + 4, mask=wmask, other=0)
     p2 = tl.load(xq + 8, mask=wmask, other=0)
     p3 = tl.load(xq + 12, mask=wmask, other=0)
-    xsc = tl.load(xsc_ptr + offs_w, mask=wmask, other=0.0)  # [1, G, 4]
+    xsc = tl.load(xsc_ptr + offs_g[None, :, None] * 4 + jw[None, None, :], mask=wmask, other=0.0)  # [1, G, 4]
     s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_g[None, :], mask=nm[:, None] & gm[None, :],
                 other=127).to(tl.uint32)  # [BN, G]
     d = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=r,r,r,r,r,r", [w, p0, p1, p2, p3], dtype=tl.int32,
@@ -208,7 +213,7 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
                          stride_x, p_slot, s_slot,
                          RS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
                          BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DECODE: tl.constexpr):
+                         DECODE: tl.constexpr, PF: tl.constexpr = 0):
     """h[pair, n] = act(gate x_t, up x_t) for the pair rows[b * RS] (token t = pair // TOPK), n-tile pid_n."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
@@ -219,11 +224,22 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
         tok = (pair // TOPK).to(tl.int64)
         acc_g = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
         acc_u = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
+        gw, uw = gp + slot * p_slot, upp + slot * p_slot
+        wg = _mx_words(gw, offs_n, 0, I, K, BK // 32)
+        wu = _mx_words(uw, offs_n, 0, I, K, BK // 32)
         for k0 in range(0, K, BK):
-            acc_g = _mx_gemv_acc_pairs(acc_g, gp + slot * p_slot, gs + slot * s_slot, xp_ptr + tok * (K // 2),
-                                       xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BN, BK // 32)
-            acc_u = _mx_gemv_acc_pairs(acc_u, upp + slot * p_slot, ups + slot * s_slot, xp_ptr + tok * (K // 2),
-                                       xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BN, BK // 32)
+            if PF:  # the next step's words in flight while this step's are used (zero past K)
+                wg_next = _mx_words(gw, offs_n, k0 + BK, I, K, BK // 32)
+                wu_next = _mx_words(uw, offs_n, k0 + BK, I, K, BK // 32)
+            elif k0 > 0:
+                wg = _mx_words(gw, offs_n, k0, I, K, BK // 32)
+                wu = _mx_words(uw, offs_n, k0, I, K, BK // 32)
+            acc_g = _mx_gemv_acc_pairs(acc_g, wg, gs + slot * s_slot, xp_ptr + tok * (K // 2),
+                                       xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BK // 32)
+            acc_u = _mx_gemv_acc_pairs(acc_u, wu, ups + slot * s_slot, xp_ptr + tok * (K // 2),
+                                       xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BK // 32)
+            if PF:
+                wg, wu = wg_next, wu_next
         g_sum, u_sum = tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1)
     else:
         acc_g = tl.zeros((BN, BK // 32), dtype=tl.float32)
@@ -245,7 +261,7 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
 def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
                       RS: tl.constexpr,
                       I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      DECODE: tl.constexpr):
+                      DECODE: tl.constexpr, PF: tl.constexpr = 0):
     """y[pair, n] = rw[pair] * (down h[pair])[n] in float32."""
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
@@ -253,9 +269,17 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
     offs_n = pid_n * BN + tl.arange(0, BN)
     if DECODE == 2:
         acc3 = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
+        dw = dp + slot * p_slot
+        wd = _mx_words(dw, offs_n, 0, D, I, BK // 32)
         for k0 in range(0, I, BK):
-            acc3 = _mx_gemv_acc_pairs(acc3, dp + slot * p_slot, ds + slot * s_slot, hp_ptr + pair * (I // 2),
-                                      hsc_ptr + pair * (I // 8), offs_n, k0, D, I, BN, BK // 32)
+            if PF:
+                wd_next = _mx_words(dw, offs_n, k0 + BK, D, I, BK // 32)
+            elif k0 > 0:
+                wd = _mx_words(dw, offs_n, k0, D, I, BK // 32)
+            acc3 = _mx_gemv_acc_pairs(acc3, wd, ds + slot * s_slot, hp_ptr + pair * (I // 2),
+                                      hsc_ptr + pair * (I // 8), offs_n, k0, D, I, BK // 32)
+            if PF:
+                wd = wd_next
         acc = tl.sum(acc3, axis=2)
     else:
         acc = tl.zeros((BN, BK // 32), dtype=tl.float32)
@@ -267,13 +291,13 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
 
 
 def moe_gemv_config(BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int | None = None,
-                    BN_down: int | None = None, BK_down: int | None = None) -> dict:
+                    BN_down: int | None = None, BK_down: int | None = None, prefetch: int = 0) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
     (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
     if decode is None:
         decode = 0 if INTERPRET else 2
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
-            "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK}
+            "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK, "prefetch": prefetch}
 
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
@@ -303,13 +327,13 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
         x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(), RS=rs,
-        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec,
+        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec, PF=c.get("prefetch", 0),
         num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
         h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
-        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, num_warps=c["num_warps"],
+        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), num_warps=c["num_warps"],
         num_stages=c.get("num_stages", 3))
     from deltafin.kernels.triton import sum_cast  # (triton imports this module)
 
