@@ -13,11 +13,12 @@ from types import ModuleType
 
 import torch
 
-# (BN, BK, num_warps, num_stages, decode); the MoE one is used for gate/up and down alike. The H200 sweep
-# over BN 16-64 x BK 256-1024 x 4-8 warps (fp16 decode) put BN 16 x BK 512 and BN 32 x BK 256 at 4 warps
-# first (0.28 of copy at T=1; T=8 0.04: each pair re-reads its expert); these are the finalists.
-MOE_CFGS = ((16, 512, 4, 3, 0), (16, 512, 4, 3, 2), (32, 512, 4, 3, 2), (32, 256, 4, 3, 2), (64, 256, 8, 3, 2),
-            (16, 256, 4, 3, 2), (16, 1024, 4, 3, 2), (64, 512, 8, 3, 2), (32, 256, 4, 4, 2), (8, 512, 4, 3, 2))
+# (BN, BK, num_warps, num_stages, decode, prefetch); the MoE one is used for gate/up and down alike. The H200
+# sweep over BN 8-64 x BK 256-1024 x 4-8 warps put BN 16 x BK 512 at 4 warps first for both decodes (float32
+# decode 0.28 of copy at T=1, packed fp16 decode 2 0.47); these are the finalists and their neighbours.
+MOE_CFGS = ((16, 512, 4, 3, 0, 0), (16, 512, 4, 3, 2, 0), (16, 512, 4, 3, 2, 1), (16, 512, 2, 3, 2, 0),
+            (16, 512, 2, 3, 2, 1), (16, 512, 8, 3, 2, 1), (32, 512, 8, 3, 2, 1), (8, 512, 4, 3, 2, 1),
+            (16, 256, 4, 3, 2, 1), (8, 1024, 4, 3, 2, 1), (32, 256, 8, 3, 2, 1))
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
 # BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
 INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),
@@ -53,7 +54,9 @@ def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1,)) -> list[dict]:
         ref = kc._moe_ref(x, ids, wts, exs[0], 1)
         with _flags_off():
             cands = [("tensor-core", moe_config(T * k, k, lat, inter))]
-        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d)) for bn, bk, w, st, d in MOE_CFGS[:2 if kc.SMOKE else None]]
+        cfgs = [c for c in MOE_CFGS if not (kc.SMOKE and c[4] == 2)]  # (packed fp16: inline PTX, GPU only)
+        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d, prefetch=pf))
+                  for bn, bk, w, st, d, pf in cfgs[:2 if kc.SMOKE else None]]
         for kind, cfg in cands:
             row = {"T": T, "kernel": kind, "cfg": cfg}
             try:
@@ -108,7 +111,8 @@ def summary(res: dict, gbps: float) -> list[str]:
         for T in sorted({r["T"] for r in rows}):
             for r in (r for r in rows if r["T"] == T):
                 c = r["cfg"]
-                tag = f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')} dec {c.get('decode', '-')}"
+                tag = (f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')} dec {c.get('decode', '-')}"
+                       f" pf {c.get('prefetch', '-')}")
                 fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"
                        + ("" if r["ok"] else " FAIL")) if "s" in r else r.get("error", "")
                 lines.append(f"moe T={T} {r['kernel']:<11} {tag:<28} {fig}")
