@@ -24,26 +24,33 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _pairs_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layout ``pack_pairs`` promises, in torch: per word of 8 the power of two f with the word's largest
-    |x| * f in [2^13, 2^14); pair k of word 4b + j at [b, k, j] = fp16(x[8i + k] f) | fp16(x[8i + k + 4] f) << 16."""
+    |x| * f in [2^13, 2^14); pair k of word 4b + j at [b, k, j] = fp16(x[8i + a] f) | fp16(x[8i + a + 2] f) << 16
+    with a = 0, 4, 1, 5 for k = 0..3."""
     R, K = x.shape
     w = x.float().view(R, K // 8, 8)
     amax = w.abs().amax(-1)
     e = torch.where(amax > 0, torch.floor(torch.log2(amax)), torch.full_like(amax, -127.0))
     f = torch.exp2(torch.clamp(13 - e, max=127.0))
     bits = (w * f[..., None]).half().view(torch.int16).to(torch.int32) & 0xFFFF
-    pair = bits[..., :4] | (bits[..., 4:] << 16)  # [R, W, 4 (k)]
+    a = torch.tensor(FIRST)
+    pair = bits[..., a] | (bits[..., a + 2] << 16)  # [R, W, 4 (k)]
     xp = pair.view(R, K // 32, 4, 4).transpose(2, 3).contiguous()  # [R, b, k, j]
     return xp, 16384.0 / f
+
+
+FIRST = (0, 4, 1, 5)  # the first element of pair k in a word (the second is 2 further)
 
 
 def _word_dot(words: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
     """What ``_WORD_DOT_ASM`` computes, restated: words [N, W] int32 (8 E2M1 codes each), xp [W, 4 (k)] the
     token's pairs -> [N, W] float32, each word's 8 products in fp16 (rounded as the packed FMAs round)."""
-    shifts = ((9, 12), (5, 8), (1, 4), (-3, 0))
+    sign = -0x7F7F7F80  # 0x80808080 as an int32
+    even = ((words << 1) & 0x0E0E0E0E) | ((words << 4) & sign)  # fp16 high bytes of elements 0, 2, 4, 6
+    odd = ((words >> 3) & 0x0E0E0E0E) | (words & sign)  # of elements 1, 3, 5, 7
     acc = None
-    for k, (sm, ss) in enumerate(shifts):
-        mag = (words << sm) if sm >= 0 else ((words >> -sm) & 0x1FFFFFFF)
-        r = (mag & 0x0E000E00) | ((words << ss) & -0x7FFF8000)  # 0x80008000 as an int32
+    for k, (src, byte) in enumerate(((even, 0), (even, 2), (odd, 0), (odd, 2))):
+        lo, hi = (src >> (8 * byte)) & 0xFF, (src >> (8 * byte + 8)) & 0xFF  # the byte permute
+        r = (lo << 8) | (hi << 24)
         halves = torch.stack((r & 0xFFFF, (r >> 16) & 0xFFFF), -1).to(torch.int16).view(torch.float16)
         xk = torch.stack((xp[:, k] & 0xFFFF, (xp[:, k] >> 16) & 0xFFFF), -1).to(torch.int16).view(torch.float16)
         prod = halves.float() * xk.float()  # exact in float32; one rounding per FMA, as the PTX

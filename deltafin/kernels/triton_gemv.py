@@ -68,21 +68,22 @@ def _e2m1_x2p14(b):
 
 
 # One word of 8 E2M1 codes (elements 0..7 of its four bytes, low nibble first) times 8 activations packed as four
-# fp16x2 pairs (x[k], x[k + 4]) for k = 0..3: pair k of codes is built in place by shifts and masks, magnitude
-# at fp16 bits 9..11 and sign at bit 15 (the code's value * 2^-14, exact, subnormal for code 1), multiplied
-# with packed fp16 FMAs (two products per instruction), and the two halves summed in float32.
+# fp16x2 pairs: (x0, x2), (x4, x6), (x1, x3), (x5, x7). Shifts and masks turn the four low nibbles (elements
+# 0, 2, 4, 6) and the four high ones (1, 3, 5, 7) each into four fp16 high bytes at once (sign at bit 7,
+# magnitude at bits 1..3: the fp16 sign and bits 9..11, i.e. the code's value * 2^-14, exact, subnormal for
+# code 1); a byte permute pairs two of them with zero low bytes into an fp16x2 register, which meets its
+# activation pair in one packed FMA (two products per instruction); the two halves are summed in float32.
 _WORD_DOT_ASM = tl.constexpr("""{
-.reg .b32 a, b, r, acc;
+.reg .b32 a, b, e, o, r, acc, z;
 .reg .b16 l, h;
 .reg .f32 fl, fh;
-shl.b32 a, $1, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 12; and.b32 b, b, 0x80008000; or.b32 r, a, b;
-mul.rn.f16x2 acc, r, $2;
-shl.b32 a, $1, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 8; and.b32 b, b, 0x80008000; or.b32 r, a, b;
-fma.rn.f16x2 acc, r, $3, acc;
-shl.b32 a, $1, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 4; and.b32 b, b, 0x80008000; or.b32 r, a, b;
-fma.rn.f16x2 acc, r, $4, acc;
-shr.u32 a, $1, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $1, 0x80008000; or.b32 r, a, b;
-fma.rn.f16x2 acc, r, $5, acc;
+mov.b32 z, 0;
+shl.b32 a, $1, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $1, 4; and.b32 b, b, 0x80808080; or.b32 e, a, b;
+shr.u32 a, $1, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $1, 0x80808080; or.b32 o, a, b;
+prmt.b32 r, e, z, 0x1404; mul.rn.f16x2 acc, r, $2;
+prmt.b32 r, e, z, 0x3424; fma.rn.f16x2 acc, r, $3, acc;
+prmt.b32 r, o, z, 0x1404; fma.rn.f16x2 acc, r, $4, acc;
+prmt.b32 r, o, z, 0x3424; fma.rn.f16x2 acc, r, $5, acc;
 mov.b32 {l, h}, acc;
 cvt.f32.f16 fl, l; cvt.f32.f16 fh, h;
 add.f32 fl, fl, fh;
@@ -98,8 +99,8 @@ def _fp16_bits(v):
 
 @triton.jit
 def _store_pairs(xp_ptr, xsc_ptr, row, offs_w, lo, hi, W):
-    """Words offs_w [n] of one row, lo / hi [n, 4] float32 their elements 0..3 and 4..7 -> xp and xsc (the layout
-    of ``pack_pairs``): each word scaled by the power of two f that puts its largest |x| in [2^13, 2^14) (so
+    """Words offs_w [n] of one row, lo / hi [n, 4] float32 the first and second elements of each word's pairs
+    (elements 0, 4, 1, 5 and 2, 6, 3, 7) -> xp and xsc (the layout of ``pack_pairs``): each word scaled by the power of two f that puts its largest |x| in [2^13, 2^14) (so
     the fp16 products of ``_WORD_DOT_ASM`` stay below 6 and its sums below 24), xsc = 2^14 / f."""
     k = tl.arange(0, 4)
     wm = offs_w < W
@@ -117,20 +118,23 @@ def _store_pairs(xp_ptr, xsc_ptr, row, offs_w, lo, hi, W):
 @triton.jit
 def _store_pairs_vec(xp_ptr, xsc_ptr, row, w0, v, N: tl.constexpr, W):
     """``_store_pairs`` for v [N] float32, the elements of words w0 .. w0 + N/8 of one row."""
-    lo, hi = tl.split(tl.permute(tl.reshape(v, (N // 8, 2, 4)), (0, 2, 1)))
+    # element 4u + 2t + s of a word is the t-th (first, second) of pair k = 2s + u
+    lo, hi = tl.split(tl.reshape(tl.permute(tl.reshape(v, (N // 8, 2, 2, 2)), (0, 3, 1, 2)), (N // 8, 4, 2)))
     _store_pairs(xp_ptr, xsc_ptr, row, w0 + tl.arange(0, N // 8), lo, hi, W)
 
 
 @triton.jit
 def _pack_pairs_kernel(x_ptr, xp_ptr, xsc_ptr, W, stride_x, WB: tl.constexpr):
     """Row r of x [R, 8W] (W a multiple of 4) -> xp [R, W/4, 4, 4] int32 (at [b, k, j] pair k of word i = 4b + j:
-    fp16 of x[8i + k] * f and x[8i + k + 4] * f, low and high half) and xsc [R, W] float32 (``_store_pairs``)."""
+    fp16 of x[8i + a] * f and x[8i + a + 2] * f, a = 0, 4, 1, 5 for k = 0..3, low and high half) and xsc [R, W]
+    float32 (``_store_pairs``)."""
     r, pid = tl.program_id(0), tl.program_id(1)
     offs_w = pid * WB + tl.arange(0, WB)
     wm = (offs_w < W)[:, None]
-    xo = x_ptr + r.to(tl.int64) * stride_x + offs_w[:, None] * 8 + tl.arange(0, 4)[None, :]
+    k = tl.arange(0, 4)
+    xo = x_ptr + r.to(tl.int64) * stride_x + offs_w[:, None] * 8 + ((k % 2) * 4 + k // 2)[None, :]
     lo = tl.load(xo, mask=wm, other=0.0).to(tl.float32)
-    hi = tl.load(xo + 4, mask=wm, other=0.0).to(tl.float32)
+    hi = tl.load(xo + 2, mask=wm, other=0.0).to(tl.float32)
     _store_pairs(xp_ptr, xsc_ptr, r.to(tl.int64), offs_w, lo, hi, W)
 
 
