@@ -37,8 +37,9 @@ import triton.language as tl
 from deltafin.kernels.triton_tiles import INTERPRET, e2m1_bits, e8m0_value, glu_act
 
 # Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,273 GB/s in the run):
-# - MoE: the 16-expert K3 step at one token 0.141 ms = 0.47 of copy with the packed fp16 form (decode 2),
-#   0.234 ms = 0.28 decoding each code to float32 (decode 0), 0.268 ms = 0.25 through the tensor-core kernel;
+# - MoE: the 16-expert K3 step at one token 0.137-0.143 ms = 0.46-0.48 of copy with the packed fp16 form (decode
+#   2; BN 8 or 16 x BK 512, 4 warps, with or without prefetch within the runs' 10% spread), 0.234 ms = 0.28
+#   decoding each code to float32 (decode 0), 0.268 ms = 0.25 through the tensor-core kernel;
 #   but with several pairs per expert each pair re-reads it (T=8, all 16 experts shared: 0.08 vs 0.24), so
 #   only plans whose pairs all have distinct experts take it (``moe_config``).
 # - int8 at T=1, over the shapes the K3 decode step launches (same-input projections merged): the GEMV ahead
@@ -294,7 +295,7 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
 
 
-def moe_gemv_config(BN: int = 16, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int | None = None,
+def moe_gemv_config(BN: int = 8, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int | None = None,
                     BN_down: int | None = None, BK_down: int | None = None, prefetch: int = 0) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
     (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
