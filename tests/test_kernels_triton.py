@@ -372,3 +372,43 @@ def test_gemv_bench_smoke(tmp_path):
         assert res[name] and all(r.get("ok") for r in res[name]), res[name]
         assert {r["kernel"] for r in res[name]} == {"tensor-core", "gemv"}
     assert "copy" in kernels_gemv.summary(res, res["copy_GBps"])[0]
+
+
+@pytest.mark.gpu
+@gpu
+def test_grouped_f16_prefill_k3_widths_on_gpu():
+    """The fp16 tensor-core launches (triton_moe.MXFP4_F16) at Kimi K3 widths and prefill sizes (both block
+    configs), against the float64 reference and against the scaled-dot kernel they replace; weights whose
+    block scales spread over 2^-20..2^4 and activations from 1e-4 to 1e3 stay within bf16's bound."""
+    from deltafin.kernels import triton_moe as M
+
+    g = torch.Generator().manual_seed(11)
+    experts = _experts("mxfp4", 8, 3584, 3072, g)
+    for e in experts[:3]:  # scales spread: E8M0 107..131
+        for r in e.values():
+            r.scale.copy_(torch.randint(107, 132, r.scale.shape, generator=g, dtype=torch.uint8))
+    slab = ExpertSlab.stack(experts, DEV)
+    for T in (300, 1200):
+        ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(T)])
+        wts = torch.rand(T, 4, generator=g)
+        x = torch.randn(T, 3584, generator=g) * torch.logspace(-4, 3, T)[:, None]
+        x = x.to(DEV, torch.bfloat16)
+        ref = _moe_ref(x, ids.to(DEV), wts.to(DEV), experts, ACT_SITU)
+        y = grouped_glu(x, ids, wts, slab, ACT_SITU, cfg=dict(M.moe_config(T * 4, 8, 3584, 3072), f16=True))
+        y_old = grouped_glu(x, ids, wts, slab, ACT_SITU, cfg=dict(M.moe_config(T * 4, 8, 3584, 3072), f16=False))
+        rows = [(y[t:t + 1], ref[t:t + 1], y_old[t:t + 1]) for t in (0, T // 2, T - 1)]
+        assert _rel(y, ref) < 1.5e-2
+        for a, b, c in rows:  # row by row: each activation scale on its own
+            assert _rel(a, b) <= max(1.5e-2, 1.5 * _rel(c, b))
+
+
+def test_fp16_rows_scales_by_powers_of_two():
+    from deltafin.kernels.triton_moe import fp16_rows
+
+    x = torch.tensor([[3e4, -1.0, 0.5], [0.0, 0.0, 0.0], [1e-6, -2e-6, 0.0]])
+    x16, inv = fp16_rows(x)
+    assert x16.dtype == torch.float16 and torch.isfinite(x16.float()).all()
+    assert torch.all(torch.log2(inv) == torch.round(torch.log2(inv)))  # exact powers of two
+    big = x16.float().abs().amax(-1)
+    assert torch.all((big[[0, 2]] >= 2**13) & (big[[0, 2]] < 2**14)) and inv[1] == 1.0
+    torch.testing.assert_close(x16.float() * inv[:, None], x, rtol=2**-11, atol=0)

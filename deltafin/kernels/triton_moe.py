@@ -19,7 +19,7 @@ import triton.language as tl
 
 from deltafin.kernels import triton_gemv
 from deltafin.kernels.triton import format_code, sum_cast
-from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, glu_act, mma_weight
+from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, e8m0_value, glu_act, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
 ACT_SITU = 1  # SiTU-GLU (Kimi K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
@@ -76,6 +76,113 @@ def _down_kernel(h_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot
     w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
     tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc * w[:, None],
              mask=valid[:, None] & (offs_n < D)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MXFP4 experts in fp16 for many tokens (prefill). Decoding each code to float32 and converting it for the tensor
+# cores took 9-12 instructions per weight per k-step (Triton's scaled dot included), which left the H200's issue
+# slots, not its tensor cores, the limit (218-232 TFLOP/s). Here four codes of a byte lane become fp16 high bytes
+# with one shift-and-mask each and byte permutes pair them into fp16x2 registers (about 1.5 instructions a
+# weight), one packed multiply applies each block's scale, and the dot runs in fp16 with float32 sums. fp16's
+# range is kept by powers of two: each weight row is scaled relative to its largest E8M0 scale (a block more
+# than 2^24 below it rounds towards zero: under 2^-24 of the row's largest terms), each activation row by the
+# power of two that puts its largest |x| in [2^13, 2^14); both come back in float32 in the epilogue. The
+# activations keep 11 significant bits (bf16: 8).
+MXFP4_F16 = True
+
+_NIB_F16_ASM = tl.constexpr("""{
+.reg .b32 a, b, e, o, z;
+mov.b32 z, 0;
+shl.b32 a, $4, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $4, 4; and.b32 b, b, 0x80808080; or.b32 e, a, b;
+shr.u32 a, $4, 3; and.b32 a, a, 0x0E0E0E0E; and.b32 b, $4, 0x80808080; or.b32 o, a, b;
+prmt.b32 $0, e, z, 0x1404; prmt.b32 $1, e, z, 0x3424;
+prmt.b32 $2, o, z, 0x1404; prmt.b32 $3, o, z, 0x3424;
+}""")  # 4 bytes -> the fp16 of their low nibbles ($0, $1) and high nibbles ($2, $3), each code's value * 2^-14
+
+
+@triton.jit
+def _row_scale_max(s_ptr, offs_n, N, KB: tl.constexpr, KBP: tl.constexpr):
+    """[BN] int32: the largest E8M0 byte of each row's KB block scales (rows past N: 0)."""
+    j = tl.arange(0, KBP)
+    s = tl.load(s_ptr + offs_n[:, None] * KB + j[None, :], mask=(offs_n < N)[:, None] & (j < KB)[None, :], other=0)
+    return tl.max(s.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _w_f16(p_ptr, s_ptr, smax, offs_n, k0, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows offs_n, columns k0..k0+BK of an MXFP4 weight as fp16 [BN, BK]: W * 2^(127 - smax) per row."""
+    offs_h = k0 // 2 + tl.arange(0, BK // 2)
+    offs_b = k0 // 32 + tl.arange(0, BK // 32)
+    nm = offs_n < N
+    b = tl.load(p_ptr + offs_n[:, None] * (K // 2) + offs_h[None, :], mask=nm[:, None] & (offs_h < K // 2)[None, :],
+                other=0)
+    lo, hi = tl.inline_asm_elementwise(_NIB_F16_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                       is_pure=True, pack=4)
+    w = tl.join(lo, hi).reshape(BN, BK)  # element 2j from the low nibble of byte j, 2j+1 from the high one
+    s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_b[None, :],
+                mask=nm[:, None] & (offs_b < K // 32)[None, :], other=0).to(tl.int32)
+    m = (tl.maximum(s - smax[:, None] + 29, 0) << 10).to(tl.int16).to(tl.float16, bitcast=True)  # 2^(s-smax+14)
+    return (w.reshape(BN, BK // 32, 32) * m[:, :, None]).reshape(BN, BK)
+
+
+@triton.jit
+def _gate_up_f16_kernel(x_ptr, xi_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
+                        TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
+                        BETA: tl.constexpr, LBETA: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, KBP: tl.constexpr):
+    """``_gate_up_kernel`` on fp16 activations x (row t scaled by 1 / xi[t]) and fp16-decoded MXFP4."""
+    pid_n = tl.program_id(1)
+    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
+    tok = tl.where(valid, pair // TOPK, 0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
+    u_p, u_s = upp + slot * p_slot, ups + slot * s_slot
+    g_max, u_max = _row_scale_max(g_s, offs_n, I, K // 32, KBP), _row_scale_max(u_s, offs_n, I, K // 32, KBP)
+    acc_g = tl.zeros((BT, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BT, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
+                    mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc_g = tl.dot(x, tl.trans(_w_f16(g_p, g_s, g_max, offs_n, k0, I, K, BN, BK)), acc_g)
+        acc_u = tl.dot(x, tl.trans(_w_f16(u_p, u_s, u_max, offs_n, k0, I, K, BN, BK)), acc_u)
+    xi = tl.load(xi_ptr + tok)[:, None]
+    g = acc_g * xi * e8m0_value(g_max.to(tl.uint32))[None, :]
+    u = acc_u * xi * e8m0_value(u_max.to(tl.uint32))[None, :]
+    h = glu_act(g, u, ACT, BETA, LBETA)
+    tl.store(h_ptr + r[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n < I)[None, :])
+
+
+@triton.jit
+def _down_f16_kernel(h_ptr, hi_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
+                     I: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     KBP: tl.constexpr):
+    """``_down_kernel`` on fp16 h (row r scaled by 1 / hi[r]) and fp16-decoded MXFP4."""
+    pid_n = tl.program_id(1)
+    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    d_p, d_s = dp + slot * p_slot, ds + slot * s_slot
+    d_max = _row_scale_max(d_s, offs_n, D, I // 32, KBP)
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        h = tl.load(h_ptr + r[:, None] * I + offs_k[None, :], mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(_w_f16(d_p, d_s, d_max, offs_n, k0, D, I, BN, BK)), acc)
+    hi = tl.load(hi_ptr + r, mask=valid, other=0.0)
+    w = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc * (hi * w)[:, None] * e8m0_value(d_max.to(tl.uint32))[None, :],
+             mask=valid[:, None] & (offs_n < D)[None, :])
+
+
+def fp16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (fp16 x * f row by row, 1 / f as float32 [R]): f the power of two that puts the row's
+    largest |x| in [2^13, 2^14) (1 for an all-zero row). Exact for bf16 x (8 significant bits, scaled by a
+    power of two in bf16, fit fp16's 11); float32 x is rounded to 11 bits."""
+    amax = x.abs().amax(-1).float()
+    e = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax))))
+    f = torch.where(amax > 0, torch.exp2((13 - e).clamp(-126, 126)), torch.ones_like(amax))
+    return (x * f.to(x.dtype)[:, None]).half(), (1.0 / f).contiguous()
 
 
 class ExpertSlab:
@@ -212,6 +319,8 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
         p, c = _unit_blocks(p)  # no GEMV form for this format: one pair per padded tensor-core block
     dev = x.device
     x = x.contiguous()
+    if slab.format == "mxfp4" and x.dtype == torch.bfloat16 and not INTERPRET and c.get("f16", MXFP4_F16):
+        return _grouped_f16(x, p, weights, slab, act, beta, lbeta)
     ieee = x.dtype == torch.float32 or INTERPRET
     fmt = format_code(slab.format, x.dtype, c.get("scaled")) if slab.format == "mxfp4" else _FMT[slab.format]
     nb = p.blk.numel()
@@ -229,3 +338,28 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in slot order
+
+
+def _grouped_f16(x: torch.Tensor, p: MoePlan, weights: torch.Tensor, slab: ExpertSlab, act: int, beta: float,
+                 lbeta: float) -> torch.Tensor:
+    """``grouped_glu``'s tensor-core launches in fp16 (see MXFP4_F16)."""
+    T, D = x.shape
+    I, K = slab.shapes["gate"]
+    c, k, dev = p.cfg, p.k, x.device
+    nb = p.blk.numel()
+    x16, xi = fp16_rows(x)
+    h = torch.empty(p.rows.numel(), I, device=dev, dtype=x.dtype)
+    g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
+    _gate_up_f16_kernel[(nb, triton.cdiv(I, c["BN"]))](
+        x16, xi, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x16.stride(0),
+        g[0].numel(), slab.scale["gate"][0].numel(), TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta,
+        BT=c["BT"], BN=c["BN"], BK=c["BK"], KBP=triton.next_power_of_2(K // 32),
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    h16, hi = fp16_rows(h)
+    y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
+    rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
+    _down_f16_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
+        h16, hi, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
+        I=I, D=D, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"], KBP=triton.next_power_of_2(I // 32),
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)
