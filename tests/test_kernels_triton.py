@@ -370,8 +370,9 @@ def test_gemv_bench_smoke(tmp_path):
     res = json.loads(out.read_text())
     for name in ("gemv_int8", "gemv_moe"):
         assert res[name] and all(r.get("ok") for r in res[name]), res[name]
-        assert {r["kernel"] for r in res[name]} == {"tensor-core", "gemv"}
-    assert "copy" in kernels_gemv.summary(res, res["copy_GBps"])[0]
+        assert {r["kernel"] for r in res[name]} >= {"tensor-core", "gemv"}
+    lines = kernels_gemv.summary(res, res["copy_GBps"])
+    assert "copy" in lines[0] and any(line.startswith("int8 T=1 default") for line in lines)
 
 
 @pytest.mark.gpu

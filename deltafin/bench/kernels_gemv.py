@@ -87,6 +87,7 @@ def int8(kc: ModuleType, dev, gbps: float) -> list[dict]:
         cands = [("tensor-core", K.linear_config("int8", 1, N, Kd))]
         cands += [("gemv", int8_gemv_config(N, Kd, bn, bk, wp, st, tg, mg))
                   for bn, bk, wp, st, tg, mg in INT8_CFGS[:2 if kc.SMOKE else None]]
+        cands += [("default", None)]  # what the model's linears take (GEMV up to INT8_MAX_WEIGHTS)
         for i, (kind, cfg) in enumerate(cands):
             row = {"shape": name, "N": N, "K": Kd, "count": n, "kernel": kind, "cfg_index": i, "cfg": cfg}
             try:
@@ -120,7 +121,7 @@ def summary(res: dict, gbps: float) -> list[str]:
         ok = [r for r in rows if r.get("ok")]
         shapes = {(r["shape"], r["N"], r["K"], r["count"]) for r in rows}
         nb = sum((N * Kd + 4 * N) * n for _, N, Kd, n in shapes)
-        for i in sorted({r["cfg_index"] for r in ok}):
+        for i in sorted({r["cfg_index"] for r in ok if r["kernel"] != "default"}):
             sel = [r for r in ok if r["cfg_index"] == i]
             if len(sel) == len(shapes):
                 ts = sum(r["s"] * r["count"] for r in sel)
@@ -128,6 +129,14 @@ def summary(res: dict, gbps: float) -> list[str]:
                 lines.append(f"int8 T=1 cfg {i} {sel[0]['kernel']:<11} BN {c['BN']} BK {c['BK']} w {c['num_warps']}"
                              f" target {INT8_CFGS[i - 1][4] if i else '-'} magic {c.get('magic', '-')}: {nb / ts / 1e9 / gbps:.2f} of copy "
                              f"bytes-weighted; worst shape {min(r['ratio'] for r in sel):.2f}")
+        from deltafin.kernels.triton_gemv import INT8_MAX_WEIGHTS
+
+        sel = [r for r in ok if r["kernel"] == "default"]
+        if len(sel) == len(shapes):
+            ts = sum(r["s"] * r["count"] for r in sel)
+            lines.append(f"int8 T=1 default (GEMV up to {INT8_MAX_WEIGHTS / 1e6:.0f}M weights, tensor-core above): "
+                         f"{nb / ts / 1e9 / gbps:.2f} of copy bytes-weighted over the decode step's shapes (target "
+                         f">= 0.6); worst shape {min(r['ratio'] for r in sel):.2f}")
         best = {}
         for r in ok:
             if r["kernel"] == "gemv" and (r["shape"] not in best or r["s"] < best[r["shape"]]["s"]):
