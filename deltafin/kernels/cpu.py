@@ -177,23 +177,43 @@ def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib, "int4g32")
 
 
-def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
-    """down(silu(gate x) * up x) for x [T, D] in one compiled call (the Q8 path's token range: up to
-    GEMM_TOKENS where the int16 GEMM takes over, else FUSED_TOKENS; the three records 4-bit in one format and
-    scale type) -> float32 [T, D]; None where the separate matmuls apply. Runs once per expert per token in
-    decode, so the checks are kept to plain attribute reads."""
+def _act_args(act: tuple) -> tuple[int, float, float]:
+    """An activation as the models name it (``("silu",)``, ``("situ", beta, linear_beta)``) -> the C kernel's
+    (kind, beta, linear_beta)."""
+    if act[0] == "silu":
+        return 0, 1.0, 1.0
+    assert act[0] == "situ" and len(act) == 3, act
+    return 1, float(act[1]), float(act[2])
+
+
+def glu_act(g: torch.Tensor, u: torch.Tensor, act: tuple = ("silu",), lib=None) -> torch.Tensor:
+    """The compiled gated activation alone (as the fused expert applies it; see ``df_glu_act``'s bound), float32."""
+    lib = lib or native.library()
+    g, u = _x32(g), _x32(u)
+    assert g.shape == u.shape
+    h = torch.empty_like(g)
+    lib.df_glu_act(*_act_args(act), g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel())
+    return h
+
+
+def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: tuple = ("silu",),
+               lib=None) -> torch.Tensor | None:
+    """down(act(gate x, up x)) for x [T, D] in one compiled call -> float32 [T, D]; None where the separate
+    matmuls apply. act: ``("silu",)`` (SwiGLU) or ``("situ", beta, linear_beta)`` (Kimi K3's SiTU-GLU). The three
+    records 4-bit in one format and scale type. Up to GEMM_TOKENS tokens (FUSED_TOKENS without the GEMM) the Q8
+    path; more on the int16 GEMM, gate and up in one parallel pass with the activation applied per panel. Runs
+    once per expert per token in decode, so the checks are kept to plain attribute reads."""
     T, D = x.shape
     fmt = getattr(gate, "format", None)
     lib = lib or native.library()
-    if T > (GEMM_TOKENS if gemm_enabled(lib) else FUSED_TOKENS) or fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(
-            down, "format", None) != fmt:
+    gemm = T > GEMM_TOKENS and gemm_enabled(lib)
+    if (not gemm and (T > FUSED_TOKENS or not q8_enabled(lib))) or fmt not in ("mxfp4", "int4g32") or getattr(
+            up, "format", None) != fmt or getattr(down, "format", None) != fmt:
         return None
     I = gate.shape[0]  # noqa: E741
     gs, us, ds = gate.scale, up.scale, down.scale
     if (tuple(gate.shape) != (I, D) or tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
             or not gs.dtype == us.dtype == ds.dtype):
-        return None
-    if not q8_enabled(lib):
         return None
     if fmt == "mxfp4":
         kind, gp, up_, dp = 0, gate.data, up.data, down.data
@@ -203,16 +223,23 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None)
         if kind == 2:
             gs, us, ds = gs.float(), us.float(), ds.float()
     gp, gs, up_, us, dp, ds = (t.contiguous() for t in (gp, gs, up_, us, dp, ds))
-    USED.add(f"{fmt}_q8_swiglu")
+    name, fn = ("gemm", lib.df_q4gw_glu) if gemm else ("q8", lib.df_q4q8_glu)
+    USED.add(f"{fmt}_{name}_{act[0]}")
     tab, k, mult = _Q8[kind]
     x = _x32(x)
     out = torch.empty(T, D, dtype=torch.float32)
-    rc = lib.df_q4q8_swiglu(kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
-                            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(),
-                            I, D, T, _threads(I, D, T))
+    rc = fn(*_act_args(act), kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
+            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(), I, D, T,
+            _threads(I, D, T))
     if rc != 0:
-        raise MemoryError(f"Q8 activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_Q8=0 to skip them")
+        raise MemoryError(f"{name} activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_"
+                          f"{'GEMM' if gemm else 'Q8'}=0 to skip them")
     return out
+
+
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
+    """down(silu(gate x) * up x): ``glu_expert`` with SwiGLU."""
+    return glu_expert(x, gate, up, down, ("silu",), lib)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:

@@ -27,6 +27,97 @@ static inline float scale_at(const void *scales, int kind, const float *e8m0, in
     return f;
 }
 
+/* Gated activations of an expert, float32: SwiGLU h = silu(g) u (GLU_SILU) and Kimi K3's SiTU-GLU
+ * h = beta tanh(g / beta) sigmoid(g) lbeta tanh(u / lbeta) (GLU_SITU), in torch's order of operations.
+ * Both come from one function, expm1: sigmoid(g) = 1 / (2 + expm1(-g)), tanh(a) = -e / (2 + e) with
+ * e = expm1(-2 a), a = |y| (sign restored), which has no cancellation near 0 (1 - 2 / (exp(2a) + 1) would).
+ * expm1(x): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts, both products exact or fused), then
+ * q = r + r^2 P(r), P the Taylor series of (expm1(r) - r) / r^2 to r^6 (truncation < 2^-30 relative), and
+ * 2^n q + (2^n - 1) in one fused multiply-add. Error bound, u = 2^-24 the unit roundoff: Horner's rounding on
+ * r^2 P (P ~ 1/2, |r| <= 0.35) and the final addition give expm1 <= 3u relative for n = 0; for n != 0 the last
+ * addition cancels at most 1.5x, <= 6u (from n = 25, 2^n (1 + q) - 1: the same). Then sigmoid <= 6u + 2u (the sum 2 + e >= 1, the division), tanh
+ * <= 6u + 2u + u (the sum, the division, the rounding of y = g / beta before it; tanh's condition number is <= 1),
+ * and the products one u each: SwiGLU <= 10u, SiTU-GLU <= 2 x 9u + 8u + 4u = 30u relative (15 ulps), plus
+ * underflow to 0 of sigmoid(g) for g < -88 (the exact value is < 2^-126 there). Tests check these bounds. */
+#define GLU_SILU 0
+#define GLU_SITU 1
+#define LN2_HI 0.693145751953125f /* 15 significant bits: n LN2_HI is exact for |n| < 2^8 */
+#define LN2_LO 1.428606765330187e-06f
+
+#ifdef __AVX512F__
+static inline __m512 v_expm1(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_min_ps(_mm512_set1_ps(100.0f), x)); /* NaN kept */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(1.0f / 40320);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 5040));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    const __m512 q = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
+    const __m512 s = _mm512_scalef_ps(_mm512_set1_ps(1.0f), n), one = _mm512_set1_ps(1.0f); /* 2^n, 0 below */
+    const __m512 small = _mm512_fmadd_ps(s, q, _mm512_sub_ps(s, one));
+    /* from n = 25 the 1 is below half an ulp, and 2^n alone may overflow (n = 128) where 2^n (1 + q) does not */
+    const __m512 big = _mm512_sub_ps(_mm512_scalef_ps(_mm512_add_ps(q, one), n), one);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(24.5f), _CMP_GT_OQ), small, big);
+}
+
+static inline __m512 v_sigmoid(__m512 g) {
+    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(2.0f), v_expm1(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+static inline __m512 v_tanh(__m512 y) {
+    const __m512 a = _mm512_abs_ps(y);
+    const __m512 e = v_expm1(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_setzero_ps(), e), _mm512_add_ps(_mm512_set1_ps(2.0f), e));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), /* the sign of y */
+                                               _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN))));
+}
+
+/* 16 lanes (m: the lanes to write) of h = act(g, u) into h (which may be g). */
+static inline void v_glu(int act, float beta, float lbeta, const float *g, const float *u, float *h, __mmask16 m) {
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g), uv = _mm512_maskz_loadu_ps(m, u), sg = v_sigmoid(gv);
+    __m512 y;
+    if (act == GLU_SILU) {
+        y = _mm512_mul_ps(_mm512_mul_ps(gv, sg), uv);
+    } else {
+        const __m512 b = _mm512_set1_ps(beta), lb = _mm512_set1_ps(lbeta);
+        const __m512 tg = _mm512_mul_ps(_mm512_mul_ps(b, v_tanh(_mm512_div_ps(gv, b))), sg);
+        y = _mm512_mul_ps(tg, _mm512_mul_ps(lb, v_tanh(_mm512_div_ps(uv, lb))));
+    }
+    _mm512_mask_storeu_ps(h, m, y);
+}
+#endif
+
+/* h[i] = act(g[i], u[i]) for n values (h may be g); the portable build takes libm's expm1f in the same formulas. */
+static void glu_span(int act, float beta, float lbeta, const float *g, const float *u, float *h, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i < n; i += 16)
+        v_glu(act, beta, lbeta, g + i, u + i, h + i, n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1));
+#endif
+    for (; i < n; i++) {
+        const float sg = 1.0f / (2.0f + expm1f(-g[i]));
+        if (act == GLU_SILU) {
+            h[i] = g[i] * sg * u[i];
+        } else {
+            const float yg = g[i] / beta, yu = u[i] / lbeta;
+            const float eg = expm1f(-2.0f * fabsf(yg)), eu = expm1f(-2.0f * fabsf(yu));
+            const float tg = copysignf(-eg / (2.0f + eg), yg), tu = copysignf(-eu / (2.0f + eu), yu);
+            h[i] = beta * tg * sg * (lbeta * tu);
+        }
+    }
+}
+
+/* The gated activation alone (tests check it against torch and float64). */
+void df_glu_act(int act, float beta, float lbeta, const float *g, const float *u, float *h, int64_t n) {
+    glu_span(act, beta, lbeta, g, u, h, n);
+}
+
 #ifdef __AVX512F__
 /* One block of 16 bytes -> its 16 even and 16 odd elements, times the block's scale. */
 static inline void q4_decode_block(const uint8_t *p, __m512 tab, float scale, __m512 *we, __m512 *wo) {
@@ -558,13 +649,12 @@ static void q8x_free(q8x_t *q) {
     free(q->corr);
 }
 
-/* One SwiGLU expert of 4-bit weights for T tokens in one call: out = down(silu(gate x) * up x), gate and up
- * [I, D], down [D, I], all in one format (kind, tab8, K, mult as for df_q4q8_mm). x is quantized once for gate
- * and up, whose rows run in one parallel pass; the product is quantized and the down rows run in a second.
- * The same arithmetic as three df_q4q8_mm calls with silu(g) * u between them, less the host round trips
- * (SiLU here is g / (1 + expf(-g)), which may differ from torch's in the last bit). Returns 0, or -1 when the
- * buffers could not be allocated. */
-int df_q4q8_swiglu(int kind, const uint8_t *gp, const void *gs, const uint8_t *up, const void *us,
+/* One gated expert of 4-bit weights for T tokens in one call: out = down(act(gate x, up x)), act a GLU_* kind
+ * (glu_span), gate and up [I, D], down [D, I], all in one format (kind, tab8, K, mult as for df_q4q8_mm). x is
+ * quantized once for gate and up, whose rows run in one parallel pass; the product is quantized and the down rows
+ * run in a second. The same arithmetic as three df_q4q8_mm calls with the activation between them, less the host
+ * round trips. Returns 0, or -1 when the buffers could not be allocated. */
+int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *up, const void *us,
                    const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
                    const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
     q8x_t qx = {0}, qh = {0};
@@ -576,7 +666,7 @@ int df_q4q8_swiglu(int kind, const uint8_t *gp, const void *gs, const uint8_t *u
             q8_rows(kind, gp, gs, tab8, K, e8m0, &qx, g, r0, r1, I, D, T);
             q8_rows(kind, up, us, tab8, K, e8m0, &qx, u, r0, r1, I, D, T);
         })
-        for (int64_t i = 0; i < T * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        glu_span(act, beta, lbeta, g, u, g, T * I);
         q8_quantize(g, T, I, K, mult, &qh);
         SPLIT(nthreads, D, q8_rows(kind, dp, ds, tab8, K, e8m0, &qh, out, r0, r1, D, I, T))
         rc = 0;
@@ -854,8 +944,8 @@ static void gw_quantize(const float *x, int K, int16_t *xq, float *xs, int32_t *
  * releases a buffer over GW_KEEP bytes (a long prompt's activations are not kept for the rest of the run). */
 #define GW_KEEP (32 << 20)
 static void *gw_buffer(int which, size_t n) {
-    static __thread void *buf[4];
-    static __thread size_t cap[4];
+    static __thread void *buf[8];
+    static __thread size_t cap[8];
     if (n == 0 && cap[which] > GW_KEEP) {
         free(buf[which]);
         buf[which] = NULL;
@@ -914,7 +1004,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
     if (rc == 0) {
 #pragma omp parallel num_threads(nthreads)
         {
-            float *ws = malloc(nb * GW_ROWS * sizeof(float));
+            float *ws = gw_buffer(6, nb * GW_ROWS * sizeof(float));
             int32_t *wp = gw_buffer(3, nb * 16 * GW_ROWS * sizeof(int32_t));
 #pragma omp for schedule(dynamic, 4) /* a thread that loses its core holds back 4 tokens, not half */
             for (int64_t t = 0; t < T; t++) gw_quantize(x + t * C, K, xq + t * C, xs + t * nb, xc + t * nb, C);
@@ -926,7 +1016,6 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
             for (int64_t p = 0; p < np; p++)
                 if (wp && ws)
                     gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, xc, wp, ws, out, p * GW_ROWS, R, C, T);
-            free(ws);
         }
     }
     for (int i = 0; i < 3; i++) gw_buffer(i, 0);
@@ -934,6 +1023,61 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
 #else
     (void)kind, (void)packed, (void)scales, (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out;
     (void)R, (void)C, (void)T, (void)nthreads;
+    return -2;
+#endif
+}
+
+/* One gated 4-bit expert for T tokens in one call (the GEMM's token range): out [T, D] = down(act(gate x, up x)),
+ * gate and up [I, D], down [D, I] in one format (kind, tab8, K, mult as for df_q4gw_mm; act as for glu_span).
+ * One parallel region: x quantized once; then per panel of GW_ROWS rows, gate's and up's rows, each with
+ * df_q4gw_mm's arithmetic, and the activation of those columns right away, while they are in cache (no [T, I]
+ * trip through the caller); then h quantized per token, and down's panels. Each matrix's result is bit for bit
+ * that of its own df_q4gw_mm call, the activation that of df_glu_act. Returns as df_q4gw_mm. */
+int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *upk,
+                const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
+                const float *e8m0, const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+#ifdef GW_VNNI
+    const int64_t C = D > I ? D : I, nbx = D / 32, nbh = I / 32, npi = (I + GW_ROWS - 1) / GW_ROWS;
+    const int64_t npd = (D + GW_ROWS - 1) / GW_ROWS;
+    int16_t *xq = gw_buffer(0, T * C * sizeof(int16_t)); /* x's, then h's */
+    float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
+    int32_t *xc = gw_buffer(2, T * (C / 32) * sizeof(int32_t));
+    float *g = gw_buffer(4, T * I * sizeof(float)), *u = gw_buffer(5, T * I * sizeof(float)); /* h in g */
+    int rc = xq && xs && xc && g && u ? 0 : -1;
+    gw_consts_t k;
+    gw_consts(tab8, &k);
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *ws = gw_buffer(6, (C / 32) * GW_ROWS * sizeof(float));
+            int32_t *wp = gw_buffer(3, (C / 32) * 16 * GW_ROWS * sizeof(int32_t));
+            if (!wp || !ws) {
+#pragma omp atomic write
+                rc = -1;
+            }
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t t = 0; t < T; t++) gw_quantize(x + t * D, K, xq + t * D, xs + t * nbx, xc + t * nbx, D);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < npi; p++) {
+                const int64_t r0 = p * GW_ROWS, n = I - r0 < GW_ROWS ? I - r0 : GW_ROWS;
+                if (!wp || !ws) continue;
+                gw_panel(kind, gp, gs, e8m0, mult, &k, xq, xs, xc, wp, ws, g, r0, I, D, T);
+                gw_panel(kind, upk, us, e8m0, mult, &k, xq, xs, xc, wp, ws, u, r0, I, D, T);
+                for (int64_t t = 0; t < T; t++) glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
+            }
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t t = 0; t < T; t++) gw_quantize(g + t * I, K, xq + t * I, xs + t * nbh, xc + t * nbh, I);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < npd; p++)
+                if (wp && ws) gw_panel(kind, dp, ds, e8m0, mult, &k, xq, xs, xc, wp, ws, out, p * GW_ROWS, D, I, T);
+        }
+    }
+    for (int i = 0; i < 6; i++)
+        if (i != 3) gw_buffer(i, 0); /* 3, the panel, is small and kept */
+    return rc;
+#else
+    (void)act, (void)beta, (void)lbeta, (void)kind, (void)gp, (void)gs, (void)upk, (void)us, (void)dp, (void)ds;
+    (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out, (void)I, (void)D, (void)T, (void)nthreads;
     return -2;
 #endif
 }
