@@ -8,10 +8,17 @@ dtype; the result is float32 [T, out].
 
 4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI:
 each token's row is quantized to int16 per block of 32 (d = max|x| / 32767, |x - d q| <= d (1/2 + 2^-7)), a panel
-of 32 weight rows is decoded once per call into exact small integers, and vpdpwssd sums the blocks in int32 for
-six tokens at a time; one float multiply-add per block applies both scales. About 2^-16 of each block's largest
+of 32 weight rows is decoded once per call into exact small integers (16 blocks at a time, kept in L1), and
+vpdpwssd sums the blocks in int32 for up to six tokens at a time (groups of near-equal size); one float
+multiply-add per block applies both scales. About 2^-16 of each block's largest
 activation is lost (bf16 loses 2^-9 of each value), so it is the fast path only; ``DELTAFIN_CPU_GEMM=0`` selects
 the loops below.
+
+A whole gated 4-bit expert (``glu_expert``: SwiGLU, or Kimi K3's SiTU-GLU) runs as one compiled call: past
+GEMM_TOKENS, x is quantized once, gate's and up's rows run in one parallel pass with the activation applied per
+panel of 32 rows as soon as both are done (``df_glu_act``: vectorised through one expm1, within 10 u for SwiGLU
+and 30 u for SiTU-GLU of the exact value, u = 2^-24), then h is quantized and down runs; each matrix's result is
+that of its own GEMM call bit for bit. Up to GEMM_TOKENS the Q8 path does the same in one call.
 
 4-bit weights up to ``FUSED_TOKENS`` tokens take the Q8 path by default: each token's row is quantized to int8
 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums run in int8 x int8 -> int32
