@@ -116,7 +116,8 @@ def test_glu_act_portable_build():
 
 def _expert(fmt: str, I: int, D: int, seed: int) -> dict[str, QTensor]:  # noqa: E741
     base = fmt.removesuffix("_f32")
-    r = {"gate": _records(I, D, seed)[base], "up": _records(I, D, seed + 1)[base], "down": _records(D, I, seed + 2)[base]}
+    r = {"gate": _records(I, D, seed)[base], "up": _records(I, D, seed + 1)[base],
+         "down": _records(D, I, seed + 2)[base]}
     if fmt.endswith("_f32"):
         r = {k: QTensor(v.format, v.shape, v.data, v.scale.float()) for k, v in r.items()}
     return r

@@ -69,7 +69,8 @@ static inline __m512 v_expm1(__m512 x) {
 }
 
 static inline __m512 v_sigmoid(__m512 g) {
-    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(2.0f), v_expm1(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 e = v_expm1(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(2.0f), e));
 }
 
 static inline __m512 v_tanh(__m512 y) {
@@ -99,8 +100,10 @@ static inline void v_glu(int act, float beta, float lbeta, const float *g, const
 static void glu_span(int act, float beta, float lbeta, const float *g, const float *u, float *h, int64_t n) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    for (; i < n; i += 16)
-        v_glu(act, beta, lbeta, g + i, u + i, h + i, n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1));
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        v_glu(act, beta, lbeta, g + i, u + i, h + i, m);
+    }
 #endif
     for (; i < n; i++) {
         const float sg = 1.0f / (2.0f + expm1f(-g[i]));
@@ -656,9 +659,9 @@ static void q8x_free(q8x_t *q) {
  * quantized once for gate and up, whose rows run in one parallel pass; the product is quantized and the down rows
  * run in a second. The same arithmetic as three df_q4q8_mm calls with the activation between them, less the host
  * round trips. Returns 0, or -1 when the buffers could not be allocated. */
-int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *up, const void *us,
-                   const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
-                   const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *up,
+                const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
+                const float *e8m0, const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
     q8x_t qx = {0}, qh = {0};
     float *g = malloc(T * I * sizeof(float)), *u = malloc(T * I * sizeof(float));
     int rc = -1;
@@ -852,9 +855,10 @@ static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, 
     for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane (masked broadcasts: no shuffle) */
         z[i] = _mm512_setzero_si512();
         for (int m = 0; m < 4; m++)
-            if (r + 4 * i + m < R)
-                z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)),
-                                                   _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16)));
+            if (r + 4 * i + m < R) {
+                const __m128i row = _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16));
+                z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)), row);
+            }
     }
     const __m512i m15 = _mm512_set1_epi8(15);
     for (int q = 0; q < 4; q++) { /* t: byte 16m + l = byte 4q + m of row l */
@@ -862,9 +866,10 @@ static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, 
                                                  _mm512_permutex2var_epi8(z[2], k->tr[q], z[3]));
         const __m512i lo = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(t, m15));
         const __m512i hi = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(_mm512_srli_epi16(t, 4), m15));
-        for (int m = 0; m < 4; m++)
-            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16,
-                                _mm512_srai_epi16(_mm512_maskz_permutex2var_epi8(0xAAAAAAAAAAAAAAAAull, lo, k->put[m], hi), 8));
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = _mm512_maskz_permutex2var_epi8(0xAAAAAAAAAAAAAAAAull, lo, k->put[m], hi);
+            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16, _mm512_srai_epi16(v, 8));
+        }
     }
 }
 
@@ -883,7 +888,8 @@ static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales,
         __m512i v[16]; /* 16 rows x n blocks of scales, transposed */
         for (int l = 0; l < 16; l++) /* rows past R are not read */
             v[l] = r + l >= R ? _mm512_setzero_si512()
-                              : _mm512_castps_si512(_mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
+                              : _mm512_castps_si512(
+                                    _mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
         gw_transpose16(v);
         for (int bb = 0; bb < n; bb++) _mm512_storeu_si512(ws + (bb * GW_NV + j) * 16, v[bb]);
     }
@@ -958,7 +964,8 @@ static void gw_quantize_all(const float *x, int32_t *xq, float *xs, int64_t C, i
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < ng; g++) {
         const int64_t t0 = gw_start(g, T), w = gw_start(g + 1, T) - t0;
-        for (int64_t i = 0; i < w; i++) gw_quantize(x + (t0 + i) * C, xq + t0 * (C / 2) + i, xs + t0 * (C / 32) + i, w, C);
+        for (int64_t i = 0; i < w; i++)
+            gw_quantize(x + (t0 + i) * C, xq + t0 * (C / 2) + i, xs + t0 * (C / 32) + i, w, C);
     }
 }
 
@@ -1084,7 +1091,8 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 if (!wp || !ws) continue;
                 gw_panel(kind, gp, gs, e8m0, mult, &k, xq, xs, wp, ws, g, r0, I, D, T);
                 gw_panel(kind, upk, us, e8m0, mult, &k, xq, xs, wp, ws, u, r0, I, D, T);
-                for (int64_t t = 0; t < T; t++) glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
+                for (int64_t t = 0; t < T; t++) /* h in g's place */
+                    glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
             }
             gw_quantize_all(g, xq, xs, I, T);
 #pragma omp for schedule(dynamic, 1)
