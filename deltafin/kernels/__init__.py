@@ -101,15 +101,22 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     return torch_ref.matmul(x, w)
 
 
-def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor,
-           down: QTensor | torch.Tensor) -> torch.Tensor | None:
-    """down(silu(gate x) * up x) for x [T, D] in one fused call where the fast path has one (the CPU backend's
-    few-token 4-bit experts), in x's dtype; None where the caller runs the three matmuls."""
+def glu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor, down: QTensor | torch.Tensor,
+        act: tuple = ("silu",)) -> torch.Tensor | None:
+    """down(act(gate x, up x)) for x [T, D] in one fused call where the fast path has one (the CPU backend's 4-bit
+    experts), in x's dtype; None where the caller runs the three matmuls. act: ``("silu",)`` (SwiGLU) or
+    ``("situ", beta, linear_beta)`` (Kimi K3's SiTU-GLU)."""
     if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
         return None
-    fn = getattr(backend("cpu"), "swiglu", None)
-    y = None if fn is None else fn(x, gate, up, down)
+    fn = getattr(backend("cpu"), "glu_expert", None)
+    y = None if fn is None else fn(x, gate, up, down, act)
     return y if y is None or y.dtype == x.dtype else y.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor,
+           down: QTensor | torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate x) * up x): ``glu`` with SwiGLU."""
+    return glu(x, gate, up, down, ("silu",))
 
 
 def matmul_many(x: torch.Tensor, ws: list[QTensor | torch.Tensor]) -> list[torch.Tensor]:

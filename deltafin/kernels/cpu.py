@@ -8,10 +8,17 @@ dtype; the result is float32 [T, out].
 
 4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI:
 each token's row is quantized to int16 per block of 32 (d = max|x| / 32767, |x - d q| <= d (1/2 + 2^-7)), a panel
-of 32 weight rows is decoded once per call into exact small integers, and vpdpwssd sums the blocks in int32 for
-six tokens at a time; one float multiply-add per block applies both scales. About 2^-16 of each block's largest
+of 32 weight rows is decoded once per call into exact small integers (16 blocks at a time, kept in L1), and
+vpdpwssd sums the blocks in int32 for up to six tokens at a time (groups of near-equal size); one float
+multiply-add per block applies both scales. About 2^-16 of each block's largest
 activation is lost (bf16 loses 2^-9 of each value), so it is the fast path only; ``DELTAFIN_CPU_GEMM=0`` selects
 the loops below.
+
+A whole gated 4-bit expert (``glu_expert``: SwiGLU, or Kimi K3's SiTU-GLU) runs as one compiled call: past
+GEMM_TOKENS, x is quantized once, gate's and up's rows run in one parallel pass with the activation applied per
+panel of 32 rows as soon as both are done (``df_glu_act``: vectorised through one expm1, within 10 u for SwiGLU
+and 30 u for SiTU-GLU of the exact value, u = 2^-24), then h is quantized and down runs; each matrix's result is
+that of its own GEMM call bit for bit. Up to GEMM_TOKENS the Q8 path does the same in one call.
 
 4-bit weights up to ``FUSED_TOKENS`` tokens take the Q8 path by default: each token's row is quantized to int8
 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums run in int8 x int8 -> int32
@@ -177,23 +184,43 @@ def int4g32_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     return _q4(2, _INT4, x, bytes_, scales.to(torch.float32).contiguous(), lib, "int4g32")
 
 
-def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
-    """down(silu(gate x) * up x) for x [T, D] in one compiled call (the Q8 path's token range: up to
-    GEMM_TOKENS where the int16 GEMM takes over, else FUSED_TOKENS; the three records 4-bit in one format and
-    scale type) -> float32 [T, D]; None where the separate matmuls apply. Runs once per expert per token in
-    decode, so the checks are kept to plain attribute reads."""
+def _act_args(act: tuple) -> tuple[int, float, float]:
+    """An activation as the models name it (``("silu",)``, ``("situ", beta, linear_beta)``) -> the C kernel's
+    (kind, beta, linear_beta)."""
+    if act[0] == "silu":
+        return 0, 1.0, 1.0
+    assert act[0] == "situ" and len(act) == 3, act
+    return 1, float(act[1]), float(act[2])
+
+
+def glu_act(g: torch.Tensor, u: torch.Tensor, act: tuple = ("silu",), lib=None) -> torch.Tensor:
+    """The compiled gated activation alone (as the fused expert applies it; see ``df_glu_act``'s bound), float32."""
+    lib = lib or native.library()
+    g, u = _x32(g), _x32(u)
+    assert g.shape == u.shape
+    h = torch.empty_like(g)
+    lib.df_glu_act(*_act_args(act), g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel())
+    return h
+
+
+def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: tuple = ("silu",),
+               lib=None) -> torch.Tensor | None:
+    """down(act(gate x, up x)) for x [T, D] in one compiled call -> float32 [T, D]; None where the separate
+    matmuls apply. act: ``("silu",)`` (SwiGLU) or ``("situ", beta, linear_beta)`` (Kimi K3's SiTU-GLU). The three
+    records 4-bit in one format and scale type. Up to GEMM_TOKENS tokens (FUSED_TOKENS without the GEMM) the Q8
+    path; more on the int16 GEMM, gate and up in one parallel pass with the activation applied per panel. Runs
+    once per expert per token in decode, so the checks are kept to plain attribute reads."""
     T, D = x.shape
     fmt = getattr(gate, "format", None)
     lib = lib or native.library()
-    if T > (GEMM_TOKENS if gemm_enabled(lib) else FUSED_TOKENS) or fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(
-            down, "format", None) != fmt:
+    gemm = T > GEMM_TOKENS and gemm_enabled(lib)
+    if (not gemm and (T > FUSED_TOKENS or not q8_enabled(lib))) or fmt not in ("mxfp4", "int4g32") or getattr(
+            up, "format", None) != fmt or getattr(down, "format", None) != fmt:
         return None
     I = gate.shape[0]  # noqa: E741
     gs, us, ds = gate.scale, up.scale, down.scale
     if (tuple(gate.shape) != (I, D) or tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
             or not gs.dtype == us.dtype == ds.dtype):
-        return None
-    if not q8_enabled(lib):
         return None
     if fmt == "mxfp4":
         kind, gp, up_, dp = 0, gate.data, up.data, down.data
@@ -203,16 +230,23 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None)
         if kind == 2:
             gs, us, ds = gs.float(), us.float(), ds.float()
     gp, gs, up_, us, dp, ds = (t.contiguous() for t in (gp, gs, up_, us, dp, ds))
-    USED.add(f"{fmt}_q8_swiglu")
+    name, fn = ("gemm", lib.df_q4gw_glu) if gemm else ("q8", lib.df_q4q8_glu)
+    USED.add(f"{fmt}_{name}_{act[0]}")
     tab, k, mult = _Q8[kind]
     x = _x32(x)
     out = torch.empty(T, D, dtype=torch.float32)
-    rc = lib.df_q4q8_swiglu(kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
-                            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(),
-                            I, D, T, _threads(I, D, T))
+    rc = fn(*_act_args(act), kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
+            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(), I, D, T,
+            _threads(I, D, T))
     if rc != 0:
-        raise MemoryError(f"Q8 activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_Q8=0 to skip them")
+        raise MemoryError(f"{name} activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_"
+                          f"{'GEMM' if gemm else 'Q8'}=0 to skip them")
     return out
+
+
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
+    """down(silu(gate x) * up x): ``glu_expert`` with SwiGLU."""
+    return glu_expert(x, gate, up, down, ("silu",), lib)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:

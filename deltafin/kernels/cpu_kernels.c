@@ -27,6 +27,102 @@ static inline float scale_at(const void *scales, int kind, const float *e8m0, in
     return f;
 }
 
+/* Gated activations of an expert, float32: SwiGLU h = silu(g) u (GLU_SILU) and Kimi K3's SiTU-GLU
+ * h = beta tanh(g / beta) sigmoid(g) lbeta tanh(u / lbeta) (GLU_SITU), in torch's order of operations.
+ * Both come from one function, expm1: sigmoid(g) = 1 / (2 + expm1(-g)), tanh(a) = -e / (2 + e) with
+ * e = expm1(-2 a), a = |y| (sign restored), which has no cancellation near 0 (1 - 2 / (exp(2a) + 1) would).
+ * expm1(x): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts, both products exact or fused), then
+ * q = r + r^2 P(r), P the Taylor series of (expm1(r) - r) / r^2 to r^6 (truncation < 2^-30 relative), and
+ * 2^n q + (2^n - 1) in one fused multiply-add (from n = 25, 2^n (1 + q) - 1: the 1 is below half an ulp there,
+ * and 2^n alone may overflow where the result does not). Error bound, u = 2^-24 the unit roundoff: Horner's
+ * rounding on r^2 P (P ~ 1/2, |r| <= 0.35) and the final addition give expm1 <= 3u relative for n = 0; for n != 0
+ * the last addition cancels at most 1.5x, <= 6u. Then sigmoid <= 6u + 2u (the sum 2 + e >= 1, the division),
+ * tanh <= 6u + 2u + u (the sum, the division, the rounding of y = g / beta before it; tanh's condition number is
+ * <= 1), and the products one u each: SwiGLU <= 10u, SiTU-GLU <= 2 x 9u + 8u + 4u = 30u relative (15 ulps),
+ * where sigmoid(g) is a normal float32 (g > -87; below, it is < 2^-126 and comes out as 0 or a denormal, an
+ * absolute error under 2^-118 (|u| + 1) of h). Measured: 3u and 7u at most. tests/test_cpu_glu.py checks these. */
+#define GLU_SILU 0
+#define GLU_SITU 1
+#define LN2_HI 0.693145751953125f /* 15 significant bits: n LN2_HI is exact for |n| < 2^8 */
+#define LN2_LO 1.428606765330187e-06f
+
+#ifdef __AVX512F__
+static inline __m512 v_expm1(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_min_ps(_mm512_set1_ps(100.0f), x)); /* NaN kept */
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(1.0f / 40320);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 5040));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    const __m512 q = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
+    const __m512 s = _mm512_scalef_ps(_mm512_set1_ps(1.0f), n), one = _mm512_set1_ps(1.0f); /* 2^n, 0 below */
+    const __m512 small = _mm512_fmadd_ps(s, q, _mm512_sub_ps(s, one));
+    /* from n = 25 the 1 is below half an ulp, and 2^n alone may overflow (n = 128) where 2^n (1 + q) does not */
+    const __m512 big = _mm512_sub_ps(_mm512_scalef_ps(_mm512_add_ps(q, one), n), one);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(24.5f), _CMP_GT_OQ), small, big);
+}
+
+static inline __m512 v_sigmoid(__m512 g) {
+    const __m512 e = v_expm1(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(2.0f), e));
+}
+
+static inline __m512 v_tanh(__m512 y) {
+    const __m512 a = _mm512_abs_ps(y);
+    const __m512 e = v_expm1(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_setzero_ps(), e), _mm512_add_ps(_mm512_set1_ps(2.0f), e));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), /* the sign of y */
+                                               _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN))));
+}
+
+/* 16 lanes (m: the lanes to write) of h = act(g, u) into h (which may be g). */
+static inline void v_glu(int act, float beta, float lbeta, const float *g, const float *u, float *h, __mmask16 m) {
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g), uv = _mm512_maskz_loadu_ps(m, u), sg = v_sigmoid(gv);
+    __m512 y;
+    if (act == GLU_SILU) {
+        y = _mm512_mul_ps(_mm512_mul_ps(gv, sg), uv);
+    } else {
+        const __m512 b = _mm512_set1_ps(beta), lb = _mm512_set1_ps(lbeta);
+        const __m512 tg = _mm512_mul_ps(_mm512_mul_ps(b, v_tanh(_mm512_div_ps(gv, b))), sg);
+        y = _mm512_mul_ps(tg, _mm512_mul_ps(lb, v_tanh(_mm512_div_ps(uv, lb))));
+    }
+    _mm512_mask_storeu_ps(h, m, y);
+}
+#endif
+
+/* h[i] = act(g[i], u[i]) for n values (h may be g); the portable build takes libm's expm1f in the same formulas. */
+static void glu_span(int act, float beta, float lbeta, const float *g, const float *u, float *h, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        v_glu(act, beta, lbeta, g + i, u + i, h + i, m);
+    }
+#endif
+    for (; i < n; i++) {
+        const float sg = 1.0f / (2.0f + expm1f(-g[i]));
+        if (act == GLU_SILU) {
+            h[i] = g[i] * sg * u[i];
+        } else {
+            const float yg = g[i] / beta, yu = u[i] / lbeta;
+            const float eg = expm1f(-2.0f * fabsf(yg)), eu = expm1f(-2.0f * fabsf(yu));
+            const float tg = copysignf(-eg / (2.0f + eg), yg), tu = copysignf(-eu / (2.0f + eu), yu);
+            h[i] = beta * tg * sg * (lbeta * tu);
+        }
+    }
+}
+
+/* The gated activation alone (tests check it against torch and float64). */
+void df_glu_act(int act, float beta, float lbeta, const float *g, const float *u, float *h, int64_t n) {
+    glu_span(act, beta, lbeta, g, u, h, n);
+}
+
 #ifdef __AVX512F__
 /* One block of 16 bytes -> its 16 even and 16 odd elements, times the block's scale. */
 static inline void q4_decode_block(const uint8_t *p, __m512 tab, float scale, __m512 *we, __m512 *wo) {
@@ -558,15 +654,14 @@ static void q8x_free(q8x_t *q) {
     free(q->corr);
 }
 
-/* One SwiGLU expert of 4-bit weights for T tokens in one call: out = down(silu(gate x) * up x), gate and up
- * [I, D], down [D, I], all in one format (kind, tab8, K, mult as for df_q4q8_mm). x is quantized once for gate
- * and up, whose rows run in one parallel pass; the product is quantized and the down rows run in a second.
- * The same arithmetic as three df_q4q8_mm calls with silu(g) * u between them, less the host round trips
- * (SiLU here is g / (1 + expf(-g)), which may differ from torch's in the last bit). Returns 0, or -1 when the
- * buffers could not be allocated. */
-int df_q4q8_swiglu(int kind, const uint8_t *gp, const void *gs, const uint8_t *up, const void *us,
-                   const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
-                   const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+/* One gated expert of 4-bit weights for T tokens in one call: out = down(act(gate x, up x)), act a GLU_* kind
+ * (glu_span), gate and up [I, D], down [D, I], all in one format (kind, tab8, K, mult as for df_q4q8_mm). x is
+ * quantized once for gate and up, whose rows run in one parallel pass; the product is quantized and the down rows
+ * run in a second. The same arithmetic as three df_q4q8_mm calls with the activation between them, less the host
+ * round trips. Returns 0, or -1 when the buffers could not be allocated. */
+int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *up,
+                const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
+                const float *e8m0, const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
     q8x_t qx = {0}, qh = {0};
     float *g = malloc(T * I * sizeof(float)), *u = malloc(T * I * sizeof(float));
     int rc = -1;
@@ -576,7 +671,7 @@ int df_q4q8_swiglu(int kind, const uint8_t *gp, const void *gs, const uint8_t *u
             q8_rows(kind, gp, gs, tab8, K, e8m0, &qx, g, r0, r1, I, D, T);
             q8_rows(kind, up, us, tab8, K, e8m0, &qx, u, r0, r1, I, D, T);
         })
-        for (int64_t i = 0; i < T * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        glu_span(act, beta, lbeta, g, u, g, T * I);
         q8_quantize(g, T, I, K, mult, &qh);
         SPLIT(nthreads, D, q8_rows(kind, dp, ds, tab8, K, e8m0, &qh, out, r0, r1, D, I, T))
         rc = 0;
@@ -671,27 +766,35 @@ int df_simd_width(void) {
 /* ======================================================================================================== */
 /* Each token's activations are quantized once per call to int16 with one scale per block of 32 (d = max|x| /
  * 32767, q = round(x / d): |x - d q| <= d (1/2 + 2^-7), about 2^-16 of the block's largest value, far finer than
- * bf16). A weight nibble n is read through the Q8 table as u = v + K >= 0 (v the stored value as an integer:
- * MXFP4 2 x E2M1 in [-12, 12], K = 12; INT4 n - 8, K = 8), exact in int16. vpdpwssd sums int16 x int16 pairs
- * into int32 exactly, starting from -K x sum(q) of the block, so the int32 is sum(v q) (|.| <= 12 x 32767 x 32 <
- * 2^24: its float conversion is exact too); one float multiply-add per block applies weight scale x value factor
- * x d. Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs (element 2p in the low half,
- * 2p + 1 in the high half), vector-major: for block b, pair p, vector j, the 16 rows' pairs, so one load feeds 16
- * output rows while a token's pair is broadcast. The micro-kernel keeps GW_MR tokens x GW_NV row vectors of
- * accumulators in registers; blocks are walked in GW_KB-block chunks so the panel's chunk stays in L1 across all
- * tokens. Every token's sum runs block by block in the same order whatever T is or how the tokens are grouped:
- * results do not depend on the batch. Panels are handed to threads as they free up. */
+ * bf16). A weight nibble n is read as v, the stored value as an integer (MXFP4 2 x E2M1 in [-12, 12]; INT4 n - 8;
+ * the Q8 table less its offset K), exact in int16. vpdpwssd sums int16 x int16 pairs into int32 exactly
+ * (|sum| <= 12 x 32767 x 32 < 2^24: its float conversion is exact too); one float multiply-add per block applies
+ * weight scale x value factor x d. Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs
+ * (element 2p in the low half, 2p + 1 in the high half), vector-major: for block b, pair p, vector j, the 16 rows'
+ * pairs, so one load feeds 16 output rows while a token's pair is broadcast. Tokens are taken in groups of at most
+ * GW_MR, of near-equal sizes (a lone last token would leave the dot-product units waiting on one chain), and a
+ * group's activations are stored interleaved ([block][pair][token]), so the micro-kernel reads every broadcast off
+ * one pointer. The micro-kernel keeps a group's tokens x GW_NV row vectors of accumulators in registers; blocks are
+ * walked in GW_KB-block chunks so the panel's chunk stays in L1 across all groups. Every token's sum runs block
+ * by block in the same order whatever T is or how the tokens are grouped: results do not depend on the batch.
+ * Panels are handed to threads as they free up. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define GW_VNNI 1
+/* Tile shape, by measurement on a K3 matrix (3072 x 3584) at 85 tokens, one thread, builds timed in turn: 6 tokens x
+ * 2 row vectors (12 int32 and 12 float accumulators in registers, 80% of the int16 peak with the chunk in L1)
+ * within noise of 7 x 2, 6 x 3 and 8 x 2 (float accumulators through L1), 5-9% ahead of 5 x 2, 4 x 3 and 8 x 3;
+ * 8 x 1 and 3 x 4 far behind; GW_KB 8 and 4 slower than 16. The rest of the call is the weights' decode (about a
+ * tenth at 85 tokens) and one float conversion, scale product and multiply-add per 16 dot products. */
 #ifndef GW_NV
 #define GW_NV 2 /* row vectors (16 rows each) per panel */
 #endif
 #ifndef GW_MR
-#define GW_MR 6 /* tokens per micro-kernel */
+#define GW_MR 6 /* tokens per micro-kernel (at most 8) */
 #endif
 #ifndef GW_KB
-#define GW_KB 16 /* blocks of 32 per chunk: 16 x 32 x GW_NV x 16 x 2 bytes = 32 KB of panel per chunk */
+#define GW_KB 16 /* blocks of 32 per chunk (<= 16): 16 x 32 x GW_NV x 16 x 2 bytes = 32 KB of panel per chunk */
 #endif
+_Static_assert(GW_KB >= 1 && GW_KB <= 16, "a chunk's scales are one 16 x 16 transpose");
 #define GW_ROWS (16 * GW_NV)
 
 /* 16 x 16 int32 transpose in registers: r[a] element e -> r[e] element a. */
@@ -721,40 +824,41 @@ static inline void gw_transpose16(__m512i r[16]) {
 
 typedef struct {
     __m512i tr[4];  /* byte transpose: pairs 4q..4q+3 x rows 0..15 from four vectors of 4 rows x 16 bytes */
-    __m512i put[4]; /* row l's low / high nibble value of pair 4q + m into bytes 0 / 2 of dword l */
-    __m512i tab;    /* the Q8 table in every 128-bit lane */
+    __m512i put[4]; /* row l's low / high nibble value of pair 4q + m into bytes 1 / 3 of dword l */
+    __m512i tab;    /* the signed values v of the 16 nibbles, in every 128-bit lane */
 } gw_consts_t;
 
-static void gw_consts(const uint8_t *tab8, gw_consts_t *k) {
-    uint8_t tr[4][64], put[4][64];
+static void gw_consts(const uint8_t *tab8, int K, gw_consts_t *k) {
+    uint8_t tr[4][64], put[4][64], tab[16];
     for (int q = 0; q < 4; q++)
         for (int m = 0; m < 4; m++)
             for (int l = 0; l < 16; l++) {
                 tr[q][16 * m + l] = (uint8_t)((l % 8 >= 4 ? 64 : 0) + 16 * (l % 4) + 4 * q + m);
-                put[m][4 * l] = (uint8_t)(16 * m + l);           /* from the low-nibble values */
-                put[m][4 * l + 2] = (uint8_t)(64 + 16 * m + l);  /* from the high-nibble values */
-                put[m][4 * l + 1] = put[m][4 * l + 3] = 0;       /* zeroed by the mask */
+                put[m][4 * l + 1] = (uint8_t)(16 * m + l);      /* from the low-nibble values */
+                put[m][4 * l + 3] = (uint8_t)(64 + 16 * m + l); /* from the high-nibble values */
+                put[m][4 * l] = put[m][4 * l + 2] = 0;          /* zeroed by the mask */
             }
     for (int q = 0; q < 4; q++) {
         k->tr[q] = _mm512_loadu_si512(tr[q]);
         k->put[q] = _mm512_loadu_si512(put[q]);
     }
-    k->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab8));
+    for (int i = 0; i < 16; i++) tab[i] = (uint8_t)(int8_t)((int)tab8[i] - K);
+    k->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab));
 }
 
 /* One block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, one per pair:
- * bytes transposed to pair-major, both nibbles looked up 64 bytes at a time, then spread to dwords. */
+ * bytes transposed to pair-major, both nibbles looked up 64 bytes at a time, then each value put in the high byte
+ * of its int16 and shifted down (sign-extended). */
 static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, int64_t H, int64_t b,
                                    const gw_consts_t *k, int32_t *dst) {
     __m512i z[4];
-    for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane */
-        __m128i row[4];
-        for (int m = 0; m < 4; m++) {
-            const int64_t rr = r + 4 * i + m;
-            row[m] = rr < R ? _mm_loadu_si128((const __m128i *)(packed + rr * H + b * 16)) : _mm_setzero_si128();
-        }
-        z[i] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row[0]), row[1], 1),
-                                                     row[2], 2), row[3], 3);
+    for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane (masked broadcasts: no shuffle) */
+        z[i] = _mm512_setzero_si512();
+        for (int m = 0; m < 4; m++)
+            if (r + 4 * i + m < R) {
+                const __m128i row = _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16));
+                z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)), row);
+            }
     }
     const __m512i m15 = _mm512_set1_epi8(15);
     for (int q = 0; q < 4; q++) { /* t: byte 16m + l = byte 4q + m of row l */
@@ -762,66 +866,69 @@ static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, 
                                                  _mm512_permutex2var_epi8(z[2], k->tr[q], z[3]));
         const __m512i lo = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(t, m15));
         const __m512i hi = _mm512_shuffle_epi8(k->tab, _mm512_and_si512(_mm512_srli_epi16(t, 4), m15));
-        for (int m = 0; m < 4; m++)
-            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16,
-                                _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, lo, k->put[m], hi));
-    }
-}
-
-/* Rows [r0, r0 + GW_ROWS) -> wp (int32 pairs, the layout above) and ws (float scales x value factor,
- * [nb][GW_NV][16], 0 past R). */
-static void gw_decode_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
-                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C) {
-    const int64_t H = C / 2, nb = C / 32;
-    const __m512 vm = _mm512_set1_ps(mult);
-    for (int j = 0; j < GW_NV; j++) {
-        const int64_t r = r0 + 16 * j;
-        for (int64_t b = 0; b < nb; b++) gw_decode_block(packed, r, R, H, b, k, wp + (b * 16 * GW_NV + j) * 16);
-        for (int64_t b0 = 0; b0 < nb; b0 += 16) { /* 16 rows x 16 blocks of scales, transposed */
-            const int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
-            __m512i v[16];
-            for (int l = 0; l < 16; l++) /* rows past R are not read */
-                v[l] = r + l >= R ? _mm512_setzero_si512()
-                                  : _mm512_castps_si512(_mm512_mul_ps(
-                                        q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
-            gw_transpose16(v);
-            for (int bb = 0; bb < n; bb++) _mm512_storeu_si512(ws + ((b0 + bb) * GW_NV + j) * 16, v[bb]);
+        for (int m = 0; m < 4; m++) {
+            const __m512i v = _mm512_maskz_permutex2var_epi8(0xAAAAAAAAAAAAAAAAull, lo, k->put[m], hi);
+            _mm512_storeu_si512(dst + (4 * q + m) * GW_NV * 16, _mm512_srai_epi16(v, 8));
         }
     }
 }
 
-/* Tokens [t0, t0 + MR) x the panel's rows, blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
-static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int16_t *xq,
-                                                          const float *xs, const int32_t *xc, float *out, int64_t t0,
-                                                          const int MR, int64_t r0, const __mmask16 *mask, int64_t b0,
-                                                          int64_t b1, int64_t R, int64_t C) {
-    const int64_t nb = C / 32;
+/* Blocks [b0, b1) (at most 16) of rows [r0, r0 + GW_ROWS) -> wp (int32 pairs, the layout above, block b at b - b0)
+ * and ws (float scales x value factor, [b1 - b0][GW_NV][16], 0 past R). A chunk at a time, right before its use:
+ * it is written to and read from L1 (a whole panel went through L2, a fifth of the call's time). */
+static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
+                            int64_t b0, int64_t b1) {
+    const int64_t H = C / 2, nb = C / 32;
+    const int n = (int)(b1 - b0);
+    const __m512 vm = _mm512_set1_ps(mult);
+    for (int j = 0; j < GW_NV; j++) {
+        const int64_t r = r0 + 16 * j;
+        for (int64_t b = b0; b < b1; b++) gw_decode_block(packed, r, R, H, b, k, wp + ((b - b0) * 16 * GW_NV + j) * 16);
+        __m512i v[16]; /* 16 rows x n blocks of scales, transposed */
+        for (int l = 0; l < 16; l++) /* rows past R are not read */
+            v[l] = r + l >= R ? _mm512_setzero_si512()
+                              : _mm512_castps_si512(
+                                    _mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
+        gw_transpose16(v);
+        for (int bb = 0; bb < n; bb++) _mm512_storeu_si512(ws + (bb * GW_NV + j) * 16, v[bb]);
+    }
+}
+
+/* Token group g of T (ng = ceil(T / GW_MR) groups whose sizes differ by at most one) starts at token gw_start. */
+static inline int64_t gw_start(int64_t g, int64_t T) {
+    const int64_t ng = (T + GW_MR - 1) / GW_MR;
+    return g * (T / ng) + (g < T % ng ? g : T % ng);
+}
+
+/* The MR tokens of the group at t0 (xp: its int32 pairs [nb][16][MR], xs: its scales [nb][MR]) x the panel's rows,
+ * blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
+static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int32_t *xp,
+                                                          const float *xs, float *out, int64_t t0, const int MR,
+                                                          int64_t r0, const __mmask16 *mask, int64_t b0, int64_t b1,
+                                                          int64_t R) {
     __m512 f[8][GW_NV]; /* MR <= 8 */
     for (int t = 0; t < MR; t++)
         for (int j = 0; j < GW_NV; j++)
             f[t][j] = b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], out + (t0 + t) * R + r0 + 16 * j);
     for (int64_t b = b0; b < b1; b++) {
         __m512i a[8][GW_NV];
-        for (int t = 0; t < MR; t++) {
-            const __m512i c = _mm512_set1_epi32(xc[(t0 + t) * nb + b]);
-            for (int j = 0; j < GW_NV; j++) a[t][j] = c;
-        }
-        const int32_t *w = wp + b * 16 * GW_NV * 16;
+        for (int t = 0; t < MR; t++)
+            for (int j = 0; j < GW_NV; j++) a[t][j] = _mm512_setzero_si512();
+        const int32_t *w = wp + (b - b0) * 16 * GW_NV * 16, *x = xp + b * 16 * MR;
 #pragma GCC unroll 16
         for (int p = 0; p < 16; p++) {
             __m512i wv[GW_NV];
             for (int j = 0; j < GW_NV; j++) wv[j] = _mm512_loadu_si512(w + (p * GW_NV + j) * 16);
             for (int t = 0; t < MR; t++) {
-                int32_t pair;
-                memcpy(&pair, xq + (t0 + t) * C + b * 32 + 2 * p, 4);
-                const __m512i xb = _mm512_set1_epi32(pair);
+                const __m512i xb = _mm512_set1_epi32(x[p * MR + t]);
                 for (int j = 0; j < GW_NV; j++) a[t][j] = _mm512_dpwssd_epi32(a[t][j], wv[j], xb);
             }
         }
         __m512 s[GW_NV];
-        for (int j = 0; j < GW_NV; j++) s[j] = _mm512_loadu_ps(ws + (b * GW_NV + j) * 16);
+        for (int j = 0; j < GW_NV; j++) s[j] = _mm512_loadu_ps(ws + ((b - b0) * GW_NV + j) * 16);
         for (int t = 0; t < MR; t++) {
-            const __m512 d = _mm512_set1_ps(xs[(t0 + t) * nb + b]);
+            const __m512 d = _mm512_set1_ps(xs[b * MR + t]);
             for (int j = 0; j < GW_NV; j++)
                 f[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][j]), _mm512_mul_ps(s[j], d), f[t][j]);
         }
@@ -830,9 +937,11 @@ static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, con
         for (int j = 0; j < GW_NV; j++) _mm512_mask_storeu_ps(out + (t0 + t) * R + r0 + 16 * j, mask[j], f[t][j]);
 }
 
-/* Token t's row of x -> xq (int16), xs (one scale per block; NaN or inf in a block reaches its scale) and xc
- * (-K x the block's sum of q, where the block's int32 sums start). */
-static void gw_quantize(const float *x, int K, int16_t *xq, float *xs, int32_t *xc, int64_t C) {
+/* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first (its place in its group), and
+ * one scale per block, every stride-th float of xs (NaN or inf in a block reaches its scale). */
+static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, int64_t C) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)stride));
     for (int64_t b = 0; b < C / 32; b++) {
         const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -841,11 +950,22 @@ static void gw_quantize(const float *x, int K, int16_t *xq, float *xs, int32_t *
         const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
         const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
         const __m512 vid = _mm512_set1_ps(id);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
-        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm512_cvtsepi32_epi16(q0));
-        _mm256_storeu_si256((__m256i *)(xq + b * 32 + 16), _mm512_cvtsepi32_epi16(q1));
-        xs[b] = d;
-        xc[b] = -K * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        const __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)));
+        const __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid)));
+        _mm512_i32scatter_epi32(xp + b * 16 * stride, idx, _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), 4);
+        xs[b * stride] = d;
+    }
+}
+
+/* Every token of x [T, C] into the group layout (see gw_tile): tokens of group g at xq + gw_start(g) C / 2, its
+ * scales at xs + gw_start(g) C / 32. Inside an OpenMP parallel region, groups shared out. */
+static void gw_quantize_all(const float *x, int32_t *xq, float *xs, int64_t C, int64_t T) {
+    const int64_t ng = (T + GW_MR - 1) / GW_MR;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t t0 = gw_start(g, T), w = gw_start(g + 1, T) - t0;
+        for (int64_t i = 0; i < w; i++)
+            gw_quantize(x + (t0 + i) * C, xq + t0 * (C / 2) + i, xs + t0 * (C / 32) + i, w, C);
     }
 }
 
@@ -854,8 +974,8 @@ static void gw_quantize(const float *x, int K, int16_t *xq, float *xs, int32_t *
  * releases a buffer over GW_KEEP bytes (a long prompt's activations are not kept for the rest of the run). */
 #define GW_KEEP (32 << 20)
 static void *gw_buffer(int which, size_t n) {
-    static __thread void *buf[4];
-    static __thread size_t cap[4];
+    static __thread void *buf[8];
+    static __thread size_t cap[8];
     if (n == 0 && cap[which] > GW_KEEP) {
         free(buf[which]);
         buf[which] = NULL;
@@ -871,28 +991,32 @@ static void *gw_buffer(int which, size_t n) {
 }
 
 static void gw_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
-                     const gw_consts_t *k, const int16_t *xq, const float *xs, const int32_t *xc, int32_t *wp,
-                     float *ws, float *out, int64_t r0, int64_t R, int64_t C, int64_t T) {
-    const int64_t nb = C / 32;
+                     const gw_consts_t *k, const int32_t *xq, const float *xs, int32_t *wp, float *ws, float *out,
+                     int64_t r0, int64_t R, int64_t C, int64_t T) {
+    const int64_t nb = C / 32, ng = (T + GW_MR - 1) / GW_MR;
     __mmask16 mask[GW_NV];
     for (int j = 0; j < GW_NV; j++) {
         const int64_t left = R - r0 - 16 * j;
         mask[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
     }
-    gw_decode_panel(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C);
     for (int64_t b0 = 0; b0 < nb; b0 += GW_KB) {
         const int64_t b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
-        int64_t t0 = 0;
-        for (; t0 + GW_MR <= T; t0 += GW_MR) gw_tile(wp, ws, xq, xs, xc, out, t0, GW_MR, r0, mask, b0, b1, R, C);
-        switch (T - t0) { /* the last few tokens: the same arithmetic, fewer of them */
-        case 1: gw_tile(wp, ws, xq, xs, xc, out, t0, 1, r0, mask, b0, b1, R, C); break;
-        case 2: gw_tile(wp, ws, xq, xs, xc, out, t0, 2, r0, mask, b0, b1, R, C); break;
-        case 3: gw_tile(wp, ws, xq, xs, xc, out, t0, 3, r0, mask, b0, b1, R, C); break;
-        case 4: gw_tile(wp, ws, xq, xs, xc, out, t0, 4, r0, mask, b0, b1, R, C); break;
-        case 5: gw_tile(wp, ws, xq, xs, xc, out, t0, 5, r0, mask, b0, b1, R, C); break;
-        case 6: gw_tile(wp, ws, xq, xs, xc, out, t0, 6, r0, mask, b0, b1, R, C); break;
-        case 7: gw_tile(wp, ws, xq, xs, xc, out, t0, 7, r0, mask, b0, b1, R, C); break;
-        default: break;
+        gw_decode_chunk(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C, b0, b1);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t t0 = gw_start(g, T);
+            const int32_t *xp = xq + t0 * (C / 2);
+            const float *xsp = xs + t0 * nb;
+            switch (gw_start(g + 1, T) - t0) { /* GW_MR at most; the same arithmetic per token whatever the size */
+            case 1: gw_tile(wp, ws, xp, xsp, out, t0, 1, r0, mask, b0, b1, R); break;
+            case 2: gw_tile(wp, ws, xp, xsp, out, t0, 2, r0, mask, b0, b1, R); break;
+            case 3: gw_tile(wp, ws, xp, xsp, out, t0, 3, r0, mask, b0, b1, R); break;
+            case 4: gw_tile(wp, ws, xp, xsp, out, t0, 4, r0, mask, b0, b1, R); break;
+            case 5: gw_tile(wp, ws, xp, xsp, out, t0, 5 <= GW_MR ? 5 : 1, r0, mask, b0, b1, R); break;
+            case 6: gw_tile(wp, ws, xp, xsp, out, t0, 6 <= GW_MR ? 6 : 1, r0, mask, b0, b1, R); break;
+            case 7: gw_tile(wp, ws, xp, xsp, out, t0, 7 <= GW_MR ? 7 : 1, r0, mask, b0, b1, R); break;
+            case 8: gw_tile(wp, ws, xp, xsp, out, t0, 8 <= GW_MR ? 8 : 1, r0, mask, b0, b1, R); break;
+            default: break;
+            }
         }
     }
 }
@@ -905,35 +1029,83 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
                const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
 #ifdef GW_VNNI
     const int64_t nb = C / 32, np = (R + GW_ROWS - 1) / GW_ROWS;
-    int16_t *xq = gw_buffer(0, T * C * sizeof(int16_t));
+    int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t));
     float *xs = gw_buffer(1, T * nb * sizeof(float));
-    int32_t *xc = gw_buffer(2, T * nb * sizeof(int32_t));
-    int rc = xq && xs && xc ? 0 : -1;
+    int rc = xq && xs ? 0 : -1;
     gw_consts_t k;
-    gw_consts(tab8, &k);
+    gw_consts(tab8, K, &k);
     if (rc == 0) {
 #pragma omp parallel num_threads(nthreads)
         {
-            float *ws = malloc(nb * GW_ROWS * sizeof(float));
-            int32_t *wp = gw_buffer(3, nb * 16 * GW_ROWS * sizeof(int32_t));
-#pragma omp for schedule(dynamic, 4) /* a thread that loses its core holds back 4 tokens, not half */
-            for (int64_t t = 0; t < T; t++) gw_quantize(x + t * C, K, xq + t * C, xs + t * nb, xc + t * nb, C);
+            float *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
+            int32_t *wp = gw_buffer(3, GW_KB * 16 * GW_ROWS * sizeof(int32_t));
             if (!wp || !ws) {
 #pragma omp atomic write
                 rc = -1;
             }
+            gw_quantize_all(x, xq, xs, C, T);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < np; p++)
-                if (wp && ws)
-                    gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, xc, wp, ws, out, p * GW_ROWS, R, C, T);
-            free(ws);
+                if (wp && ws) gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, wp, ws, out, p * GW_ROWS, R, C, T);
         }
     }
-    for (int i = 0; i < 3; i++) gw_buffer(i, 0);
+    for (int i = 0; i < 2; i++) gw_buffer(i, 0);
     return rc;
 #else
     (void)kind, (void)packed, (void)scales, (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out;
     (void)R, (void)C, (void)T, (void)nthreads;
+    return -2;
+#endif
+}
+
+/* One gated 4-bit expert for T tokens in one call (the GEMM's token range): out [T, D] = down(act(gate x, up x)),
+ * gate and up [I, D], down [D, I] in one format (kind, tab8, K, mult as for df_q4gw_mm; act as for glu_span).
+ * One parallel region: x quantized once; then per panel of GW_ROWS rows, gate's and up's rows, each with
+ * df_q4gw_mm's arithmetic, and the activation of those columns right away, while they are in cache (no [T, I]
+ * trip through the caller); then h quantized, and down's panels. Each matrix's result is bit for bit that of its
+ * own df_q4gw_mm call, the activation that of df_glu_act. Returns as df_q4gw_mm. */
+int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *upk,
+                const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
+                const float *e8m0, const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+#ifdef GW_VNNI
+    const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS, npd = (D + GW_ROWS - 1) / GW_ROWS;
+    int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t)); /* x's, then h's */
+    float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
+    float *g = gw_buffer(4, T * I * sizeof(float)), *u = gw_buffer(5, T * I * sizeof(float)); /* h in g */
+    int rc = xq && xs && g && u ? 0 : -1;
+    gw_consts_t k;
+    gw_consts(tab8, K, &k);
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
+            int32_t *wp = gw_buffer(3, GW_KB * 16 * GW_ROWS * sizeof(int32_t));
+            if (!wp || !ws) {
+#pragma omp atomic write
+                rc = -1;
+            }
+            gw_quantize_all(x, xq, xs, D, T);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < npi; p++) {
+                const int64_t r0 = p * GW_ROWS, n = I - r0 < GW_ROWS ? I - r0 : GW_ROWS;
+                if (!wp || !ws) continue;
+                gw_panel(kind, gp, gs, e8m0, mult, &k, xq, xs, wp, ws, g, r0, I, D, T);
+                gw_panel(kind, upk, us, e8m0, mult, &k, xq, xs, wp, ws, u, r0, I, D, T);
+                for (int64_t t = 0; t < T; t++) /* h in g's place */
+                    glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
+            }
+            gw_quantize_all(g, xq, xs, I, T);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < npd; p++)
+                if (wp && ws) gw_panel(kind, dp, ds, e8m0, mult, &k, xq, xs, wp, ws, out, p * GW_ROWS, D, I, T);
+        }
+    }
+    for (int i = 0; i < 6; i++)
+        if (i < 2 || i == 4 || i == 5) gw_buffer(i, 0); /* the per-thread panel buffers (3, 6) are small and kept */
+    return rc;
+#else
+    (void)act, (void)beta, (void)lbeta, (void)kind, (void)gp, (void)gs, (void)upk, (void)us, (void)dp, (void)ds;
+    (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out, (void)I, (void)D, (void)T, (void)nthreads;
     return -2;
 #endif
 }

@@ -26,14 +26,16 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 INSTALL_HINT = ("install a C compiler for the fast CPU kernels (Debian/Ubuntu: apt install gcc; Fedora: dnf "
                 "install gcc; macOS: xcode-select --install), or set CC")
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "df_q4_mm": [_INT, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4_decode": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_i8_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4q8_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_i8a16_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
-    "df_q4q8_swiglu": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_q4q8_glu": [_INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_q4gw_glu": [_INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_glu_act": [_INT, _F, _F, _P, _P, _P, _I64],
     "df_a16_vnni": [],
     "df_i8a16_multi": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "df_q8_vnni": [],
@@ -111,8 +113,9 @@ def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 lib.df_q4gw_mm.restype = lib.df_q4gw_vnni.restype = _INT
                 lib.df_gw_peak.restype = ctypes.c_double
                 lib.df_simd_width.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
-                lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_swiglu.restype = _INT
-                lib.df_i8a16_multi.restype = _INT
+                lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = _INT
+                lib.df_i8a16_multi.restype = lib.df_q4gw_glu.restype = _INT
+                lib.df_glu_act.restype = None
         if lib is None:
             log.warning("fast CPU kernels off, the plain torch path runs: %s", why)
         _loaded[extra], _why[extra] = lib, why

@@ -18,6 +18,7 @@ import torch
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
 from deltafin.kernels import cuda as kc
+from deltafin.kernels import glu as fused_glu
 from deltafin.models import kda, mla
 from deltafin.models.base import (
     ExpertSource,
@@ -407,9 +408,14 @@ class Model(DecoderLM):
     def _situ_mlp(self, pre: str, x: torch.Tensor, gu: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """SiTU-GLU MLP: the dense layer-0 MLP and the fused shared experts (``gu``: gate x and up x if known)."""
         c, w = self.cfg, self.w
-        g, u = gu or (linear(x, w[pre + "gate_proj.weight"]), linear(x, w[pre + "up_proj.weight"]))
-        a = situ_glu(g, u, c.activation_situ_beta, c.activation_situ_linear_beta)
-        return linear(a, w[pre + "down_proj.weight"])
+        gate, up, down = (w[pre + f"{n}_proj.weight"] for n in ("gate", "up", "down"))
+        if gu is None:
+            y = fused_glu(x, gate, up, down, self.glu)  # one call where they are 4-bit on the fast CPU path
+            if y is not None:
+                return y
+            gu = (linear(x, gate), linear(x, up))
+        a = situ_glu(gu[0], gu[1], c.activation_situ_beta, c.activation_situ_linear_beta)
+        return linear(a, down)
 
     def _dense_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         pre = f"model.layers.{i}.mlp."
@@ -473,5 +479,9 @@ class Model(DecoderLM):
     def _expert(self, z: torch.Tensor, t: ExpertTensors) -> torch.Tensor:
         """One routed expert on its tokens' latents z [n, Lat], in float32 (MXFP4 records dequantized)."""
         c, zf = self.cfg, z.float()
-        a = situ_glu(linear(zf, t["gate"]), linear(zf, t["up"]), c.activation_situ_beta, c.activation_situ_linear_beta)
-        return linear(a, t["down"]).to(z.dtype)
+        y = fused_glu(zf, t["gate"], t["up"], t["down"], self.glu)  # None off the fast CPU path
+        if y is None:
+            a = situ_glu(linear(zf, t["gate"]), linear(zf, t["up"]), c.activation_situ_beta,
+                         c.activation_situ_linear_beta)
+            y = linear(a, t["down"])
+        return y.to(z.dtype)

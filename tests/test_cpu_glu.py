@@ -1,0 +1,213 @@
+"""The compiled gated activation and the one-call gated 4-bit expert (CPU), against float64 references.
+
+The activation (``df_glu_act``): SwiGLU silu(g) u within 10 u and Kimi K3's SiTU-GLU within 30 u relative
+(u = 2^-24; the bounds are derived in cpu_kernels.c above ``GLU_SILU``) wherever the exact value is a normal
+float32 and sigmoid(g) is too (g > -87); below, the error is absolute, under 2^-118 times |u| + 1 (sigmoid(g) <
+2^-126 there, which the kernel returns as 0 or a denormal, times at most ~100 |u|).
+
+The expert (``glu_expert`` past GEMM_TOKENS): gate and up are each df_q4gw_mm's result, the activation is
+df_glu_act's and down is df_q4gw_mm's on it, so the result equals those three steps bit for bit (checked). Against
+the float64 reference y = Wd act(Wg x, Wu x), the error is bounded by propagating the GEMM bound of each matrix
+(test_kernels._gemm_bound: int16 rounding of the activations per block of 32, then the float32 block loop):
+|g~ - g| <= Bg, |u~ - u| <= Bu; with L_g, L_u bounds on the activation's partial derivatives over that box,
+|h~ - h| <= L_g Bg + L_u Bu + B_act |h~| =: Dh; and |y~ - y| <= |Wd| Dh + the GEMM bound of Wd on h~.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from deltafin import kernels
+from deltafin.kernels import cpu, native
+from deltafin.quant.record import QTensor, dequantize
+from tests.test_kernels import _gemm_bound, _records
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"CPU kernels unavailable: {native.why()}")
+U = 2.0**-24
+SITU = ("situ", 4.0, 25.0)
+ACTS = {"silu": (("silu",), 10 * U), "situ": (SITU, 30 * U)}
+gemm_only = pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI GEMM")
+
+
+def _act64(g: torch.Tensor, u: torch.Tensor, act: tuple) -> torch.Tensor:
+    g, u = g.double(), u.double()
+    if act[0] == "silu":
+        return g * torch.sigmoid(g) * u
+    b, lb = act[1], act[2]
+    return b * torch.tanh(g / b) * torch.sigmoid(g) * (lb * torch.tanh(u / lb))
+
+
+def _act_inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every range the formulas treat apart: near 0 (tanh's and expm1's small arguments), |x| around the
+    Cody-Waite steps, large (saturation, sigmoid's underflow below -88, expm1's overflow at 88.7), specials."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=gen) * s for s in (1e-6, 1e-2, 0.3, 3, 30, 60)]
+    parts.append(torch.linspace(-100, 100, n))
+    parts.append(torch.tensor([0.0, -0.0, 88.0, 88.5, 88.75, -88.5, -88.75, -90.0, 1e-30, -1e-30]))
+    g = torch.cat(parts)
+    u = g[torch.randperm(g.numel(), generator=gen)] * 1.7
+    return g, u
+
+
+def _normal(g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Where the relative bound applies: sigmoid(g) a normal float32 (g > -87) and the result far from underflow."""
+    return (g > -87) & (ref.double().abs() >= 2.0**-100)
+
+
+def _check_act(h: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: tuple, rel: float) -> None:
+    ref = _act64(g, u, act)
+    err = (h.double() - ref).abs()
+    normal = _normal(g, ref)
+    assert torch.all(err[normal] <= rel * ref.abs()[normal]), f"max {(err[normal] / ref.abs()[normal]).max() / U:.2f} u"
+    assert torch.all(err[~normal] <= 2.0**-118 * (u.double().abs()[~normal] + 1))
+
+
+@pytest.mark.parametrize("name", sorted(ACTS))
+def test_glu_act_within_its_bound_of_float64(name):
+    act, rel = ACTS[name]
+    g, u = _act_inputs(4001, seed=1)  # an odd count: a partial vector at the end
+    _check_act(cpu.glu_act(g, u, act), g, u, act, rel)
+
+
+@pytest.mark.parametrize("name", sorted(ACTS))
+def test_glu_act_against_torch_float32(name):
+    """torch's float32 activation (as the plain path runs it) is itself within a few u, so both agree within
+    the kernel's bound plus torch's (taken as the same again)."""
+    act, rel = ACTS[name]
+    g, u = _act_inputs(2000, seed=2)
+    if act[0] == "silu":
+        ref = torch.nn.functional.silu(g) * u
+    else:
+        ref = act[1] * torch.tanh(g / act[1]) * torch.sigmoid(g) * (act[2] * torch.tanh(u / act[2]))
+    h = cpu.glu_act(g, u, act)
+    err = (h.double() - ref.double()).abs()
+    normal = _normal(g, ref)
+    assert torch.all(err[normal] <= 2 * rel * ref.double().abs()[normal])
+    assert torch.all(err[~normal] <= 2.0**-117 * (u.double().abs()[~normal] + 1))
+
+
+def test_glu_act_specials():
+    """NaN stays NaN; infinities saturate as the formulas do (SiTU-GLU of +-inf is finite)."""
+    inf, nan = float("inf"), float("nan")
+    g = torch.tensor([nan, 1.0, inf, -inf, inf])
+    u = torch.tensor([1.0, nan, 1.0, 1.0, inf])
+    h = cpu.glu_act(g, u, SITU)
+    assert h[:2].isnan().all() and h[2] == pytest.approx(4.0 * 25 * math.tanh(1 / 25)) and h[3] == 0
+    assert h[4] == pytest.approx(100.0)
+    s = cpu.glu_act(g, u)
+    assert s[:2].isnan().all() and s[2] == inf and s[3].isnan()  # -inf * sigmoid(-inf) = -inf * 0, as torch
+
+
+def test_glu_act_portable_build():
+    """The build without AVX-512 takes libm's expm1f in the same formulas: within the same bounds."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build is the default build off x86")
+    lib = native.library(("-mno-avx512f",))
+    g, u = _act_inputs(500, seed=3)
+    for act, rel in ACTS.values():
+        _check_act(cpu.glu_act(g, u, act, lib=lib), g, u, act, rel)
+
+
+def _expert(fmt: str, I: int, D: int, seed: int) -> dict[str, QTensor]:  # noqa: E741
+    base = fmt.removesuffix("_f32")
+    r = {"gate": _records(I, D, seed)[base], "up": _records(I, D, seed + 1)[base],
+         "down": _records(D, I, seed + 2)[base]}
+    if fmt.endswith("_f32"):
+        r = {k: QTensor(v.format, v.shape, v.data, v.scale.float()) for k, v in r.items()}
+    return r
+
+
+def _lipschitz(g: torch.Tensor, u: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor, act: tuple):
+    """Bounds on |dh/dg| and |dh/du| over the box g +- bg, u +- bu (float64)."""
+    ga, ua = g.abs() + bg, u.abs() + bu
+    if act[0] == "silu":  # d silu/dg = s (1 + g (1 - s)) <= 1.1; d/du = silu(g), |silu(g)| <= |g|
+        return 1.1 * ua, ga
+    b, lb = act[1], act[2]  # f = b tanh(g/b) s(g): |f'| <= sech^2 s + b tanh s (1 - s) <= 1 + b/4; |f| <= min(b, |g|)
+    return (1 + b / 4) * torch.minimum(ua, torch.full_like(ua, lb)), torch.minimum(ga, torch.full_like(ga, b))
+
+
+def _expert_bound(x: torch.Tensor, r: dict[str, QTensor], h: torch.Tensor, act: tuple, rel: float):
+    """(the float64 reference [T, D], the error bound [T, D], the scale the bound is small against [T, D])."""
+    wg, wu, wd = (dequantize(r[k]).double() for k in ("gate", "up", "down"))
+    xa = x.double().abs()
+    g, u = x.double() @ wg.T, x.double() @ wu.T
+    bg, bu = _gemm_bound(x, wg), _gemm_bound(x, wu)
+    lg, lu = _lipschitz(g, u, bg, bu, act)
+    dh = lg * bg + lu * bu + rel * h.double().abs() + 2.0**-118 * (u.abs() + bu + 1)
+    bound = dh @ wd.abs().T + _gemm_bound(h.float(), wd)
+    # what the terms can reach: a wrong panel, column or activation lands far outside a small share of it
+    scale = (lg * (xa @ wg.abs().T) + lu * (xa @ wu.abs().T) + h.double().abs()) @ wd.abs().T
+    return _act64(g, u, act) @ wd.T, bound, scale
+
+
+@gemm_only
+@pytest.mark.parametrize("name", sorted(ACTS))
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32"])
+@pytest.mark.parametrize("I,D", [(96, 224), (160, 32), (32, 416)])  # panels: whole, partial; one block; many
+def test_fused_gemm_expert_matches_reference(fmt, name, I, D):  # noqa: E741
+    act, rel = ACTS[name]
+    r = _expert(fmt, I, D, seed=I + D)
+    lin = getattr(cpu, f"{r['gate'].format}_linear")
+    for T in (cpu.GEMM_TOKENS + 1, 17, 100, 257):  # just past the Q8 range; partial token groups; many
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)) * torch.rand(T, 1) * 4
+        cpu.USED.discard(f"{r['gate'].format}_gemm_{name}")
+        y = cpu.glu_expert(x, r["gate"], r["up"], r["down"], act)
+        assert y.shape == (T, D) and f"{r['gate'].format}_gemm_{name}" in cpu.USED
+        # the three steps it fuses, bit for bit
+        h = cpu.glu_act(lin(x, r["gate"].data, r["gate"].scale), lin(x, r["up"].data, r["up"].scale), act)
+        assert torch.equal(y, lin(h, r["down"].data, r["down"].scale))
+        ref, bound, scale = _expert_bound(x, r, h, act, rel)
+        err = (y.double() - ref).abs()
+        assert torch.all(err <= bound), f"{(err / bound).max():.3g} of the bound"
+        assert torch.all(bound <= 1e-3 * scale)  # about 1e-4 here: the bound is a real constraint
+
+
+@gemm_only
+def test_fused_gemm_expert_does_not_depend_on_the_batch():
+    r = _expert("mxfp4", 96, 160, seed=4)
+    x = torch.randn(61, 160, generator=torch.Generator().manual_seed(5))
+    full = cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU)
+    for a, b in ((0, cpu.GEMM_TOKENS + 1), (7, 20), (20, 61)):
+        assert torch.equal(cpu.glu_expert(x[a:b], r["gate"], r["up"], r["down"], SITU), full[a:b])
+
+
+def test_glu_dispatch(monkeypatch):
+    """kernels.glu: only on the fast path; DELTAFIN_CPU_GEMM=0 leaves many tokens to the three matmuls (the
+    tiled float path); the Q8 range takes either activation; mixed formats never fuse."""
+    r = _expert("mxfp4", 32, 64, seed=9)
+    many, few = torch.randn(cpu.FUSED_TOKENS + 3, 64), torch.randn(2, 64)
+    assert kernels.glu(many, r["gate"], r["up"], r["down"], SITU) is None  # the exact path
+    with kernels.fast():
+        y = kernels.glu(many, r["gate"], r["up"], r["down"], SITU)
+        assert (y is not None) == cpu.gemm_enabled()
+        if cpu.q8_enabled():
+            y = kernels.glu(few, r["gate"], r["up"], r["down"], SITU)
+            lin = cpu.mxfp4_linear
+            h = cpu.glu_act(lin(few, r["gate"].data, r["gate"].scale), lin(few, r["up"].data, r["up"].scale), SITU)
+            assert y is not None and "mxfp4_q8_situ" in cpu.USED
+            assert torch.allclose(y, lin(h, r["down"].data, r["down"].scale), rtol=1e-2, atol=1e-2)
+        i8 = _records(64, 32, seed=3)["int8"]
+        assert kernels.glu(many, r["gate"], r["up"], i8, SITU) is None
+        monkeypatch.setenv("DELTAFIN_CPU_GEMM", "0")
+        assert kernels.glu(many, r["gate"], r["up"], r["down"], SITU) is None
+
+
+def test_k3_expert_takes_the_fused_call():
+    """Kimi K3's routed expert on the fast CPU path is the fused call; off it, the three matmuls (float32)."""
+    from deltafin.bench.decode import situ_glu_expert
+
+    rng = np.random.default_rng(0)
+    r = _expert("mxfp4", 64, 96, seed=int(rng.integers(1000)))
+    x = torch.randn(cpu.GEMM_TOKENS + 4, 96)
+    exact = situ_glu_expert(x, r)
+    with kernels.fast():
+        fast = situ_glu_expert(x, r)
+    if cpu.gemm_enabled():
+        assert torch.equal(fast, cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU))
+    assert torch.allclose(fast, exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
