@@ -1022,6 +1022,15 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
 }
 #endif
 
+#ifdef GW_VNNI
+/* This thread's decoded-panel buffers (kept across calls, see gw_buffer); 0 when one could not grow. */
+static inline int gw_thread_buffers(float **ws, int32_t **wp) {
+    *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
+    *wp = gw_buffer(3, GW_KB * 16 * GW_ROWS * sizeof(int32_t));
+    return *ws && *wp;
+}
+#endif
+
 /* y [T, R] = x [T, C] @ W^T for a 4-bit W (kind as in q4_rows; tab8 and K the Q8 table and its offset; mult the
  * value factor, 0.5 for MXFP4). Returns 0, -1 when buffers could not be allocated, -2 when this build has no
  * vector code for it (the caller takes the tiled float path). */
@@ -1037,9 +1046,9 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
     if (rc == 0) {
 #pragma omp parallel num_threads(nthreads)
         {
-            float *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
-            int32_t *wp = gw_buffer(3, GW_KB * 16 * GW_ROWS * sizeof(int32_t));
-            if (!wp || !ws) {
+            float *ws;
+            int32_t *wp;
+            if (!gw_thread_buffers(&ws, &wp)) {
 #pragma omp atomic write
                 rc = -1;
             }
@@ -1078,9 +1087,9 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
     if (rc == 0) {
 #pragma omp parallel num_threads(nthreads)
         {
-            float *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
-            int32_t *wp = gw_buffer(3, GW_KB * 16 * GW_ROWS * sizeof(int32_t));
-            if (!wp || !ws) {
+            float *ws;
+            int32_t *wp;
+            if (!gw_thread_buffers(&ws, &wp)) {
 #pragma omp atomic write
                 rc = -1;
             }

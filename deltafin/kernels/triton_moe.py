@@ -36,22 +36,34 @@ def _block(rows_ptr, blk_ptr, BT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_block(rows_ptr, blk_ptr, gp, gs, upp, ups, p_slot, s_slot, TOPK: tl.constexpr, BT: tl.constexpr,
+                   BN: tl.constexpr):
+    """A gate/up program's rows (``_block``), their tokens, its n-tile and its slot's gate and up records."""
+    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    return (r, pair, valid, tl.where(valid, pair // TOPK, 0), offs_n, gp + slot * p_slot, gs + slot * s_slot,
+            upp + slot * p_slot, ups + slot * s_slot)
+
+
+@triton.jit
+def _rows_tile(x_ptr, rows, valid, stride, k0, K, BK: tl.constexpr):
+    """Columns k0..k0+BK of the rows ``rows`` of x (zero where not ``valid`` or past K)."""
+    offs_k = k0 + tl.arange(0, BK)
+    return tl.load(x_ptr + rows[:, None] * stride + offs_k[None, :], mask=valid[:, None] & (offs_k < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_ptr, stride_x, p_slot, s_slot,
                     TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                     ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, IEEE: tl.constexpr,
                     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(1)
-    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
-    tok = tl.where(valid, pair // TOPK, 0)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
-    u_p, u_s = upp + slot * p_slot, ups + slot * s_slot
+    r, pair, valid, tok, offs_n, g_p, g_s, u_p, u_s = _gate_up_block(rows_ptr, blk_ptr, gp, gs, upp, ups, p_slot,
+                                                                     s_slot, TOPK, BT, BN)
     acc_g = tl.zeros((BT, BN), dtype=tl.float32)
     acc_u = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
-                    mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        x = _rows_tile(x_ptr, tok, valid, stride_x, k0, K, BK)
         acc_g = mma_weight(acc_g, x, g_p, g_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
         acc_u = mma_weight(acc_u, x, u_p, u_s, offs_n, k0, I, K, FMT, IEEE, BN, BK)
     h = glu_act(acc_g, acc_u, ACT, BETA, LBETA)
@@ -132,19 +144,13 @@ def _gate_up_f16_kernel(x_ptr, xi_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, h_pt
                         BETA: tl.constexpr, LBETA: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, KBP: tl.constexpr):
     """``_gate_up_kernel`` on fp16 activations x (row t scaled by 1 / xi[t]) and fp16-decoded MXFP4."""
-    pid_n = tl.program_id(1)
-    slot, r, pair, valid = _block(rows_ptr, blk_ptr, BT)
-    tok = tl.where(valid, pair // TOPK, 0)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    g_p, g_s = gp + slot * p_slot, gs + slot * s_slot
-    u_p, u_s = upp + slot * p_slot, ups + slot * s_slot
+    r, pair, valid, tok, offs_n, g_p, g_s, u_p, u_s = _gate_up_block(rows_ptr, blk_ptr, gp, gs, upp, ups, p_slot,
+                                                                     s_slot, TOPK, BT, BN)
     g_max, u_max = _row_scale_max(g_s, offs_n, I, K // 32, KBP), _row_scale_max(u_s, offs_n, I, K // 32, KBP)
     acc_g = tl.zeros((BT, BN), dtype=tl.float32)
     acc_u = tl.zeros((BT, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :],
-                    mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        x = _rows_tile(x_ptr, tok, valid, stride_x, k0, K, BK)
         acc_g = tl.dot(x, tl.trans(_w_f16(g_p, g_s, g_max, offs_n, k0, I, K, BN, BK)), acc_g)
         acc_u = tl.dot(x, tl.trans(_w_f16(u_p, u_s, u_max, offs_n, k0, I, K, BN, BK)), acc_u)
     xi = tl.load(xi_ptr + tok)[:, None]
