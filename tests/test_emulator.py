@@ -45,12 +45,16 @@ def timing():
         pytest.skip(f"{reason}: timing would measure other jobs, not the emulator")
 
 
-def _eventually(check, attempts: int = 3):
-    """Run ``check`` (returns (ok, detail)) up to ``attempts`` times; a stray preemption spoils one."""
-    for _ in range(attempts):
+def _eventually(check, attempts: int = 5, pause: float = 0.5):
+    """Run ``check`` (returns (ok, detail)) up to ``attempts`` times, ``pause`` seconds apart: a stray
+    preemption spoils one measurement, and a burst of them on a shared virtual machine lasts a moment (a
+    wrong emulator fails every attempt)."""
+    for i in range(attempts):
         ok, detail = check()
         if ok:
             return
+        if i + 1 < attempts:
+            time.sleep(pause)
     raise AssertionError(detail)
 
 

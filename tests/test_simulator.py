@@ -4,6 +4,8 @@ import logging
 import os
 from dataclasses import replace
 
+import time
+
 import pytest
 
 from deltafin.io.emulator import parse_spec
@@ -194,9 +196,11 @@ def test_simulator_agrees_with_emulator():
         pytest.skip(f"{reason}: timing would measure other jobs, not the emulator")
     shape = MoEShape("tiny", layers=4, experts=16, top_k=4, expert_bytes=4 << 20)
     results = []
-    for _ in range(3):  # a stray preemption spoils one run
+    for i in range(5):  # a stray preemption spoils one run; a burst of them lasts a moment
         r = crosscheck(SimConfig(shape, parse_spec("report4@0.02"), tokens=3, prompt=0, layout="stripe"))
         results.append(r)
         if abs(r["ratio"] - 1) <= 0.1:
             break
+        if i < 4:
+            time.sleep(0.5)
     assert abs(results[-1]["ratio"] - 1) <= 0.1, results
