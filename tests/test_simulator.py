@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
-
 import time
+from dataclasses import replace
 
 import pytest
 
