@@ -14,8 +14,9 @@ from types import ModuleType
 import torch
 
 # (BN, BK, num_warps, num_stages, decode, prefetch); the MoE one is used for gate/up and down alike. The H200
-# sweep over BN 8-64 x BK 256-1024 x 4-8 warps put BN 16 x BK 512 at 4 warps first for both decodes (float32
-# decode 0.28 of copy at T=1, packed fp16 decode 2 0.47); these are the finalists and their neighbours.
+# sweeps over BN 8-64 x BK 256-1024 x 2-8 warps put BN 8-16 x BK 512 at 4 warps first (float32 decode 0.28 of
+# copy at T=1; packed fp16 decode 2 0.46-0.48, prefetch or not within the runs' 10% spread); these are the
+# finalists and their neighbours.
 MOE_CFGS = ((16, 512, 4, 3, 0, 0), (16, 512, 4, 3, 2, 0), (16, 512, 4, 3, 2, 1), (8, 512, 4, 3, 2, 1),
             (8, 512, 4, 3, 2, 0), (16, 256, 4, 3, 2, 1), (32, 256, 8, 3, 2, 1), (16, 512, 8, 3, 2, 1))
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of

@@ -2,7 +2,8 @@
 
 At one token a tensor-core tile pads 15 of its 16 rows, and decoding 4-bit codes into MMA operands costs more
 than the bytes take to arrive. Here each program streams a [BN, BK] weight tile with wide loads, decodes it
-with a few integer ops per element and multiplies it by one token row in float32 registers:
+with a few integer ops per element and multiplies it by one token row in registers (float32, or packed fp16
+pairs for MXFP4 by default: see below):
 
 - ``grouped_glu_gemv``: a layer's routed MXFP4 experts for decode, one program per (pair, n-tile) with the
   pairs sorted by slab slot (pairs sharing an expert run side by side, so repeated reads hit L2). Gate and
@@ -17,10 +18,11 @@ E2M1 decode: a magnitude code c = e<<1 | m placed at bits 9..11 of an fp16 (sign
 code (fp16 subnormals are exact in hardware). The 2^14 goes into the E8M0 block scale, applied once per
 32-element block to the block's float32 sum.
 
-The packed fp16 form (decode 2, the default on a GPU): the codes stay in their 32-bit words (8 per word) and
-shifts and masks place two of them at once in an fp16x2 register, which meets the activations as fp16 pairs in
-one packed FMA (two products per instruction): about 3.5 instructions per weight against 10 for decoding each
-code to float32, which is what held the one-token step to 0.28 of the copy rate. The activations are packed
+The packed fp16 form (decode 2, the default on a GPU): the codes stay in their 32-bit words (8 per word);
+shifts and masks turn four of them at once into fp16 high bytes and byte permutes pair those into fp16x2
+registers (``_WORD_DOT_ASM``), which meet the activations as fp16 pairs in packed FMAs (two products per
+instruction): about 3.5 instructions per weight against 10 for decoding each code to float32, which is what
+held the one-token step to 0.28 of the copy rate (now 0.46-0.48). The activations are packed
 once per call (``pack_pairs``; the gate/up kernel writes h packed for down): each word of 8 scaled by a power
 of two so its largest |x| lies in [2^13, 2^14) (products below 6, a word's fp16 sums below 24: no overflow),
 each word's 4-product fp16 sums added in float32 and scaled back. Rounding: fp16 keeps 11 bits where the bf16
