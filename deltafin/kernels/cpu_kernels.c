@@ -1023,11 +1023,24 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
 #endif
 
 #ifdef GW_VNNI
-/* This thread's decoded-panel buffers (kept across calls, see gw_buffer); 0 when one could not grow. */
-static inline int gw_thread_buffers(float **ws, int32_t **wp) {
+/* This thread's decoded-panel buffers (kept across calls, see gw_buffer); *rc = -1 when one could not grow. */
+static inline void gw_thread_buffers(float **ws, int32_t **wp, int *rc) {
     *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
     *wp = gw_buffer(3, GW_KB * 16 * GW_ROWS * sizeof(int32_t));
-    return *ws && *wp;
+    if (!*ws || !*wp) {
+#pragma omp atomic write
+        *rc = -1;
+    }
+}
+
+/* Inside a parallel region: out [T, R] = xq @ W^T for every panel of W [R, C], panels handed to threads as they
+ * free up (nothing when this thread's buffers are missing: gw_thread_buffers reported it). */
+static void gw_panels(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                      const gw_consts_t *k, const int32_t *xq, const float *xs, int32_t *wp, float *ws, float *out,
+                      int64_t R, int64_t C, int64_t T) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < (R + GW_ROWS - 1) / GW_ROWS; p++)
+        if (wp && ws) gw_panel(kind, packed, scales, e8m0, mult, k, xq, xs, wp, ws, out, p * GW_ROWS, R, C, T);
 }
 #endif
 
@@ -1037,9 +1050,8 @@ static inline int gw_thread_buffers(float **ws, int32_t **wp) {
 int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K, float mult,
                const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
 #ifdef GW_VNNI
-    const int64_t nb = C / 32, np = (R + GW_ROWS - 1) / GW_ROWS;
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t));
-    float *xs = gw_buffer(1, T * nb * sizeof(float));
+    float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
     int rc = xq && xs ? 0 : -1;
     gw_consts_t k;
     gw_consts(tab8, K, &k);
@@ -1048,14 +1060,9 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
         {
             float *ws;
             int32_t *wp;
-            if (!gw_thread_buffers(&ws, &wp)) {
-#pragma omp atomic write
-                rc = -1;
-            }
+            gw_thread_buffers(&ws, &wp, &rc);
             gw_quantize_all(x, xq, xs, C, T);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t p = 0; p < np; p++)
-                if (wp && ws) gw_panel(kind, packed, scales, e8m0, mult, &k, xq, xs, wp, ws, out, p * GW_ROWS, R, C, T);
+            gw_panels(kind, packed, scales, e8m0, mult, &k, xq, xs, wp, ws, out, R, C, T);
         }
     }
     for (int i = 0; i < 2; i++) gw_buffer(i, 0);
@@ -1077,7 +1084,7 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
                 const float *e8m0, const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
 #ifdef GW_VNNI
-    const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS, npd = (D + GW_ROWS - 1) / GW_ROWS;
+    const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS;
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t)); /* x's, then h's */
     float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
     float *g = gw_buffer(4, T * I * sizeof(float)), *u = gw_buffer(5, T * I * sizeof(float)); /* h in g */
@@ -1089,10 +1096,7 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
         {
             float *ws;
             int32_t *wp;
-            if (!gw_thread_buffers(&ws, &wp)) {
-#pragma omp atomic write
-                rc = -1;
-            }
+            gw_thread_buffers(&ws, &wp, &rc);
             gw_quantize_all(x, xq, xs, D, T);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < npi; p++) {
@@ -1104,13 +1108,11 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                     glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
             }
             gw_quantize_all(g, xq, xs, I, T);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t p = 0; p < npd; p++)
-                if (wp && ws) gw_panel(kind, dp, ds, e8m0, mult, &k, xq, xs, wp, ws, out, p * GW_ROWS, D, I, T);
+            gw_panels(kind, dp, ds, e8m0, mult, &k, xq, xs, wp, ws, out, D, I, T);
         }
     }
     for (int i = 0; i < 6; i++)
-        if (i < 2 || i == 4 || i == 5) gw_buffer(i, 0); /* the per-thread panel buffers (3, 6) are small and kept */
+        if (i != 3) gw_buffer(i, 0); /* the per-thread panel buffers (3 and 6) are small and kept */
     return rc;
 #else
     (void)act, (void)beta, (void)lbeta, (void)kind, (void)gp, (void)gs, (void)upk, (void)us, (void)dp, (void)ds;
