@@ -58,19 +58,30 @@ def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1,)) -> list[dict]:
         cands += [("gemv", moe_gemv_config(bn, bk, w, st, d, prefetch=pf))
                   for bn, bk, w, st, d, pf in cfgs[:2 if kc.SMOKE else None]]
         for kind, cfg in cands:
-            row = {"T": T, "kernel": kind, "cfg": cfg}
-            try:
-                row["rel_err"] = kc._rel(grouped_glu(x, ids, wts, slabs[0], 1, cfg=cfg), ref)
+            def check(cfg=cfg, x=x, ids=ids, wts=wts, ref=ref):
+                return kc._rel(grouped_glu(x, ids, wts, slabs[0], 1, cfg=cfg), ref)
+
+            def timed(cfg=cfg, x=x, ids=ids, wts=wts):
                 pl = plan_moe(ids, dev, lat, inter, cfg)
-                t = kc._bench(kc._graph(lambda pl=pl, x=x, w=wts: [grouped_glu(x, None, w, sl, 1, plan=pl) for sl in slabs]),
-                              100) / len(slabs)
-            except Exception as e:  # a configuration that does not compile is reported, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                out.append(row)
-                continue
-            row.update(ok=row["rel_err"] <= 1.5e-2, s=t, ratio=nbytes / t / 1e9 / gbps)
-            out.append(row)
+                return kc._bench(kc._graph(lambda: [grouped_glu(x, None, wts, sl, 1, plan=pl) for sl in slabs]),
+                                 100) / len(slabs)
+
+            out.append(_measured({"T": T, "kernel": kind, "cfg": cfg}, check, timed, 1.5e-2, nbytes, gbps))
     return out
+
+
+def _measured(row: dict, check, timed, tol: float, nbytes: int, gbps: float) -> dict:
+    """row with the kernel's error against the reference (``check()``), its seconds per call (``timed()``) and
+    bytes per second over the copy rate; a configuration that fails to compile or run is reported in the row,
+    not raised."""
+    try:
+        row["rel_err"] = check()
+        t = timed()
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        return row
+    row.update(ok=row["rel_err"] <= tol, s=t, ratio=nbytes / t / 1e9 / gbps)
+    return row
 
 
 def int8(kc: ModuleType, dev, gbps: float) -> list[dict]:
@@ -91,16 +102,10 @@ def int8(kc: ModuleType, dev, gbps: float) -> list[dict]:
         cands += [("default", None)]  # what the model's linears take (GEMV up to INT8_MAX_WEIGHTS)
         for i, (kind, cfg) in enumerate(cands):
             row = {"shape": name, "N": N, "K": Kd, "count": n, "kernel": kind, "cfg_index": i, "cfg": cfg}
-            try:
-                row["rel_err"] = kc._rel(K.int8_linear(x, q[0], s[0], cfg), ref)
-                t = kc._bench(kc._graph(lambda cfg=cfg, c=copies, x=x, q=q, s=s: [
-                    K.int8_linear(x, q[j], s[j], cfg) for j in range(c)]), 100) / copies
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                out.append(row)
-                continue
-            row.update(ok=row["rel_err"] <= 8e-3, s=t, ratio=nb / t / 1e9 / gbps)
-            out.append(row)
+            out.append(_measured(
+                row, lambda cfg=cfg, x=x, q=q, s=s, ref=ref: kc._rel(K.int8_linear(x, q[0], s[0], cfg), ref),
+                lambda cfg=cfg, c=copies, x=x, q=q, s=s: kc._bench(kc._graph(
+                    lambda: [K.int8_linear(x, q[j], s[j], cfg) for j in range(c)]), 100) / c, 8e-3, nb, gbps))
     return out
 
 
