@@ -208,6 +208,34 @@ def test_block_layout_covers_every_pair_once():
     assert blk.tolist() == [0, 1, 1, 2, 3]  # slot 1 has 4 pairs: two blocks
 
 
+@pytest.mark.parametrize("slots_max,T,k,bt", [(64, 300, 16, 16), (64, 300, 16, 128), (70000, 50, 8, 4), (5, 1, 3, 16)])
+def test_block_layout_matches_a_loop_statement(slots_max, T, k, bt):
+    import numpy as np
+
+    rng = np.random.default_rng(slots_max + T)
+    slots = np.stack([rng.choice(slots_max, k, replace=False) for _ in range(T)])
+    rows, blk = block_layout(slots, bt)
+    want_rows, want_blk = [], []
+    flat = slots.reshape(-1).tolist()
+    for s in sorted(set(flat)):  # each slot's pairs in pair order, cut into blocks of bt padded with -1
+        pairs = [p for p, v in enumerate(flat) if v == s]
+        for b0 in range(0, len(pairs), bt):
+            chunk = pairs[b0:b0 + bt]
+            want_rows += chunk + [-1] * (bt - len(chunk))
+            want_blk.append(s)
+    assert rows.tolist() == want_rows and blk.tolist() == want_blk
+    assert rows.dtype == np.int32 and blk.dtype == np.int32
+
+
+def test_unique_ids_and_host_ids_on_the_cpu():
+    from deltafin.models.base import ids_to_host, unique_ids
+
+    ids = torch.tensor([[5, 2, 9], [2, 0, 5]])
+    assert unique_ids(ids) == [0, 2, 5, 9] and unique_ids(ids[:0]) == []
+    host, ready = ids_to_host(ids)
+    assert host is ids and ready is None  # already on the host: nothing to wait for
+
+
 # ---------------------------------------------------------------- on the GPU, compiled, real widths
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from deltafin.kernels import triton_gemv
-from deltafin.kernels.triton import format_code, sum_cast
+from deltafin.kernels.triton import format_code, fp16_rows, sum_cast
 from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, e8m0_value, glu_act, mma_weight
 
 ACT_SILU = 0  # SwiGLU: silu(g) * u
@@ -182,16 +182,6 @@ def _down_f16_kernel(h_ptr, hi_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_
              mask=valid[:, None] & (offs_n < D)[None, :])
 
 
-def fp16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (fp16 x * f row by row, 1 / f as float32 [R]): f the power of two that puts the row's
-    largest |x| in [2^13, 2^14) (1 for an all-zero row). Exact for bf16 x (8 significant bits, scaled by a
-    power of two in bf16, fit fp16's 11); float32 x is rounded to 11 bits."""
-    amax = x.abs().amax(-1).float()
-    e = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax))))
-    f = torch.where(amax > 0, torch.exp2((13 - e).clamp(-126, 126)), torch.ones_like(amax))
-    return (x * f.to(x.dtype)[:, None]).half(), (1.0 / f).contiguous()
-
-
 class ExpertSlab:
     """Fixed-size expert slots on one device: per role (gate, up, down) a packed-data tensor and a scale
     tensor with a leading slot dimension. ``views(slot)`` gives a slot's tensors (reads land in them);
@@ -244,16 +234,22 @@ class ExpertSlab:
 
 def block_layout(slots: np.ndarray, bt: int) -> tuple[np.ndarray, np.ndarray]:
     """Pairs [T, k] of slab slots -> (rows [NB*bt] pair index or -1, block slot [NB]): each block holds up
-    to bt pairs of one slot, the pairs of a slot in pair order."""
+    to bt pairs of one slot, the pairs of a slot in pair order. A counting layout (a radix sort of the
+    slots, a count per slot, no Python loop): about 1 ms for the 65,536 pairs of a 4,096-token prefill, time
+    in which the device waits."""
     flat = slots.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    uniq, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    if flat.size == 0:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    small = flat.astype(np.int16) if flat.max() < 2**15 else flat  # numpy's stable sort is a radix sort for int16
+    order = np.argsort(small, kind="stable").astype(np.int32)
+    counts = np.bincount(flat)
+    uniq = np.flatnonzero(counts)
+    counts = counts[uniq]
     nblk = -(-counts // bt)
+    first_row = (np.cumsum(nblk) - nblk) * bt  # where each slot's blocks begin
+    first_pair = np.cumsum(counts) - counts  # where each slot's pairs begin in ``order``
     rows = np.full(int(nblk.sum()) * bt, -1, dtype=np.int32)
-    pos = 0
-    for st, c, nb in zip(starts.tolist(), counts.tolist(), nblk.tolist(), strict=True):
-        rows[pos * bt: pos * bt + c] = order[st: st + c]
-        pos += nb
+    rows[np.repeat(first_row - first_pair, counts) + np.arange(flat.size)] = order
     return rows, np.repeat(uniq, nblk).astype(np.int32)
 
 

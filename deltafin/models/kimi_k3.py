@@ -25,6 +25,7 @@ from deltafin.models.base import (
     ExpertTensors,
     SequenceState,
     dense,
+    ids_to_host,
     linear,
     moe_dispatch,
     rms_norm,
@@ -435,8 +436,11 @@ class Model(DecoderLM):
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
         ids, wts = self._router(i, x)
+        ids_host, ready = ids_to_host(ids)  # the copy starts now; the side runs on the device meanwhile
         z, shared = self._moe_side(i, x)
-        y = moe_dispatch(z, ids, wts, i, experts, self._expert, self.glu)  # [T, Lat] weighted sum over slots
+        if ready is not None:
+            ready.synchronize()
+        y = moe_dispatch(z, ids, wts, i, experts, self._expert, self.glu, ids_host)  # [T, Lat] sum over slots
         return self._moe_finish(i, y, shared)
 
     @property
