@@ -13,12 +13,15 @@ from types import ModuleType
 
 import torch
 
-# (BN, BK, num_warps, num_stages, decode, prefetch); the MoE one is used for gate/up and down alike. The H200
-# sweeps over BN 8-64 x BK 256-1024 x 2-8 warps put BN 8-16 x BK 512 at 4 warps first (float32 decode 0.28 of
-# copy at T=1; packed fp16 decode 2 0.46-0.48, prefetch or not within the runs' 10% spread); these are the
-# finalists and their neighbours.
-MOE_CFGS = ((16, 512, 4, 3, 0, 0), (16, 512, 4, 3, 2, 0), (16, 512, 4, 3, 2, 1), (8, 512, 4, 3, 2, 1),
-            (8, 512, 4, 3, 2, 0), (16, 256, 4, 3, 2, 1), (32, 256, 8, 3, 2, 1), (16, 512, 8, 3, 2, 1))
+# (BN, BK, num_warps, num_stages, decode, prefetch, programmatic dependent launches, sum folded into down,
+# BN_down, BK_down); BN_down/BK_down None: as gate/up. The H200 sweeps over BN 8-64 x BK 256-1024 x 2-8 warps put
+# BN 8-16 x BK 512 at 4 warps first (float32 decode 0.28 of copy at T=1; packed fp16 decode 2 0.46-0.48); the
+# dependent launches gave ~2% (0.49); these are the finalists and the down kernel's own tiles beside them.
+MOE_CFGS = ((16, 512, 4, 3, 0, 0, 0, 0, None, None), (8, 512, 4, 3, 2, 0, 0, 0, None, None),
+            (8, 512, 4, 3, 2, 0, 1, 0, None, None), (8, 512, 4, 3, 2, 0, 1, 1, None, None),
+            (8, 512, 4, 3, 2, 0, 1, 1, 8, 1024), (8, 512, 4, 3, 2, 0, 1, 1, 16, 512), (8, 512, 4, 3, 2, 0, 1, 1, 16, 1024),
+            (8, 512, 4, 3, 2, 0, 1, 1, 32, 512), (8, 1024, 4, 3, 2, 0, 1, 1, 8, 512), (8, 1024, 4, 3, 2, 0, 1, 1, 8, 1024),
+            (8, 512, 4, 3, 2, 1, 1, 1, 16, 512), (16, 512, 4, 3, 2, 1, 1, 1, None, None))
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
 # BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
 INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),
@@ -55,8 +58,8 @@ def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1,)) -> list[dict]:
         with _flags_off():
             cands = [("tensor-core", moe_config(T * k, k, lat, inter))]
         cfgs = [c for c in MOE_CFGS if not (kc.SMOKE and c[4] == 2)]  # (packed fp16: inline PTX, GPU only)
-        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d, prefetch=pf))
-                  for bn, bk, w, st, d, pf in cfgs[:2 if kc.SMOKE else None]]
+        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d, bnd, bkd, prefetch=pf, pdl=bool(pdl), fold=bool(fold)))
+                  for bn, bk, w, st, d, pf, pdl, fold, bnd, bkd in cfgs[:2 if kc.SMOKE else None]]
         for kind, cfg in cands:
             def check(cfg=cfg, x=x, ids=ids, wts=wts, ref=ref):
                 return kc._rel(grouped_glu(x, ids, wts, slabs[0], 1, cfg=cfg), ref)
@@ -118,10 +121,13 @@ def summary(res: dict, gbps: float) -> list[str]:
             for r in (r for r in rows if r["T"] == T):
                 c = r["cfg"]
                 tag = (f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')} dec {c.get('decode', '-')}"
-                       f" pf {c.get('prefetch', '-')}")
+                       f" pf {c.get('prefetch', '-')} pdl {int(c['pdl']) if 'pdl' in c else '-'}"
+                       f" fold {int(c['fold']) if 'fold' in c else '-'}"
+                       + (f" down {c['BN_down']}x{c['BK_down']}" if c.get("BN_down", c["BN"]) != c["BN"]
+                          or c.get("BK_down", c["BK"]) != c["BK"] else ""))
                 fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"
                        + ("" if r["ok"] else " FAIL")) if "s" in r else r.get("error", "")
-                lines.append(f"moe T={T} {r['kernel']:<11} {tag:<28} {fig}")
+                lines.append(f"moe T={T} {r['kernel']:<11} {tag:<50} {fig}")
     rows = res.get("gemv_int8")
     if isinstance(rows, list):
         ok = [r for r in rows if r.get("ok")]

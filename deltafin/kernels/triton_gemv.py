@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deltafin.kernels.triton_tiles import INTERPRET, e2m1_bits, e8m0_value, glu_act
 
@@ -50,6 +51,13 @@ from deltafin.kernels.triton_tiles import INTERPRET, e2m1_bits, e8m0_value, glu_
 #   0.63-0.69 vs 0.69-0.73).
 GEMV_INT8 = True
 GEMV_MOE = True
+# The decode step's four launches (pack x, gate/up, down, sum) as programmatic dependent launches (sm_90): each
+# kernel lets the next one start as soon as its own programs have all started; the next loads its first weights
+# and then waits (griddepcontrol) for the results it reads, so the weight stream goes on across the kernel
+# boundaries instead of draining and refilling at each.
+PDL = not INTERPRET
+# The down kernel adds each token's k rows itself (the last of them to finish), in place of a summing launch.
+FOLD = True
 MAX_TOKENS = 4
 INT8_MAX_WEIGHTS = 27_000_000
 
@@ -127,10 +135,12 @@ def _store_pairs_vec(xp_ptr, xsc_ptr, row, w0, v, N: tl.constexpr, W):
 
 
 @triton.jit
-def _pack_pairs_kernel(x_ptr, xp_ptr, xsc_ptr, W, stride_x, WB: tl.constexpr):
+def _pack_pairs_kernel(x_ptr, xp_ptr, xsc_ptr, W, stride_x, WB: tl.constexpr, PDL: tl.constexpr = False):
     """Row r of x [R, 8W] (W a multiple of 4) -> xp [R, W/4, 4, 4] int32 (at [b, k, j] pair k of word i = 4b + j:
     fp16 of x[8i + a] * f and x[8i + a + 2] * f, a = 0, 4, 1, 5 for k = 0..3, low and high half) and xsc [R, W]
-    float32 (``_store_pairs``)."""
+    float32 (``_store_pairs``). PDL: the next kernel may launch at once (it waits for this one's results)."""
+    if PDL:
+        gdc_launch_dependents()
     r, pid = tl.program_id(0), tl.program_id(1)
     offs_w = pid * WB + tl.arange(0, WB)
     wm = (offs_w < W)[:, None]
@@ -141,14 +151,14 @@ def _pack_pairs_kernel(x_ptr, xp_ptr, xsc_ptr, W, stride_x, WB: tl.constexpr):
     _store_pairs(xp_ptr, xsc_ptr, r.to(tl.int64), offs_w, lo, hi, W)
 
 
-def pack_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_pairs(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] (K a multiple of 32) -> (xp [R, K/32, 4, 4] int32, xsc [R, K/8] float32), see _pack_pairs_kernel."""
     R, K = x.shape
     W = K // 8
     xp = torch.empty(R, W, 4, device=x.device, dtype=torch.int32)
     xsc = torch.empty(R, W, device=x.device, dtype=torch.float32)
     wb = min(128, triton.next_power_of_2(W))
-    _pack_pairs_kernel[(R, triton.cdiv(W, wb))](x, xp, xsc, W, x.stride(0), WB=wb, num_warps=4)
+    _pack_pairs_kernel[(R, triton.cdiv(W, wb))](x, xp, xsc, W, x.stride(0), WB=wb, PDL=pdl, num_warps=4)
     return xp, xsc
 
 
@@ -220,8 +230,11 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
                          stride_x, p_slot, s_slot,
                          RS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr, ACT: tl.constexpr,
                          BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DECODE: tl.constexpr, PF: tl.constexpr = 0):
-    """h[pair, n] = act(gate x_t, up x_t) for the pair rows[b * RS] (token t = pair // TOPK), n-tile pid_n."""
+                         DECODE: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """h[pair, n] = act(gate x_t, up x_t) for the pair rows[b * RS] (token t = pair // TOPK), n-tile pid_n.
+    PDL (decode 2): launched before the packing kernel ends; the first weights are loaded before waiting for it."""
+    if PDL:
+        gdc_launch_dependents()
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
     pair = tl.load(rows_ptr + b * RS)
@@ -231,9 +244,13 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
         tok = (pair // TOPK).to(tl.int64)
         acc_g = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
         acc_u = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
-        gw, uw = gp + slot * p_slot, upp + slot * p_slot
+        off = tl.multiple_of(slot * p_slot, 16)  # a slot's bytes start 16-byte aligned: 128-bit loads
+        gw, uw = gp + off, upp + off
+        soff = tl.multiple_of(slot * s_slot, 16)
         wg = _mx_words(gw, offs_n, 0, I, K, BK // 32)
         wu = _mx_words(uw, offs_n, 0, I, K, BK // 32)
+        if PDL:
+            gdc_wait()  # x packed by the kernel before
         for k0 in range(0, K, BK):
             if PF:  # the next step's words in flight while this step's are used (zero past K)
                 wg_next = _mx_words(gw, offs_n, k0 + BK, I, K, BK // 32)
@@ -241,9 +258,9 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
             elif k0 > 0:
                 wg = _mx_words(gw, offs_n, k0, I, K, BK // 32)
                 wu = _mx_words(uw, offs_n, k0, I, K, BK // 32)
-            acc_g = _mx_gemv_acc_pairs(acc_g, wg, gs + slot * s_slot, xp_ptr + tok * (K // 2),
+            acc_g = _mx_gemv_acc_pairs(acc_g, wg, gs + soff, xp_ptr + tok * (K // 2),
                                        xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BK // 32)
-            acc_u = _mx_gemv_acc_pairs(acc_u, wu, ups + slot * s_slot, xp_ptr + tok * (K // 2),
+            acc_u = _mx_gemv_acc_pairs(acc_u, wu, ups + soff, xp_ptr + tok * (K // 2),
                                        xsc_ptr + tok * (K // 8), offs_n, k0, I, K, BK // 32)
             if PF:
                 wg, wu = wg_next, wu_next
@@ -265,25 +282,32 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
-                      RS: tl.constexpr,
+def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, out_ptr, cnt_ptr, p_slot, s_slot,
+                      RS: tl.constexpr, TOPK: tl.constexpr, FOLD: tl.constexpr,
                       I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      DECODE: tl.constexpr, PF: tl.constexpr = 0):
-    """y[pair, n] = rw[pair] * (down h[pair])[n] in float32."""
+                      DECODE: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """y[pair, n] = rw[pair] * (down h[pair])[n] in float32. PDL as in the gate/up kernel. FOLD: the last of
+    a token's TOPK programs for an n-tile to finish (a counter per token and tile, which it sets back to zero)
+    adds the token's rows in pair order and stores out[token, n] in out's dtype: the sum of ``sum_cast``,
+    the same numbers, without its launch."""
+    if PDL:
+        gdc_launch_dependents()
     b, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(blk_ptr + b).to(tl.int64)
     pair = tl.load(rows_ptr + b * RS).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     if DECODE == 2:
         acc3 = tl.zeros((BN, BK // 32, 4), dtype=tl.float32)
-        dw = dp + slot * p_slot
+        dw = dp + tl.multiple_of(slot * p_slot, 16)
         wd = _mx_words(dw, offs_n, 0, D, I, BK // 32)
+        if PDL:
+            gdc_wait()  # h packed by the gate/up kernel
         for k0 in range(0, I, BK):
             if PF:
                 wd_next = _mx_words(dw, offs_n, k0 + BK, D, I, BK // 32)
             elif k0 > 0:
                 wd = _mx_words(dw, offs_n, k0, D, I, BK // 32)
-            acc3 = _mx_gemv_acc_pairs(acc3, wd, ds + slot * s_slot, hp_ptr + pair * (I // 2),
+            acc3 = _mx_gemv_acc_pairs(acc3, wd, ds + tl.multiple_of(slot * s_slot, 16), hp_ptr + pair * (I // 2),
                                       hsc_ptr + pair * (I // 8), offs_n, k0, D, I, BK // 32)
             if PF:
                 wd = wd_next
@@ -295,16 +319,28 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
                                BN, BK // 32, DECODE)
     w = tl.load(rw_ptr + pair)
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
+    if FOLD:
+        tok = pair // TOPK
+        cnt = cnt_ptr + tok * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's row stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == TOPK - 1:
+            tot = tl.zeros((BN,), dtype=tl.float32)
+            for j in range(TOPK):  # pair order: a fixed summation order
+                tot += tl.load(y_ptr + (tok * TOPK + j) * D + offs_n, mask=offs_n < D, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tok * D + offs_n, tot.to(out_ptr.dtype.element_ty), mask=offs_n < D)
+            tl.atomic_xchg(cnt, 0)  # zero again for the next launch (no other program of this launch reads it)
 
 
 def moe_gemv_config(BN: int = 8, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int | None = None,
-                    BN_down: int | None = None, BK_down: int | None = None, prefetch: int = 0) -> dict:
+                    BN_down: int | None = None, BK_down: int | None = None, prefetch: int = 0,
+                    pdl: bool | None = None, fold: bool | None = None) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
     (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
     if decode is None:
         decode = 0 if INTERPRET else 2
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
-            "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK, "prefetch": prefetch}
+            "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK, "prefetch": prefetch,
+            "pdl": PDL if pdl is None else pdl, "fold": FOLD if fold is None else fold}
 
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
@@ -321,9 +357,12 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     bk = min(c["BK"], max(32, triton.next_power_of_2(K)))
     bk_d = min(c["BK_down"], max(32, triton.next_power_of_2(I)))
     dec = c.get("decode", 0)
+    pdl = dec == 2 and c.get("pdl", PDL)
+    y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
+    rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()  # before the chain of launches
     if dec == 2:  # x packed once; h written packed by the gate/up kernel
         assert K % 32 == 0 and I % 32 == 0 and c["BN"] % 8 == 0, "the packed fp16 form needs whole blocks"
-        xp, xsc = pack_pairs(x)
+        xp, xsc = pack_pairs(x, pdl)
         hp = torch.empty(T * k, I // 8, 4, device=dev, dtype=torch.int32)
         hsc = torch.empty(T * k, I // 8, device=dev, dtype=torch.float32)
         h = hsc  # unused
@@ -335,16 +374,37 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
         x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(), RS=rs,
         TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec, PF=c.get("prefetch", 0),
-        num_warps=c["num_warps"], num_stages=c.get("num_stages", 3))
-    y = torch.empty(T * k, D, device=dev, dtype=torch.float32)
-    rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-    _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
-        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
-        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), num_warps=c["num_warps"],
-        num_stages=c.get("num_stages", 3))
+        PDL=pdl, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **_pdl(pdl))
+    tiles = triton.cdiv(D, c["BN_down"])
+    fold = bool(c.get("fold", FOLD))
+    out = torch.empty(T, D, device=dev, dtype=x.dtype) if fold else y
+    cnt = _counters(dev, T * tiles) if fold else rw
+    _gemv_down_kernel[(T * k, tiles)](
+        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, out, cnt, dn[0].numel(), slab.scale["down"][0].numel(),
+        RS=rs, TOPK=k, FOLD=fold, I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
+        num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **_pdl(pdl))
+    if fold:
+        return out
     from deltafin.kernels.triton import sum_cast  # (triton imports this module)
 
-    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in pair order, one launch
+    return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype, pdl)  # each token's k rows in pair order, one launch
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    """n int32 arrival counters on dev, zero between launches (each kernel that counts sets its own back to
+    zero): one buffer per device, kept for the process (a CUDA graph holds its address)."""
+    bufs = _COUNTERS.setdefault(dev, [])
+    if not bufs or bufs[-1].numel() < n:  # the smaller ones stay allocated: graphs may hold them
+        bufs.append(torch.zeros(max(n, 4096), device=dev, dtype=torch.int32))
+    return bufs[-1]
+
+
+def _pdl(on: bool) -> dict:
+    """The launch option of a programmatic dependent launch."""
+    return {"launch_pdl": True} if on else {}
 
 
 @triton.jit
