@@ -13,15 +13,14 @@ from types import ModuleType
 
 import torch
 
-# (BN, BK, num_warps, num_stages, decode, prefetch, programmatic dependent launches, sum folded into down,
-# BN_down, BK_down); BN_down/BK_down None: as gate/up. The H200 sweeps over BN 8-64 x BK 256-1024 x 2-8 warps put
-# BN 8-16 x BK 512 at 4 warps first (float32 decode 0.28 of copy at T=1; packed fp16 decode 2 0.46-0.48); the
-# dependent launches gave ~2% (0.49); these are the finalists and the down kernel's own tiles beside them.
-MOE_CFGS = ((16, 512, 4, 3, 0, 0, 0, 0, None, None), (8, 512, 4, 3, 2, 0, 0, 0, None, None),
-            (8, 512, 4, 3, 2, 0, 1, 0, None, None), (8, 512, 4, 3, 2, 0, 1, 1, None, None),
-            (8, 512, 4, 3, 2, 0, 1, 1, 8, 1024), (8, 512, 4, 3, 2, 0, 1, 1, 16, 512), (8, 512, 4, 3, 2, 0, 1, 1, 16, 1024),
-            (8, 512, 4, 3, 2, 0, 1, 1, 32, 512), (8, 1024, 4, 3, 2, 0, 1, 1, 8, 512), (8, 1024, 4, 3, 2, 0, 1, 1, 8, 1024),
-            (8, 512, 4, 3, 2, 1, 1, 1, 16, 512), (16, 512, 4, 3, 2, 1, 1, 1, None, None))
+# ``moe_gemv_config`` arguments; the gate/up and down kernels may take their own tiles and warps. The H200 sweeps
+# over BN 8-64 x BK 256-1024 x 2-8 warps put BN 8-16 x BK 512 at 4 warps first (float32 decode 0.28 of copy at
+# T=1; packed fp16 decode 2 0.46-0.48); dependent launches gave ~2% (0.49); timed alone, gate/up ran best at
+# BK 256 with 2 warps (0.54 of copy) and down at BN 4 with 4 warps (0.48). These are the finalists.
+_OLD = dict(BK=512, num_warps=4, BN_down=8, BK_down=512, num_warps_down=4)  # the default before the split tiles
+MOE_CFGS = (dict(_OLD, BN=16, BN_down=16, decode=0, pdl=False), dict(_OLD, pdl=False), dict(_OLD), dict(),
+            dict(fold=True), dict(BN_down=8), dict(BK_down=256, num_warps_down=2), dict(prefetch=1),
+            dict(BK=512, num_warps=4), dict(BN=16, num_warps=4))
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
 # BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
 INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),
@@ -57,9 +56,8 @@ def moe(kc: ModuleType, dev, slabs, exs, gbps: float, Ts=(1,)) -> list[dict]:
         ref = kc._moe_ref(x, ids, wts, exs[0], 1)
         with _flags_off():
             cands = [("tensor-core", moe_config(T * k, k, lat, inter))]
-        cfgs = [c for c in MOE_CFGS if not (kc.SMOKE and c[4] == 2)]  # (packed fp16: inline PTX, GPU only)
-        cands += [("gemv", moe_gemv_config(bn, bk, w, st, d, bnd, bkd, prefetch=pf, pdl=bool(pdl), fold=bool(fold)))
-                  for bn, bk, w, st, d, pf, pdl, fold, bnd, bkd in cfgs[:2 if kc.SMOKE else None]]
+        cfgs = [c for c in MOE_CFGS if not (kc.SMOKE and c.get("decode", 2) == 2)]  # (packed fp16: PTX, GPU only)
+        cands += [("gemv", moe_gemv_config(**c)) for c in cfgs[:2 if kc.SMOKE else None]]
         for kind, cfg in cands:
             def check(cfg=cfg, x=x, ids=ids, wts=wts, ref=ref):
                 return kc._rel(grouped_glu(x, ids, wts, slabs[0], 1, cfg=cfg), ref)
@@ -120,11 +118,11 @@ def summary(res: dict, gbps: float) -> list[str]:
         for T in sorted({r["T"] for r in rows}):
             for r in (r for r in rows if r["T"] == T):
                 c = r["cfg"]
-                tag = (f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} st {c.get('num_stages')} dec {c.get('decode', '-')}"
+                tag = (f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} dec {c.get('decode', '-')}"
                        f" pf {c.get('prefetch', '-')} pdl {int(c['pdl']) if 'pdl' in c else '-'}"
                        f" fold {int(c['fold']) if 'fold' in c else '-'}"
-                       + (f" down {c['BN_down']}x{c['BK_down']}" if c.get("BN_down", c["BN"]) != c["BN"]
-                          or c.get("BK_down", c["BK"]) != c["BK"] else ""))
+                       + (f" down {c['BN_down']}x{c['BK_down']} w {c['num_warps_down']}"
+                          if "num_warps_down" in c else ""))
                 fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"
                        + ("" if r["ok"] else " FAIL")) if "s" in r else r.get("error", "")
                 lines.append(f"moe T={T} {r['kernel']:<11} {tag:<50} {fig}")

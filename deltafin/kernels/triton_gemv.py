@@ -22,7 +22,7 @@ The packed fp16 form (decode 2, the default on a GPU): the codes stay in their 3
 shifts and masks turn four of them at once into fp16 high bytes and byte permutes pair those into fp16x2
 registers (``_WORD_DOT_ASM``), which meet the activations as fp16 pairs in packed FMAs (two products per
 instruction): about 3.5 instructions per weight against 10 for decoding each code to float32, which is what
-held the one-token step to 0.28 of the copy rate (now 0.46-0.48). The activations are packed
+held the one-token step to 0.28 of the copy rate (now 0.50-0.51). The activations are packed
 once per call (``pack_pairs``; the gate/up kernel writes h packed for down): each word of 8 scaled by a power
 of two so its largest |x| lies in [2^13, 2^14) (products below 6, a word's fp16 sums below 24: no overflow),
 each word's 4-product fp16 sums added in float32 and scaled back. Rounding: fp16 keeps 11 bits where the bf16
@@ -40,9 +40,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from deltafin.kernels.triton_tiles import INTERPRET, e2m1_bits, e8m0_value, glu_act
 
 # Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,273 GB/s in the run):
-# - MoE: the 16-expert K3 step at one token 0.137-0.143 ms = 0.46-0.48 of copy with the packed fp16 form (decode
-#   2; BN 8 or 16 x BK 512, 4 warps, with or without prefetch within the runs' 10% spread), 0.234 ms = 0.28
-#   decoding each code to float32 (decode 0), 0.268 ms = 0.25 through the tensor-core kernel;
+# - MoE: the 16-expert K3 step at one token 0.128-0.131 ms = 0.50-0.51 of copy (4,275 GB/s) with the packed fp16
+#   form (decode 2), its launches dependent, gate/up in BN 8 x BK 256 tiles of 2 warps and down in BN 4 x BK 512
+#   of 4 (timed alone, gate/up 0.54 of copy, down 0.48; the pack and sum launches ~3.5 and ~4.5 us, mostly hidden
+#   behind their neighbours); one tile shape for both, BN 8 x BK 512 at 4 warps, 0.134-0.138 ms = 0.48-0.49;
+#   0.234 ms = 0.28 decoding each code to float32 (decode 0), 0.157 ms = 0.42 through the tensor-core kernel;
 #   but with several pairs per expert each pair re-reads it (T=8, all 16 experts shared: 0.08 vs 0.24), so
 #   only plans whose pairs all have distinct experts take it (``moe_config``).
 # - int8 at T=1, over the shapes the K3 decode step launches (same-input projections merged): the GEMV ahead
@@ -57,7 +59,7 @@ GEMV_MOE = True
 # boundaries instead of draining and refilling at each.
 PDL = not INTERPRET
 # The down kernel adds each token's k rows itself (the last of them to finish), in place of a summing launch.
-FOLD = True
+FOLD = False  # measured level with the summing launch once the launches are dependent (0.136 vs 0.134 ms)
 MAX_TOKENS = 4
 INT8_MAX_WEIGHTS = 27_000_000
 
@@ -331,16 +333,17 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
             tl.atomic_xchg(cnt, 0)  # zero again for the next launch (no other program of this launch reads it)
 
 
-def moe_gemv_config(BN: int = 8, BK: int = 512, num_warps: int = 4, num_stages: int = 3, decode: int | None = None,
-                    BN_down: int | None = None, BK_down: int | None = None, prefetch: int = 0,
-                    pdl: bool | None = None, fold: bool | None = None) -> dict:
+def moe_gemv_config(BN: int = 8, BK: int = 256, num_warps: int = 2, num_stages: int = 3, decode: int | None = None,
+                    BN_down: int = 4, BK_down: int = 512, prefetch: int = 0, pdl: bool | None = None,
+                    fold: bool | None = None, num_warps_down: int = 4) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
     (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
     if decode is None:
         decode = 0 if INTERPRET else 2
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
-            "decode": decode, "BN_down": BN_down or BN, "BK_down": BK_down or BK, "prefetch": prefetch,
-            "pdl": PDL if pdl is None else pdl, "fold": FOLD if fold is None else fold}
+            "decode": decode, "BN_down": BN_down, "BK_down": BK_down, "prefetch": prefetch,
+            "pdl": PDL if pdl is None else pdl, "fold": FOLD if fold is None else fold,
+            "num_warps_down": num_warps_down}
 
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
@@ -382,7 +385,7 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     _gemv_down_kernel[(T * k, tiles)](
         h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, out, cnt, dn[0].numel(), slab.scale["down"][0].numel(),
         RS=rs, TOPK=k, FOLD=fold, I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
-        num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **_pdl(pdl))
+        num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **_pdl(pdl))
     if fold:
         return out
     from deltafin.kernels.triton import sum_cast  # (triton imports this module)
