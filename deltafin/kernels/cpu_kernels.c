@@ -852,13 +852,25 @@ static void gw_consts(const uint8_t *tab8, int K, gw_consts_t *k) {
 static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, int64_t H, int64_t b,
                                    const gw_consts_t *k, int32_t *dst) {
     __m512i z[4];
-    for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane (masked broadcasts: no shuffle) */
-        z[i] = _mm512_setzero_si512();
-        for (int m = 0; m < 4; m++)
-            if (r + 4 * i + m < R) {
-                const __m128i row = _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16));
-                z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)), row);
-            }
+    if (r + 16 <= R) { /* all 16 rows (every panel but a last, partial one): no per-row test, inserts in a tree */
+        const uint8_t *p = packed + r * H + b * 16;
+        for (int i = 0; i < 4; i++, p += 4 * H) {
+            const __m256i r01 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                        _mm_loadu_si128((const __m128i *)(p + H)), 1);
+            const __m256i r23 = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2 * H))),
+                _mm_loadu_si128((const __m128i *)(p + 3 * H)), 1);
+            z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(r01), r23, 1);
+        }
+    } else {
+        for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane (masked broadcasts; past R: 0) */
+            z[i] = _mm512_setzero_si512();
+            for (int m = 0; m < 4; m++)
+                if (r + 4 * i + m < R) {
+                    const __m128i row = _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16));
+                    z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)), row);
+                }
+        }
     }
     const __m512i m15 = _mm512_set1_epi8(15);
     for (int q = 0; q < 4; q++) { /* t: byte 16m + l = byte 4q + m of row l */

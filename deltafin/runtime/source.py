@@ -1,8 +1,9 @@
 """The streaming expert source: routed experts read from the drives as the router asks for them.
 
-``fetch(layer, ids)`` requests every miss the moment it is called, yields cached experts first (their
+``fetch(layer, ids)`` queues every miss the moment it is called, yields cached experts first (their
 math overlaps the reads), then each miss as its read lands. Time blocked waiting for a read is I/O wait;
-time between yields is expert math.
+time between yields is expert math. Each drive reads at most ``read_ahead`` whole experts ahead of the
+consumer (two per reader thread by default): a slow consumer holds that many read buffers, not a layer's.
 
 The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
 replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
@@ -47,6 +48,13 @@ class SourceStats:
         return self.hits / n if n else 0.0
 
 
+# Per reader thread, the experts a drive may read ahead of the consumer: its threads busy, and as many landed
+# waiting. A prefill layer's fetch asks for every expert of the layer; with a consumer slower than the drives
+# (the CPU's math), reading the whole layer ahead held its every expert in fresh buffers (1.7 GB for 96 Kimi K3
+# experts; their first touch cost up to seconds of page faults) and gained nothing.
+READ_AHEAD_PER_THREAD = 2
+
+
 class StreamingExperts:
     """An ExpertSource over a packed model's drives, with a RAM cache and per-drive reader threads."""
 
@@ -60,8 +68,11 @@ class StreamingExperts:
         verify: bool = True,
         cache_policy: str = "lru",
         deadline: ReadDeadline | None = None,
+        read_ahead: int | None = None,
     ):
         self.model = model
+        # experts a drive reads ahead of the consumer (0: a layer's whole fetch at once); see LayerReads
+        self.read_ahead = READ_AHEAD_PER_THREAD * threads if read_ahead is None else read_ahead
         self.device = torch.device(device)
         self.readers = readers or [FileDriveReader(d.label, d.path) for d in model.drives]
         assert len(self.readers) == len(model.drives), "one reader per model drive"
