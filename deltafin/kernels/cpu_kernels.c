@@ -796,7 +796,6 @@ int df_simd_width(void) {
 #endif
 _Static_assert(GW_KB >= 1 && GW_KB <= 16, "a chunk's scales are one 16 x 16 transpose");
 #define GW_ROWS (16 * GW_NV)
-_Static_assert(GW_ROWS % 32 == 0, "a panel of the fused expert holds whole blocks of h (quantized as it is done)");
 
 /* 16 x 16 int32 transpose in registers: r[a] element e -> r[e] element a. */
 static inline void gw_transpose16(__m512i r[16]) {
@@ -952,30 +951,22 @@ static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, con
 
 /* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first (its place in its group), and
  * one scale per block, every stride-th float of xs (NaN or inf in a block reaches its scale). */
-static inline __m512i gw_stride_idx(int64_t stride) {
-    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                              _mm512_set1_epi32((int)stride));
-}
-
-/* One block of 32 values x -> 16 int16 pairs, every stride-th int32 of xp (idx: gw_stride_idx(stride)), and its
- * scale *xs. */
-static inline void gw_quantize_block(const float *x, int32_t *xp, float *xs, __m512i idx) {
-    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    /* max drops NaN: x - x is 0, or NaN for NaN and inf, found apart */
-    const float bad = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_sub_ps(x0, x0), _mm512_sub_ps(x1, x1)));
-    const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
-    const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
-    const __m512 vid = _mm512_set1_ps(id);
-    const __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)));
-    const __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid)));
-    _mm512_i32scatter_epi32(xp, idx, _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), 4);
-    *xs = d;
-}
-
 static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, int64_t C) {
-    const __m512i idx = gw_stride_idx(stride);
-    for (int64_t b = 0; b < C / 32; b++) gw_quantize_block(x + b * 32, xp + b * 16 * stride, xs + b * stride, idx);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)stride));
+    for (int64_t b = 0; b < C / 32; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        /* max drops NaN: x - x is 0, or NaN for NaN and inf, found apart */
+        const float bad = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_sub_ps(x0, x0), _mm512_sub_ps(x1, x1)));
+        const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
+        const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)));
+        const __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid)));
+        _mm512_i32scatter_epi32(xp + b * 16 * stride, idx, _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), 4);
+        xs[b * stride] = d;
+    }
 }
 
 /* Every token of x [T, C] into the group layout (see gw_tile): tokens of group g at xq + gw_start(g) C / 2, its
@@ -1101,8 +1092,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
  * gate and up [I, D], down [D, I] in one format (kind, tab8, K, mult as for df_q4gw_mm; act as for glu_span).
  * One parallel region: x quantized once; then per panel of GW_ROWS rows, gate's and up's rows, each with
  * df_q4gw_mm's arithmetic, and the activation of those columns right away, while they are in cache (no [T, I]
- * trip through the caller), and h's blocks of those columns quantized for down (a panel is whole blocks of h);
- * then down's panels. Each matrix's result is bit for bit that of its
+ * trip through the caller); then h quantized, and down's panels. Each matrix's result is bit for bit that of its
  * own df_q4gw_mm call, the activation that of df_glu_act. rows (NULL: x is [T, D]): token t is row rows[t] of x,
  * the expert's tokens read where they lie in the batch. Returns as df_q4gw_mm. */
 int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *upk,
@@ -1110,11 +1100,11 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 const float *e8m0, const float *x, const int64_t *rows, float *out, int64_t I, int64_t D, int64_t T,
                 int nthreads) {
 #ifdef GW_VNNI
-    const int64_t npi = (I + GW_ROWS - 1) / GW_ROWS, ng = (T + GW_MR - 1) / GW_MR;
-    int32_t *xq = gw_buffer(0, T * (D / 2) * sizeof(int32_t)), *hq = gw_buffer(2, T * (I / 2) * sizeof(int32_t));
-    float *xs = gw_buffer(1, T * (D / 32) * sizeof(float)), *hs = gw_buffer(7, T * (I / 32) * sizeof(float));
+    const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS;
+    int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t)); /* x's, then h's */
+    float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
     float *g = gw_buffer(4, T * I * sizeof(float)), *u = gw_buffer(5, T * I * sizeof(float)); /* h in g */
-    int rc = xq && xs && hq && hs && g && u ? 0 : -1;
+    int rc = xq && xs && g && u ? 0 : -1;
     gw_consts_t k;
     gw_consts(tab8, K, &k);
     if (rc == 0) {
@@ -1130,25 +1120,15 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 if (!wp || !ws) continue;
                 gw_panel(kind, gp, gs, e8m0, mult, &k, xq, xs, wp, ws, g, r0, I, D, T);
                 gw_panel(kind, upk, us, e8m0, mult, &k, xq, xs, wp, ws, u, r0, I, D, T);
-                /* h in g's place, and its blocks of these columns quantized for down right away, in down's layout
-                 * (as gw_quantize_all would: one pass and one barrier fewer) */
-                for (int64_t gi = 0; gi < ng; gi++) {
-                    const int64_t t0 = gw_start(gi, T), w = gw_start(gi + 1, T) - t0;
-                    const __m512i idx = gw_stride_idx(w);
-                    for (int64_t i = 0; i < w; i++) {
-                        float *h = g + (t0 + i) * I;
-                        glu_span(act, beta, lbeta, h + r0, u + (t0 + i) * I + r0, h + r0, n);
-                        for (int64_t b = r0 / 32; b < (r0 + n) / 32; b++)
-                            gw_quantize_block(h + b * 32, hq + t0 * (I / 2) + i + b * 16 * w,
-                                              hs + t0 * (I / 32) + i + b * w, idx);
-                    }
-                }
+                for (int64_t t = 0; t < T; t++) /* h in g's place */
+                    glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
             }
-            gw_panels(kind, dp, ds, e8m0, mult, &k, hq, hs, wp, ws, out, D, I, T);
+            gw_quantize_all(g, NULL, xq, xs, I, T);
+            gw_panels(kind, dp, ds, e8m0, mult, &k, xq, xs, wp, ws, out, D, I, T);
         }
     }
-    for (int i = 0; i < 8; i++)
-        if (i != 3 && i != 6) gw_buffer(i, 0); /* the per-thread panel buffers (3 and 6) are small and kept */
+    for (int i = 0; i < 6; i++)
+        if (i != 3) gw_buffer(i, 0); /* the per-thread panel buffers (3 and 6) are small and kept */
     return rc;
 #else
     (void)act, (void)beta, (void)lbeta, (void)kind, (void)gp, (void)gs, (void)upk, (void)us, (void)dp, (void)ds;
