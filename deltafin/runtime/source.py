@@ -3,7 +3,7 @@
 ``fetch(layer, ids)`` queues every miss the moment it is called, yields cached experts first (their
 math overlaps the reads), then each miss as its read lands. Time blocked waiting for a read is I/O wait;
 time between yields is expert math. Each drive reads at most ``read_ahead`` whole experts ahead of the
-consumer (two per reader thread by default): a slow consumer holds that many read buffers, not a layer's.
+consumer (four per reader thread by default): a slow consumer holds that many read buffers, not a layer's.
 
 The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
 replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
@@ -48,11 +48,13 @@ class SourceStats:
         return self.hits / n if n else 0.0
 
 
-# Per reader thread, the experts a drive may read ahead of the consumer: its threads busy, and as many landed
-# waiting. A prefill layer's fetch asks for every expert of the layer; with a consumer slower than the drives
-# (the CPU's math), reading the whole layer ahead held its every expert in fresh buffers (1.7 GB for 96 Kimi K3
-# experts; their first touch cost up to seconds of page faults) and gained nothing.
-READ_AHEAD_PER_THREAD = 2
+# Per reader thread, the experts a drive may read ahead of the consumer: its threads busy, and three times as many
+# landed waiting. A prefill layer's fetch asks for every expert of the layer; with a consumer slower than the drives
+# (the CPU's math), reading the whole layer ahead held its every expert in fresh buffers (up to 1.7 GB for
+# `bench prefill`'s 96 Kimi K3 experts a layer; their first touch cost up to seconds of page faults in its first
+# layer). Two per thread (16 at 8 threads, about 0.27 s of that math) measured 0.3-0.5 s slower over 4 layers
+# than no limit where the drive ran barely faster than the math: the backlog no longer covered the drive's dips.
+READ_AHEAD_PER_THREAD = 4
 
 
 class StreamingExperts:
