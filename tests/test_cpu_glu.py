@@ -211,3 +211,59 @@ def test_k3_expert_takes_the_fused_call():
     if cpu.gemm_enabled():
         assert torch.equal(fast, cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU))
     assert torch.allclose(fast, exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("T", [3, cpu.GEMM_TOKENS + 1, 37])  # the Q8 range (gathered), the GEMM (read in place)
+def test_expert_on_rows_of_the_batch_is_the_gathered_expert(T):
+    """glu_expert(x, rows=idx) is glu_expert(x[idx]) bit for bit, for float32 and bf16 batches; bad rows are refused."""
+    r = _expert("mxfp4", 64, 96, seed=T)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(50, 96, generator=g)
+    idx = torch.randperm(50, generator=g)[:T].sort().values
+    for xb in (x, x.to(torch.bfloat16), x[:, :96].T.contiguous().T):  # float32; converted; not contiguous
+        want = cpu.glu_expert(xb[idx], r["gate"], r["up"], r["down"], SITU)
+        if want is None:  # no vector code in this build for this range
+            continue
+        assert torch.equal(cpu.glu_expert(xb, r["gate"], r["up"], r["down"], SITU, rows=idx), want)
+    with kernels.fast():
+        y = kernels.glu(x, r["gate"], r["up"], r["down"], SITU, rows=idx)
+        assert y is None or torch.equal(y, kernels.glu(x[idx], r["gate"], r["up"], r["down"], SITU))
+    if cpu.gemm_enabled() and T > cpu.GEMM_TOKENS:
+        with pytest.raises(IndexError, match="outside x's 50 rows"):
+            cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU, rows=torch.full((T,), 50))
+    with pytest.raises(TypeError, match="rows: int64"):
+        cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU, rows=idx.to(torch.int32))
+
+
+def test_expert_major_layer_runs_each_expert_on_its_rows():
+    """The prefill benchmark's layer: every expert of the union fetched once, run on exactly its tokens' rows of x
+    (the fused CPU expert reads them in place), with the result of the gathered rows."""
+    from deltafin.bench.decode import situ_glu_expert
+    from deltafin.bench.synthetic import expert_major_layer, expert_rows
+
+    routes = [[0, 2], [2, 1], [0, 1], [2, 0]] * 3
+    rows = expert_rows(routes)
+    assert {e: v.tolist() for e, v in rows.items()} == {0: [0, 2, 3, 4, 6, 7, 8, 10, 11], 1: [1, 2, 5, 6, 9, 10],
+                                                         2: [0, 1, 3, 4, 5, 7, 8, 9, 11]}
+    experts = {e: _expert("mxfp4", 32, 64, seed=20 + e) for e in range(3)}
+
+    class Source:
+        fetched: list = []
+
+        def fetch(self, layer, ids):
+            self.fetched.append((layer, list(ids)))
+            return ((e, experts[e]) for e in ids)
+
+    x = torch.randn(len(routes), 64)
+    seen = {}
+
+    def fn(x_, t, r):
+        seen[next(e for e, v in experts.items() if v is t)] = (r.tolist(), situ_glu_expert(x_, t, r))
+
+    src = Source()
+    with kernels.fast():
+        n, math_s = expert_major_layer(src, 3, routes, x, False, fn)
+        assert n == 3 and math_s > 0 and src.fetched == [(3, [0, 1, 2])]
+        for e, (r, y) in seen.items():
+            assert r == rows[e].tolist() and torch.equal(y, situ_glu_expert(x[rows[e]], experts[e]))
+    assert expert_major_layer(src, 4, routes, x, True, fn) == (3, 0.0)

@@ -252,6 +252,29 @@ def test_bench_prefill_rows_time_both_paths(monkeypatch):
     assert bk._peak("cpu") >= 0
 
 
+def test_bench_gated_expert_rows_beside_the_peak_of_as_many_threads(monkeypatch):
+    """`bench kernels` gated-expert rows: the fused call and the three GEMMs on one thread and on all, each over the
+    int16 peak of as many threads measured beside it; the thread count is restored; none without the GEMM."""
+    from deltafin.bench import kernels as bk
+
+    recs = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: recs)])
+    monkeypatch.setattr(bk, "GLU_TOKENS", cpu.GEMM_TOKENS + 4)
+    threads = torch.get_num_threads()
+    rows = bk._glu_rows("cpu", seconds=0.06, rounds=2)
+    assert torch.get_num_threads() == threads
+    if not cpu.gemm_enabled():
+        assert rows == []
+        return
+    assert [r["threads"] for r in rows] == sorted({1, threads})
+    for r in rows:
+        assert r["tokens"] == cpu.GEMM_TOKENS + 4 and r["int16_peak_GOPs"] > 0 and r["fused_GFLOPs"] > 0
+        assert r["fused_over_peak"] == r["fused_GFLOPs"] / r["int16_peak_GOPs"]
+        assert r["three_gemms_over_peak"] == r["three_gemms_GFLOPs"] / r["int16_peak_GOPs"]
+    bk._print({"device": "cpu", "backend": "cpu", "threads": threads, "bandwidth_GBps": 1.0, "cases": [],
+               "worst_one_token_fraction": 1.0, "target": 0.5, "prefill": [], "gated_expert": rows})
+
+
 @pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
 def test_nan_scale_propagates_like_the_reference(C):
     rec = _records(4, C, seed=1)["mxfp4"]

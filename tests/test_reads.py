@@ -349,3 +349,32 @@ def test_emulated_read_failures_are_served_by_replicas(k3, tmp_path):
     got, source = _forward(pm, readers)
     assert torch.equal(got, ref)
     assert source.stats.failed_reads == readers[0].stats()["failures"] > 0
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_drives_read_a_bounded_number_of_experts_ahead_of_a_slow_consumer(k3, tmp_path, ahead):
+    """A whole layer's fetch with a consumer slower than the drives: each drive reads at most ``read_ahead`` experts
+    ahead, so the read buffers stay that many (not the layer's); every expert still arrives once, intact. With
+    read_ahead 0 the whole layer is read at once (as many buffers as experts)."""
+    root, _ = k3
+    pm = _copy(root, tmp_path / "m")
+    L, n, nbytes = pm.moe_layers[0], pm.num_experts, pm.file_bytes(pm.moe_layers[0])
+    drives = len(pm.drives)
+    for read_ahead, most in ((ahead, ahead * drives + 1), (0, n)):
+        source = StreamingExperts(pm, cache_bytes=0, threads=1, read_ahead=read_ahead)
+        try:
+            seen = []
+            for e, t in source.fetch(L, list(range(n))):
+                if not seen:  # let the drives run as far ahead as they may
+                    deadline = time.monotonic() + 5
+                    while source.pool.pending_bytes() != [0] * drives and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    time.sleep(0.05)
+                want = pm.read_expert(L, e)
+                assert all(torch.equal(t[k].data, want[k].data) for k in want)
+                seen.append(e)
+            assert sorted(seen) == list(range(n))
+            buffers = source.pool.buffers.allocated // -(-nbytes // 4096) // 4096
+            assert buffers <= most if read_ahead else buffers == most, (read_ahead, buffers)
+        finally:
+            source.close()

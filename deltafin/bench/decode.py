@@ -21,15 +21,17 @@ import xxhash
 from deltafin.bench.synthetic import K3_LATENT, synthetic_run
 
 
-def situ_glu_expert(x: torch.Tensor, t) -> torch.Tensor:
+def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Kimi K3's expert: down(4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)) on MXFP4 weights, in float32 (one fused
-    call on the fast CPU path, as the model's expert)."""
+    call on the fast CPU path, as the model's expert), on x, or on its rows ``rows`` (int64) where given."""
     from deltafin.kernels import glu
     from deltafin.models.base import linear
 
-    y = glu(x, t["gate"], t["up"], t["down"], ("situ", 4.0, 25.0))
+    y = glu(x, t["gate"], t["up"], t["down"], ("situ", 4.0, 25.0), rows=rows)
     if y is not None:
         return y
+    if rows is not None:
+        x = x[rows]
     g, u = linear(x, t["gate"]), linear(x, t["up"])
     return linear(4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25), t["down"])
 

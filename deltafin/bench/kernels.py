@@ -5,8 +5,9 @@ tokens, and the int8 trunk's GEMV shapes (KDA q/k/v/g [12288, 7168], o [7168, 12
 [6144, 7168] and [7168, 6144], latent down [3584, 7168]). Prefill rows: the same expert at 64 and 128 tokens
 (a layer's share of a 512-token prompt), in GFLOP/s beside the machine's int16 dot-product peak measured in the
 same run, with the tiled float path (``DELTAFIN_CPU_GEMM=0``) and a float32 torch matmul of the same shapes (weights
-already float) beside. Each case cycles over enough copies of its weights
-to overflow the last-level cache, so every byte comes from memory. The limit, measured in the same run before
+already float) beside. The gated expert (gate, up, SiTU-GLU, down in one call) at bench prefill's 85 tokens per
+expert, on one thread and on all, each over the int16 peak of as many threads. Each case cycles over enough copies
+of its weights to overflow the last-level cache, so every byte comes from memory. The limit, measured in the same run before
 and after the cases (the higher is kept): on the CPU the read rate of a sum over a 1 GiB tensor on all
 threads; on CUDA a device-to-device copy (bytes read + written). The plain torch path's figure is beside.
 """
@@ -137,6 +138,44 @@ def _prefill_rows(device: str, seconds: float, rounds: int = 3) -> list[dict]:
     return rows
 
 
+GLU_TOKENS = 85  # bench prefill's mean tokens per expert (512 x 16 routes over 96 experts)
+
+
+def _glu_rows(device: str, seconds: float, rounds: int = 3) -> list[dict]:
+    """The K3 gated expert (SiTU-GLU, one fused call) at GLU_TOKENS tokens beside the three separate GEMMs of the same
+    expert, each over the int16 dot-product peak of the same thread count measured in the same rounds: on one thread
+    (a core's peak, steady) and on all (a peak that moves with where a VM's vCPUs land). Alternating rounds, best
+    of each. Empty where the fused expert does not run (no VNNI GEMM in this build)."""
+    from deltafin.kernels import fast, glu, native
+
+    lib = native.library() if device == "cpu" else None
+    ws = _cases(device)[0][2]()
+    x = torch.randn(GLU_TOKENS, ws[0].shape[1], device=device)
+    act = ("situ", 4.0, 25.0)
+    with fast():
+        if lib is None or not lib.df_gw_peak(1, 1) or glu(x, *ws, act) is None:
+            return []
+    flop = 2 * sum(w.shape[0] * w.shape[1] for w in ws) * GLU_TOKENS
+    xi = torch.randn(GLU_TOKENS, ws[-1].shape[1], device=device)
+    all_threads, rows = torch.get_num_threads(), []
+    for nt in sorted({1, all_threads}):
+        torch.set_num_threads(nt)
+        try:
+            peak = fused = sep = 0.0
+            for _ in range(rounds):
+                peak = max(peak, lib.df_gw_peak(nt, 2_000_000 // nt))
+                with fast():
+                    fused = max(fused, _rate(lambda _: glu(x, *ws, act), [ws], flop, device, seconds / rounds / 2))
+                    sep = max(sep, _rate(functools.partial(_expert_run, x=x, xi=xi), [ws], flop, device,
+                                         seconds / rounds / 2))
+        finally:
+            torch.set_num_threads(all_threads)
+        rows.append({"case": f"k3 gated expert x{GLU_TOKENS} tok", "tokens": GLU_TOKENS, "threads": nt,
+                     "int16_peak_GOPs": peak, "fused_GFLOPs": fused, "three_gemms_GFLOPs": sep,
+                     "fused_over_peak": fused / peak, "three_gemms_over_peak": sep / peak})
+    return rows
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str) -> Iterator[None]:
     old = os.environ.get(name)
@@ -195,6 +234,7 @@ def run(args) -> dict:
         rows.append({"case": name, "tokens": T, "weight_bytes": nbytes, "fused_GBps": fast, "torch_GBps": ref})
         del sets, ws0
     prefill = _prefill_rows(device, args.seconds) if device == "cpu" else []
+    glu_rows = _glu_rows(device, args.seconds) if device == "cpu" else []
     peak = _peak(device)
     for r in prefill:
         r["fused_over_peak"] = r["fused_GFLOPs"] / peak if peak else None
@@ -207,7 +247,7 @@ def run(args) -> dict:
               "threads": torch.get_num_threads(), "bandwidth_GBps": bw,
               "bandwidth_GBps_before_after": [bw0, bw], "last_level_cache_bytes": llc, "cases": rows,
               "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET,
-              "int16_peak_GOPs": peak, "prefill": prefill, "prefill_target": PREFILL_TARGET,
+              "int16_peak_GOPs": peak, "prefill": prefill, "prefill_target": PREFILL_TARGET, "gated_expert": glu_rows,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     _print(result)
     if args.json:
@@ -233,3 +273,7 @@ def _print(r: dict) -> None:
         print(f"  {c['case']:<28} fused {c['fused_GFLOPs']:6.1f} GFLOP/s{of_peak}; tiled float path "
               f"{c['tile_GFLOPs']:6.1f}: x{c['fused_over_tile']:.2f} (target >= {r['prefill_target']}); float32 "
               f"matmul {c['f32_matmul_GFLOPs']:6.1f}")
+    for c in r.get("gated_expert", []):
+        print(f"  {c['case']:<28} {c['threads']} thread(s): one fused call {c['fused_GFLOPs']:6.1f} GFLOP/s = "
+              f"{c['fused_over_peak']:.2f} of the int16 peak {c['int16_peak_GOPs']:.0f} GOP/s on as many threads "
+              f"measured beside it; three GEMMs {c['three_gemms_GFLOPs']:6.1f} = {c['three_gemms_over_peak']:.2f}")

@@ -154,16 +154,27 @@ def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[Synt
         shutil.rmtree(work, ignore_errors=True)
 
 
+def expert_rows(token_routes: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Expert -> the rows (tokens, ascending) routed to it, int64: one pass over the routes per layer."""
+    rows: dict[int, list[int]] = {}
+    for i, tok in enumerate(token_routes):
+        for e in tok:
+            rows.setdefault(e, []).append(i)
+    return {e: torch.tensor(r, dtype=torch.int64) for e, r in rows.items()}
+
+
 def expert_major_layer(source, layer: int, token_routes: list[list[int]], x: torch.Tensor, io_only: bool,
                        expert_fn) -> tuple[int, float]:
     """One layer of expert-major prefill: fetch the union of the tokens' experts once and run each expert
-    on all of its tokens (unless ``io_only``). Returns (unique experts, seconds of expert math)."""
+    on all of its tokens (unless ``io_only``): ``expert_fn(x, tensors, rows)``, its tokens rows of x (the fused
+    CPU expert reads them in place; no gathered copy). Returns (unique experts, seconds of expert math)."""
     union = sorted({e for tok in token_routes for e in tok})
-    math_s = 0.0
+    m0 = time.perf_counter()
+    rows = {} if io_only else expert_rows(token_routes)
+    math_s = 0.0 if io_only else time.perf_counter() - m0
     for e, t in source.fetch(layer, union):
         if not io_only:
             m0 = time.perf_counter()
-            rows = [i for i, tok in enumerate(token_routes) if e in tok]
-            expert_fn(x[rows], t)
+            expert_fn(x, t, rows[e])
             math_s += time.perf_counter() - m0
     return len(union), math_s

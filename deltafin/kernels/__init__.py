@@ -102,14 +102,15 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
 
 
 def glu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor, down: QTensor | torch.Tensor,
-        act: tuple = ("silu",)) -> torch.Tensor | None:
+        act: tuple = ("silu",), rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """down(act(gate x, up x)) for x [T, D] in one fused call where the fast path has one (the CPU backend's 4-bit
     experts), in x's dtype; None where the caller runs the three matmuls. act: ``("silu",)`` (SwiGLU) or
-    ``("situ", beta, linear_beta)`` (Kimi K3's SiTU-GLU)."""
+    ``("situ", beta, linear_beta)`` (Kimi K3's SiTU-GLU). rows (int64 [T]): the tokens are those rows of x
+    (read in place where the kernel can), the result that of ``glu(x[rows], ...)``."""
     if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
         return None
     fn = getattr(backend("cpu"), "glu_expert", None)
-    y = None if fn is None else fn(x, gate, up, down, act)
+    y = None if fn is None else fn(x, gate, up, down, act) if rows is None else fn(x, gate, up, down, act, rows=rows)
     return y if y is None or y.dtype == x.dtype else y.to(x.dtype)
 
 

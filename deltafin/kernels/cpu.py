@@ -204,13 +204,19 @@ def glu_act(g: torch.Tensor, u: torch.Tensor, act: tuple = ("silu",), lib=None) 
 
 
 def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: tuple = ("silu",),
-               lib=None) -> torch.Tensor | None:
+               lib=None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """down(act(gate x, up x)) for x [T, D] in one compiled call -> float32 [T, D]; None where the separate
     matmuls apply. act: ``("silu",)`` (SwiGLU) or ``("situ", beta, linear_beta)`` (Kimi K3's SiTU-GLU). The three
     records 4-bit in one format and scale type. Up to GEMM_TOKENS tokens (FUSED_TOKENS without the GEMM) the Q8
     path; more on the int16 GEMM, gate and up in one parallel pass with the activation applied per panel. Runs
-    once per expert per token in decode, so the checks are kept to plain attribute reads."""
-    T, D = x.shape
+    once per expert per token in decode, so the checks are kept to plain attribute reads.
+
+    rows (int64 [T], optional): the expert's tokens are those rows of x [N, D] (expert-major prefill); the GEMM
+    reads them where they lie (no gathered copy of x), the result is that of ``glu_expert(x[rows], ...)``."""
+    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or x.dim() != 2):
+        raise TypeError(f"rows: int64 [T] indices into x [N, D], got {rows.dtype} {tuple(rows.shape)} for x "
+                        f"{tuple(x.shape)}")
+    T, D = x.shape if rows is None else (rows.shape[0], x.shape[1])
     fmt = getattr(gate, "format", None)
     lib = lib or native.library()
     gemm = T > GEMM_TOKENS and gemm_enabled(lib)
@@ -233,11 +239,18 @@ def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: 
     name, fn = ("gemm", lib.df_q4gw_glu) if gemm else ("q8", lib.df_q4q8_glu)
     USED.add(f"{fmt}_{name}_{act[0]}")
     tab, k, mult = _Q8[kind]
+    if rows is not None and (not gemm or x.dtype != torch.float32 or not x.is_contiguous()):
+        x, rows = x[rows], None  # the Q8 path's few tokens, or x to convert: gathered first (same values)
     x = _x32(x)
+    if rows is not None:  # checked here, not in C: an index out of range would read outside x
+        rows = rows.contiguous()
+        if T and not (0 <= int(rows.min()) and int(rows.max()) < x.shape[0]):
+            raise IndexError(f"rows: indices {int(rows.min())}..{int(rows.max())} outside x's {x.shape[0]} rows")
     out = torch.empty(T, D, dtype=torch.float32)
-    rc = fn(*_act_args(act), kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
-            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(), out.data_ptr(), I, D, T,
-            _threads(I, D, T))
+    head = (*_act_args(act), kind, gp.data_ptr(), gs.data_ptr(), up_.data_ptr(), us.data_ptr(), dp.data_ptr(),
+            ds.data_ptr(), tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr())
+    tail = (out.data_ptr(), I, D, T, _threads(I, D, T))
+    rc = fn(*head, None if rows is None else rows.data_ptr(), *tail) if gemm else fn(*head, *tail)
     if rc != 0:
         raise MemoryError(f"{name} activation buffers for an expert [{T}, {D}]; set DELTAFIN_CPU_"
                           f"{'GEMM' if gemm else 'Q8'}=0 to skip them")

@@ -852,13 +852,25 @@ static void gw_consts(const uint8_t *tab8, int K, gw_consts_t *k) {
 static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, int64_t H, int64_t b,
                                    const gw_consts_t *k, int32_t *dst) {
     __m512i z[4];
-    for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane (masked broadcasts: no shuffle) */
-        z[i] = _mm512_setzero_si512();
-        for (int m = 0; m < 4; m++)
-            if (r + 4 * i + m < R) {
-                const __m128i row = _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16));
-                z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)), row);
-            }
+    if (r + 16 <= R) { /* all 16 rows (every panel but a last, partial one): no per-row test, inserts in a tree */
+        const uint8_t *p = packed + r * H + b * 16;
+        for (int i = 0; i < 4; i++, p += 4 * H) {
+            const __m256i r01 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                        _mm_loadu_si128((const __m128i *)(p + H)), 1);
+            const __m256i r23 = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2 * H))),
+                _mm_loadu_si128((const __m128i *)(p + 3 * H)), 1);
+            z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(r01), r23, 1);
+        }
+    } else {
+        for (int i = 0; i < 4; i++) { /* z[i]: rows 4i..4i+3, one per 128-bit lane (masked broadcasts; past R: 0) */
+            z[i] = _mm512_setzero_si512();
+            for (int m = 0; m < 4; m++)
+                if (r + 4 * i + m < R) {
+                    const __m128i row = _mm_loadu_si128((const __m128i *)(packed + (r + 4 * i + m) * H + b * 16));
+                    z[i] = _mm512_mask_broadcast_i32x4(z[i], (__mmask16)(0xF << (4 * m)), row);
+                }
+        }
     }
     const __m512i m15 = _mm512_set1_epi8(15);
     for (int q = 0; q < 4; q++) { /* t: byte 16m + l = byte 4q + m of row l */
@@ -958,14 +970,16 @@ static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, 
 }
 
 /* Every token of x [T, C] into the group layout (see gw_tile): tokens of group g at xq + gw_start(g) C / 2, its
- * scales at xs + gw_start(g) C / 32. Inside an OpenMP parallel region, groups shared out. */
-static void gw_quantize_all(const float *x, int32_t *xq, float *xs, int64_t C, int64_t T) {
+ * scales at xs + gw_start(g) C / 32. Token t is row rows[t] of x where rows is given (an expert's tokens picked out
+ * of the whole batch where they lie: no gathered copy), row t otherwise. Inside an OpenMP parallel region, groups
+ * shared out. */
+static void gw_quantize_all(const float *x, const int64_t *rows, int32_t *xq, float *xs, int64_t C, int64_t T) {
     const int64_t ng = (T + GW_MR - 1) / GW_MR;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < ng; g++) {
         const int64_t t0 = gw_start(g, T), w = gw_start(g + 1, T) - t0;
         for (int64_t i = 0; i < w; i++)
-            gw_quantize(x + (t0 + i) * C, xq + t0 * (C / 2) + i, xs + t0 * (C / 32) + i, w, C);
+            gw_quantize(x + (rows ? rows[t0 + i] : t0 + i) * C, xq + t0 * (C / 2) + i, xs + t0 * (C / 32) + i, w, C);
     }
 }
 
@@ -1061,7 +1075,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
             float *ws;
             int32_t *wp;
             gw_thread_buffers(&ws, &wp, &rc);
-            gw_quantize_all(x, xq, xs, C, T);
+            gw_quantize_all(x, NULL, xq, xs, C, T);
             gw_panels(kind, packed, scales, e8m0, mult, &k, xq, xs, wp, ws, out, R, C, T);
         }
     }
@@ -1079,10 +1093,12 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
  * One parallel region: x quantized once; then per panel of GW_ROWS rows, gate's and up's rows, each with
  * df_q4gw_mm's arithmetic, and the activation of those columns right away, while they are in cache (no [T, I]
  * trip through the caller); then h quantized, and down's panels. Each matrix's result is bit for bit that of its
- * own df_q4gw_mm call, the activation that of df_glu_act. Returns as df_q4gw_mm. */
+ * own df_q4gw_mm call, the activation that of df_glu_act. rows (NULL: x is [T, D]): token t is row rows[t] of x,
+ * the expert's tokens read where they lie in the batch. Returns as df_q4gw_mm. */
 int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *upk,
                 const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
-                const float *e8m0, const float *x, float *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+                const float *e8m0, const float *x, const int64_t *rows, float *out, int64_t I, int64_t D, int64_t T,
+                int nthreads) {
 #ifdef GW_VNNI
     const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS;
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t)); /* x's, then h's */
@@ -1097,7 +1113,7 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
             float *ws;
             int32_t *wp;
             gw_thread_buffers(&ws, &wp, &rc);
-            gw_quantize_all(x, xq, xs, D, T);
+            gw_quantize_all(x, rows, xq, xs, D, T);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < npi; p++) {
                 const int64_t r0 = p * GW_ROWS, n = I - r0 < GW_ROWS ? I - r0 : GW_ROWS;
@@ -1107,7 +1123,7 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 for (int64_t t = 0; t < T; t++) /* h in g's place */
                     glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
             }
-            gw_quantize_all(g, xq, xs, I, T);
+            gw_quantize_all(g, NULL, xq, xs, I, T);
             gw_panels(kind, dp, ds, e8m0, mult, &k, xq, xs, wp, ws, out, D, I, T);
         }
     }
@@ -1116,7 +1132,8 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
     return rc;
 #else
     (void)act, (void)beta, (void)lbeta, (void)kind, (void)gp, (void)gs, (void)upk, (void)us, (void)dp, (void)ds;
-    (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out, (void)I, (void)D, (void)T, (void)nthreads;
+    (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)rows, (void)out, (void)I, (void)D, (void)T;
+    (void)nthreads;
     return -2;
 #endif
 }

@@ -68,6 +68,13 @@ class LayerReads:
         self.timeouts: dict[tuple[int, int], int] = {}
         self.striped: dict[int, _Striped] = {}
         self._ids = itertools.count()
+        # whole-file reads wait in their drive's queue until fewer than ``ahead`` of that drive's experts are read
+        # or being read and not yet taken by the consumer: a consumer slower than the drives (the CPU's math) holds
+        # that many buffers, not the whole layer's (fresh buffers cost a page fault per 4 KiB)
+        self.ahead = getattr(src, "read_ahead", None)
+        self._queued: list[list[ScheduledRead]] = []  # per drive, the reads not yet submitted, last one first
+        self._open: list[int] = []  # per drive, experts submitted and not yet returned by next()
+        self._home: dict[int, int] = {}  # expert -> the drive its first read was queued on
         self._start(misses)
 
     # -------------------------------------------------------------- submitting
@@ -82,8 +89,22 @@ class LayerReads:
             for e in misses:
                 self.striped[e] = _Striped(e, self._striped_buffer(e, nbytes), len(pieces))
         sched = schedule_layer(reqs, self.src._rates, self.src.pool.pending_bytes(), self.src._latency)
-        for r in _rank_order(sched.queues):
-            self._submit(r.expert, r.drive, None if pieces is None else Piece(r.drive, r.offset, r.nbytes))
+        if pieces is not None or not self.ahead:  # a striped expert's pieces all go at once (they land together)
+            for r in _rank_order(sched.queues):
+                self._submit(r.expert, r.drive, None if pieces is None else Piece(r.drive, r.offset, r.nbytes))
+            return
+        self._queued = [list(reversed(q)) for q in sched.queues]
+        self._open = [0] * len(sched.queues)
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Submit each drive's next reads, in its queue's order, while it has fewer than ``ahead`` experts open."""
+        for d, q in enumerate(self._queued):
+            while q and self._open[d] < self.ahead:
+                r = q.pop()
+                self._open[d] += 1
+                self._home[r.expert] = d
+                self._submit(r.expert, r.drive)
 
     def _striped_buffer(self, e: int, nbytes: int) -> memoryview:
         try:
@@ -114,6 +135,8 @@ class LayerReads:
 
     def next(self) -> tuple[int, memoryview, int, str]:
         """The next expert to land; raises the error of an expert none of whose copies could be read."""
+        if self._queued:
+            self._top_up()  # the consumer is done with the expert before this one: its drive may read further
         while True:
             assert self.live, "experts left with no read in flight"
             wait = min(a.deadline for a in self.live.values()) - time.monotonic()
@@ -124,6 +147,8 @@ class LayerReads:
                 continue
             landed = self._completed(c)
             if landed is not None:
+                if self._queued:
+                    self._open[self._home[landed[0]]] -= 1
                 return landed
 
     def _completed(self, c: Completion) -> tuple[int, memoryview, int, str] | None:
