@@ -27,6 +27,7 @@ from deltafin.models.base import (
     Weights,
     dense,
     embed_rows,
+    ids_to_host,
     linear,
     linears,
     moe_dispatch,
@@ -280,7 +281,17 @@ class DecoderLM:
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         ids, weights = self._router(i, x)  # [T, k]
-        return moe_dispatch(x, ids, weights, i, experts, self._expert, self._glu)  # [T, D]
+        ids_host, ready = ids_to_host(ids)  # the copy starts now; work independent of routing runs meanwhile
+        side = self._moe_side(i, x)
+        if ready is not None:
+            ready.synchronize()
+        y = moe_dispatch(x, ids, weights, i, experts, self._expert, self._glu, ids_host)  # [T, D]
+        return y if side is None else y + side
+
+    def _moe_side(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """What a MoE layer adds to its routed experts that does not depend on routing (shared experts), queued
+        on the device while the router's ids travel to the host; None where there is none."""
+        return None
 
     _glu: tuple | None = ("silu",)  # the routed experts' activation, for the grouped CUDA kernels
 

@@ -14,7 +14,7 @@ import torch
 
 from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import mla
-from deltafin.models.base import ExpertSource, SequenceState, linear
+from deltafin.models.base import SequenceState, linear
 from deltafin.models.common import (
     DecoderLM,
     config_kwargs,
@@ -178,9 +178,8 @@ class Model(DecoderLM):
     def _is_moe(self, i: int) -> bool:
         return self.cfg.is_moe(i)
 
-    def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
-        y = super()._moe(i, x, experts)  # [T, D]
-        return y + self._swiglu(i, "mlp.shared_experts.", x) if self.cfg.n_shared_experts else y
+    def _moe_side(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        return self._swiglu(i, "mlp.shared_experts.", x) if self.cfg.n_shared_experts else None
 
     def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid, group-limited top-k; weights include routed_scaling_factor."""
