@@ -19,7 +19,7 @@ import torch
 # BK 256 with 2 warps (0.54 of copy) and down at BN 4 with 4 warps (0.48). These are the finalists.
 _OLD = dict(BK=512, num_warps=4, BN_down=8, BK_down=512, num_warps_down=4)  # the default before the split tiles
 MOE_CFGS = (dict(_OLD, BN=16, BN_down=16, decode=0, pdl=False), dict(_OLD, pdl=False), dict(_OLD), dict(),
-            dict(fold=True), dict(BN_down=8), dict(BK_down=256, num_warps_down=2), dict(prefetch=1),
+            dict(BN_down=8), dict(BK_down=256, num_warps_down=2), dict(prefetch=1),
             dict(BK=512, num_warps=4), dict(BN=16, num_warps=4))
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
 # BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
@@ -120,7 +120,6 @@ def summary(res: dict, gbps: float) -> list[str]:
                 c = r["cfg"]
                 tag = (f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} dec {c.get('decode', '-')}"
                        f" pf {c.get('prefetch', '-')} pdl {int(c['pdl']) if 'pdl' in c else '-'}"
-                       f" fold {int(c['fold']) if 'fold' in c else '-'}"
                        + (f" down {c['BN_down']}x{c['BK_down']} w {c['num_warps_down']}"
                           if "num_warps_down" in c else ""))
                 fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"

@@ -77,7 +77,7 @@ def sum_cast(x: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Te
     y = torch.empty((M, N), device=x.device, dtype=dtype)
     bn = min(1024, triton.next_power_of_2(N))
     _sum_cast_kernel[(M, triton.cdiv(N, bn))](x, y, N, x.stride(0), x.stride(1), R=R, BN=bn, PDL=pdl,
-                                              num_warps=4, **({"launch_pdl": True} if pdl else {}))
+                                              num_warps=4, **triton_gemv.pdl_launch(pdl))
     return y
 
 

@@ -58,8 +58,8 @@ GEMV_MOE = True
 # and then waits (griddepcontrol) for the results it reads, so the weight stream goes on across the kernel
 # boundaries instead of draining and refilling at each.
 PDL = not INTERPRET
-# The down kernel adds each token's k rows itself (the last of them to finish), in place of a summing launch.
-FOLD = False  # measured level with the summing launch once the launches are dependent (0.136 vs 0.134 ms)
+# (Adding each token's k rows in the down kernel, the last of them to finish, in place of the summing launch
+# measured level with it once the launches were dependent: 0.136 vs 0.134 ms. Not kept.)
 MAX_TOKENS = 4
 INT8_MAX_WEIGHTS = 27_000_000
 
@@ -284,14 +284,11 @@ def _gemv_gate_up_kernel(x_ptr, xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp,
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, out_ptr, cnt_ptr, p_slot, s_slot,
-                      RS: tl.constexpr, TOPK: tl.constexpr, FOLD: tl.constexpr,
+def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot,
+                      RS: tl.constexpr,
                       I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       DECODE: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """y[pair, n] = rw[pair] * (down h[pair])[n] in float32. PDL as in the gate/up kernel. FOLD: the last of
-    a token's TOPK programs for an n-tile to finish (a counter per token and tile, which it sets back to zero)
-    adds the token's rows in pair order and stores out[token, n] in out's dtype: the sum of ``sum_cast``,
-    the same numbers, without its launch."""
+    """y[pair, n] = rw[pair] * (down h[pair])[n] in float32. PDL as in the gate/up kernel."""
     if PDL:
         gdc_launch_dependents()
     b, pid_n = tl.program_id(0), tl.program_id(1)
@@ -321,29 +318,18 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
                                BN, BK // 32, DECODE)
     w = tl.load(rw_ptr + pair)
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
-    if FOLD:
-        tok = pair // TOPK
-        cnt = cnt_ptr + tok * tl.num_programs(1) + pid_n
-        tl.debug_barrier()  # every thread's row stored before the release below
-        if tl.atomic_add(cnt, 1, sem="acq_rel") == TOPK - 1:
-            tot = tl.zeros((BN,), dtype=tl.float32)
-            for j in range(TOPK):  # pair order: a fixed summation order
-                tot += tl.load(y_ptr + (tok * TOPK + j) * D + offs_n, mask=offs_n < D, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + tok * D + offs_n, tot.to(out_ptr.dtype.element_ty), mask=offs_n < D)
-            tl.atomic_xchg(cnt, 0)  # zero again for the next launch (no other program of this launch reads it)
 
 
 def moe_gemv_config(BN: int = 8, BK: int = 256, num_warps: int = 2, num_stages: int = 3, decode: int | None = None,
                     BN_down: int = 4, BK_down: int = 512, prefetch: int = 0, pdl: bool | None = None,
-                    fold: bool | None = None, num_warps_down: int = 4) -> dict:
+                    num_warps_down: int = 4) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
     (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
     if decode is None:
         decode = 0 if INTERPRET else 2
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
             "decode": decode, "BN_down": BN_down, "BK_down": BK_down, "prefetch": prefetch,
-            "pdl": PDL if pdl is None else pdl, "fold": FOLD if fold is None else fold,
-            "num_warps_down": num_warps_down}
+            "pdl": PDL if pdl is None else pdl, "num_warps_down": num_warps_down}
 
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
@@ -377,36 +363,18 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
         x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
         g[0].numel(), slab.scale["gate"][0].numel(), RS=rs,
         TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec, PF=c.get("prefetch", 0),
-        PDL=pdl, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **_pdl(pdl))
-    tiles = triton.cdiv(D, c["BN_down"])
-    fold = bool(c.get("fold", FOLD))
-    out = torch.empty(T, D, device=dev, dtype=x.dtype) if fold else y
-    cnt = _counters(dev, T * tiles) if fold else rw
-    _gemv_down_kernel[(T * k, tiles)](
-        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, out, cnt, dn[0].numel(), slab.scale["down"][0].numel(),
-        RS=rs, TOPK=k, FOLD=fold, I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
-        num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **_pdl(pdl))
-    if fold:
-        return out
+        PDL=pdl, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
+    _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
+        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
+        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
+        num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
     from deltafin.kernels.triton import sum_cast  # (triton imports this module)
 
     return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype, pdl)  # each token's k rows in pair order, one launch
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(dev: torch.device, n: int) -> torch.Tensor:
-    """n int32 arrival counters on dev, zero between launches (each kernel that counts sets its own back to
-    zero): one buffer per device, kept for the process (a CUDA graph holds its address)."""
-    bufs = _COUNTERS.setdefault(dev, [])
-    if not bufs or bufs[-1].numel() < n:  # the smaller ones stay allocated: graphs may hold them
-        bufs.append(torch.zeros(max(n, 4096), device=dev, dtype=torch.int32))
-    return bufs[-1]
-
-
-def _pdl(on: bool) -> dict:
-    """The launch option of a programmatic dependent launch."""
+def pdl_launch(on: bool) -> dict:
+    """The launch option of a programmatic dependent launch (none when off)."""
     return {"launch_pdl": True} if on else {}
 
 
