@@ -231,12 +231,12 @@ def test_block_layout_matches_a_loop_statement(slots_max, T, k, bt):
 
 
 def test_unique_ids_and_host_ids_on_the_cpu():
-    from deltafin.models.base import ids_to_host, unique_ids
+    from deltafin.models.base import ids_to_host_during, unique_ids
 
     ids = torch.tensor([[5, 2, 9], [2, 0, 5]])
     assert unique_ids(ids) == [0, 2, 5, 9] and unique_ids(ids[:0]) == []
-    host, ready = ids_to_host(ids)
-    assert host is ids and ready is None  # already on the host: nothing to wait for
+    host, side = ids_to_host_during(ids, lambda: "side")
+    assert host is ids and side == "side"  # already on the host: nothing to copy, the side work still runs
 
 
 # ---------------------------------------------------------------- on the GPU, compiled, real widths

@@ -136,16 +136,18 @@ def unique_ids(ids_host: torch.Tensor) -> list[int]:
     return torch.bincount(flat).nonzero().reshape(-1).tolist()
 
 
-def ids_to_host(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start copying the router's ids to the host; (host tensor, event to wait on, or None when already
-    there). Work queued on the device after this call runs while the host waits and plans."""
+def ids_to_host_during(ids: torch.Tensor, side):
+    """(the router's ids on the host, side()): the ids' copy starts first, so the device work side() queues
+    (what does not depend on routing) runs while the copy lands and the host plans the experts."""
     if not ids.is_cuda:
-        return ids, None
+        return ids, side()
     host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
     host.copy_(ids, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    return host, ev
+    ready = torch.cuda.Event()
+    ready.record()
+    out = side()
+    ready.synchronize()
+    return host, out
 
 
 def moe_dispatch(
@@ -170,7 +172,7 @@ def moe_dispatch(
     (the routing every rank uses), ``local(layer, wanted)`` (the ids it computes here) and
     ``combine(layer, out, ids)`` (the [T, k, D] slot buffers of all ranks summed, each slot filled by one
     rank and zero elsewhere, so the sum over k below is the single-process one, bit for bit).
-    ``ids_host``: ids already on the host (``ids_to_host``), so the caller could queue other work on the
+    ``ids_host``: ids already on the host (``ids_to_host_during``), so the caller could queue other work on the
     device before waiting for them.
     """
     T, D = x.shape

@@ -27,7 +27,7 @@ from deltafin.models.base import (
     Weights,
     dense,
     embed_rows,
-    ids_to_host,
+    ids_to_host_during,
     linear,
     linears,
     moe_dispatch,
@@ -281,10 +281,7 @@ class DecoderLM:
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         ids, weights = self._router(i, x)  # [T, k]
-        ids_host, ready = ids_to_host(ids)  # the copy starts now; work independent of routing runs meanwhile
-        side = self._moe_side(i, x)
-        if ready is not None:
-            ready.synchronize()
+        ids_host, side = ids_to_host_during(ids, lambda: self._moe_side(i, x))
         y = moe_dispatch(x, ids, weights, i, experts, self._expert, self._glu, ids_host)  # [T, D]
         return y if side is None else y + side
 

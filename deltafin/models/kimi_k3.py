@@ -25,7 +25,7 @@ from deltafin.models.base import (
     ExpertTensors,
     SequenceState,
     dense,
-    ids_to_host,
+    ids_to_host_during,
     linear,
     moe_dispatch,
     rms_norm,
@@ -436,10 +436,7 @@ class Model(DecoderLM):
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """Stable LatentMoE (§3.4): route on x, experts in the latent, norm the aggregate, up, + shared(x)."""
         ids, wts = self._router(i, x)
-        ids_host, ready = ids_to_host(ids)  # the copy starts now; the side runs on the device meanwhile
-        z, shared = self._moe_side(i, x)
-        if ready is not None:
-            ready.synchronize()
+        ids_host, (z, shared) = ids_to_host_during(ids, lambda: self._moe_side(i, x))
         y = moe_dispatch(z, ids, wts, i, experts, self._expert, self.glu, ids_host)  # [T, Lat] sum over slots
         return self._moe_finish(i, y, shared)
 
