@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 
@@ -38,8 +39,8 @@ def busy_reason() -> str | None:
 
 @pytest.fixture
 def timing():
-    """Timing tests measure the machine as much as the emulator: skip them while other jobs compete
-    for the CPUs, rather than report their noise."""
+    """Wall-clock tests measure the machine as much as the emulator: they are marked ``timing`` (out of
+    the default run: ``python -m pytest -m timing``) and skip while other jobs compete for the CPUs."""
     reason = busy_reason()
     if reason:
         pytest.skip(f"{reason}: timing would measure other jobs, not the emulator")
@@ -56,6 +57,40 @@ def _eventually(check, attempts: int = 5, pause: float = 0.5):
         if i + 1 < attempts:
             time.sleep(pause)
     raise AssertionError(detail)
+
+
+class VirtualClock:
+    """A clock the test moves: a read starts at ``t`` and its modelled completion is kept in ``woke``,
+    so the emulated drives' timing is checked exactly, whatever else the machine is doing."""
+
+    overhead = 0.0
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.woke = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep_until(self, deadline: float) -> float:
+        self.woke = max(self.t, deadline)
+        return 0.0
+
+
+def _streams(readers, clock: VirtualClock, path: str, size: int, per_reader: int, reads: int):
+    """``per_reader`` back-to-back read streams on each reader, run in virtual time (each read issued
+    by the stream that is free first); return (bytes, seconds until the last read ends, latencies)."""
+    buf = aligned_buffer(size)
+    free = [(0.0, i % len(readers)) for i in range(per_reader * len(readers))]
+    done, lat = 0, []
+    for _ in range(reads):
+        free.sort()
+        t, r = free.pop(0)
+        clock.t = t
+        done += readers[r].read_into(path, 0, buf)
+        lat.append(clock.woke - t)
+        free.append((clock.woke, r))
+    return done, max(t for t, _ in free), lat
 
 
 # ---------------------------------------------------------------- spec grammar
@@ -187,6 +222,47 @@ def _run_threads(target, args_list):
     return time.monotonic() - t0
 
 
+def test_emulated_reads_keep_the_promised_rate_in_virtual_time():
+    # four streams of 4 MiB reads on a 0.4 GB/s drive: the bus is shared, the latencies overlap
+    clock = VirtualClock()
+    drives = EmulatedDriveSet(parse_spec("a:0.4GBps,lat=100us,jitter=0.2"), memory={"m": os.urandom(4 * MiB)},
+                              clock=clock)
+    moved, seconds, _ = _streams(drives.readers(), clock, "m", 4 * MiB, per_reader=4, reads=64)
+    assert moved == 64 * 4 * MiB
+    assert moved / seconds / 1e9 == pytest.approx(0.4, rel=0.01)
+
+
+def test_emulated_reads_keep_the_promised_latency_in_virtual_time(tmp_path):
+    path = write_test_file(str(tmp_path / "t.bin"), MiB)  # a real file: the bytes come from the disk
+    clock = VirtualClock()
+    drives = EmulatedDriveSet(parse_spec("a:1GBps,lat=500us,jitter=0.3"), clock=clock)
+    _, _, lat = _streams(drives.readers(), clock, path, 4096, per_reader=1, reads=4000)
+    us = [x * 1e6 for x in lat]
+    expected = 500 + 4.096
+    assert statistics.fmean(us) == pytest.approx(expected, rel=0.03)
+    # lognormal jitter of deviation 0.3 keeps the mean: its median is exp(-s^2/2) = 0.956 of it
+    assert statistics.median(us) == pytest.approx(expected * 0.956, rel=0.03)
+
+
+def test_emulated_drives_add_up_in_virtual_time():
+    clock = VirtualClock()
+    drives = EmulatedDriveSet(parse_spec("a:0.2GBps,lat=50us;b:0.2GBps,lat=50us"), memory={"m": os.urandom(2 * MiB)},
+                              clock=clock)
+    moved, seconds, _ = _streams(drives.readers(), clock, "m", 2 * MiB, per_reader=1, reads=40)
+    assert moved / seconds / 1e9 == pytest.approx(0.4, rel=0.01)
+
+
+def test_sleep_clock_never_wakes_before_its_deadline():
+    from deltafin.io.emulator import _Clock
+
+    clock = _Clock()
+    for wait in (0.0, 20e-6, 200e-6, 2e-3) * 5:
+        deadline = clock.now() + wait
+        late = clock.sleep_until(deadline)
+        assert late >= 0 and clock.now() >= deadline
+
+
+@pytest.mark.timing
 def test_emulator_keeps_promised_rate(timing):
     # 4 MiB reads at 0.4 GB/s: ~10 ms each, so OS scheduling noise stays small beside them
     drives = EmulatedDriveSet(parse_spec("a:0.4GBps,lat=100us,jitter=0.2"), memory={"m": os.urandom(4 * MiB)})
@@ -204,6 +280,7 @@ def test_emulator_keeps_promised_rate(timing):
     _eventually(check)
 
 
+@pytest.mark.timing
 def test_emulator_keeps_promised_latency(timing, tmp_path):
     path = write_test_file(str(tmp_path / "t.bin"), MiB)
     drives = EmulatedDriveSet(parse_spec("a:1GBps,lat=500us,jitter=0.3"))
@@ -217,6 +294,7 @@ def test_emulator_keeps_promised_latency(timing, tmp_path):
     _eventually(check)
 
 
+@pytest.mark.timing
 def test_concurrent_drives_add_up(timing):
     drives = EmulatedDriveSet(parse_spec("a:0.2GBps,lat=50us;b:0.2GBps,lat=50us"), memory={"m": os.urandom(2 * MiB)})
 
@@ -273,6 +351,7 @@ def test_failure_fraction_and_runtime_injection():
 # ---------------------------------------------------------------- calibration against the real disk
 
 
+@pytest.mark.timing
 def test_calibration_reproduces_real_disk(timing, tmp_path):
     path = write_test_file(str(tmp_path / "cal.bin"), 16 * MiB)
 

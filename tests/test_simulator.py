@@ -189,6 +189,7 @@ def _busy_reason() -> str | None:
     return f"CPU pressure {some:.0f}%" if some > 25 else None
 
 
+@pytest.mark.timing
 def test_simulator_agrees_with_emulator():
     reason = _busy_reason()
     if reason:

@@ -374,6 +374,9 @@ class _Clock:
         self._local = threading.local()
         self.overhead = 0.0  # seconds a read spends in Python around its timed window
 
+    def now(self) -> float:
+        return time.monotonic()
+
     def sleep_until(self, deadline: float) -> float:
         """Return how late (seconds, >= 0) the caller wakes after ``deadline``."""
         if not getattr(self._local, "tight", False) and sys.platform.startswith("linux"):
@@ -479,7 +482,7 @@ class EmulatedDriveReader:
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> int:
         """Fill ``buf`` from ``path`` at ``offset``, taking the modelled time; return bytes read."""
-        t0 = time.monotonic()
+        t0 = self._clock.now()
         with self._lock:
             why = self._should_fail(path)
         got = 0 if why else self._copy(path, offset, buf)
@@ -519,12 +522,16 @@ def _measure_overhead(clock: _Clock, calls: int = 200) -> float:
 class EmulatedDriveSet:
     """A set of emulated drives sharing one sleep clock. ``readers()[i]`` is drive i."""
 
-    def __init__(self, models: Sequence[DriveModel], *, memory: Mapping[str, bytes] | None = None, seed: int = 0):
+    def __init__(self, models: Sequence[DriveModel], *, memory: Mapping[str, bytes] | None = None, seed: int = 0,
+                 clock=None):
+        """``clock``: anything with ``now()``, ``sleep_until(deadline) -> seconds late`` and ``overhead``
+        (default: the machine's monotonic clock, its overhead measured); tests pass a virtual one."""
         if not models:
             raise UsageError("an emulated drive set needs at least one drive; e.g. --emulate-drives report4@0.04")
         self.models = tuple(models)
-        clock = _Clock()
-        clock.overhead = _measure_overhead(clock)
+        if clock is None:
+            clock = _Clock()
+            clock.overhead = _measure_overhead(clock)
         self._readers = [EmulatedDriveReader(m, clock, memory, seed + 7919 * i) for i, m in enumerate(self.models)]
 
     @classmethod
