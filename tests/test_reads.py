@@ -351,16 +351,25 @@ def test_emulated_read_failures_are_served_by_replicas(k3, tmp_path):
     assert source.stats.failed_reads == readers[0].stats()["failures"] > 0
 
 
+@pytest.mark.parametrize("layout", ["files", "stripe"])
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_drives_read_a_bounded_number_of_experts_ahead_of_a_slow_consumer(k3, tmp_path, ahead):
+def test_drives_read_a_bounded_number_of_experts_ahead_of_a_slow_consumer(k3, tmp_path, ahead, layout):
     """A whole layer's fetch with a consumer slower than the drives: each drive reads at most ``read_ahead`` experts
-    ahead, so the read buffers stay that many (not the layer's); every expert still arrives once, intact. With
-    read_ahead 0 the whole layer is read at once (as many buffers as experts)."""
+    ahead (a striped layer: ``read_ahead`` experts, a piece of each on every drive), so the read buffers stay that
+    many (not the layer's); every expert still arrives once, intact. With read_ahead 0 the whole layer is read at
+    once (as many buffers as experts)."""
     root, _ = k3
-    pm = _copy(root, tmp_path / "m")
+    if layout == "files":
+        pm = _copy(root, tmp_path / "m")
+    else:
+        pack(str(root / "src"), str(tmp_path / "model"), parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
+             PackOptions(placement="stripe-bandwidth", progress=False))
+        pm = PackedModel.open(str(tmp_path / "model"))
     L, n, nbytes = pm.moe_layers[0], pm.num_experts, pm.file_bytes(pm.moe_layers[0])
     drives = len(pm.drives)
-    for read_ahead, most in ((ahead, ahead * drives + 1), (0, n)):
+    assert (pm.stripe(L) is not None) == (layout == "stripe")
+    lanes = drives if layout == "files" else 1
+    for read_ahead, most in ((ahead, ahead * lanes + 1), (0, n)):
         source = StreamingExperts(pm, cache_bytes=0, threads=1, read_ahead=read_ahead)
         try:
             seen = []

@@ -68,43 +68,55 @@ class LayerReads:
         self.timeouts: dict[tuple[int, int], int] = {}
         self.striped: dict[int, _Striped] = {}
         self._ids = itertools.count()
-        # whole-file reads wait in their drive's queue until fewer than ``ahead`` of that drive's experts are read
-        # or being read and not yet taken by the consumer: a consumer slower than the drives (the CPU's math) holds
-        # that many buffers, not the whole layer's (fresh buffers cost a page fault per 4 KiB)
+        # reads wait in their lane (a drive's whole files, or a striped layer's experts) until fewer than ``ahead``
+        # of its experts are read or being read and not yet taken by the consumer: a consumer slower than the drives
+        # (the CPU's math) holds that many buffers, not the whole layer's (fresh buffers cost a page fault per 4 KiB)
         self.ahead = getattr(src, "read_ahead", None)
-        self._queued: list[list[ScheduledRead]] = []  # per drive, the reads not yet submitted, last one first
-        self._open: list[int] = []  # per drive, experts submitted and not yet returned by next()
-        self._home: dict[int, int] = {}  # expert -> the drive its first read was queued on
+        self._queued: list[list[list[ScheduledRead]]] = []  # per lane, experts' reads not yet submitted, last first
+        self._open: list[int] = []  # per lane, experts submitted and not yet returned by next()
+        self._home: dict[int, int] = {}  # expert -> the lane its first read was queued in
         self._start(misses)
 
     # -------------------------------------------------------------- submitting
 
     def _start(self, misses: list[int]) -> None:
-        m, nbytes = self.src.model, self.src.model.file_bytes(self.layer)
+        m = self.src.model
         pieces = m.stripe(self.layer)
         if pieces is None:
-            reqs = [ReadRequest(e, nbytes, replicas=tuple(m.locations(self.layer, e))) for e in misses]
+            reqs = [ReadRequest(e, m.file_bytes(self.layer), replicas=tuple(m.locations(self.layer, e)))
+                    for e in misses]
         else:
-            reqs = [ReadRequest(e, nbytes, pieces=pieces) for e in misses]
-            for e in misses:
-                self.striped[e] = _Striped(e, self._striped_buffer(e, nbytes), len(pieces))
+            reqs = [ReadRequest(e, m.file_bytes(self.layer), pieces=pieces) for e in misses]
         sched = schedule_layer(reqs, self.src._rates, self.src.pool.pending_bytes(), self.src._latency)
-        if pieces is not None or not self.ahead:  # a striped expert's pieces all go at once (they land together)
+        if pieces is None:  # a lane per drive, a whole file per unit
+            lanes = [[[r] for r in q] for q in sched.queues]
+        else:  # one lane: a striped expert's pieces go together (it lands when they all have), on every drive
+            units: dict[int, list[ScheduledRead]] = {}
             for r in _rank_order(sched.queues):
-                self._submit(r.expert, r.drive, None if pieces is None else Piece(r.drive, r.offset, r.nbytes))
-            return
-        self._queued = [list(reversed(q)) for q in sched.queues]
-        self._open = [0] * len(sched.queues)
+                units.setdefault(r.expert, []).append(r)
+            lanes = [list(units.values())]
+        self._striped_layer = pieces is not None
+        self._queued = [list(reversed(q)) for q in lanes]
+        self._open = [0] * len(lanes)
         self._top_up()
 
     def _top_up(self) -> None:
-        """Submit each drive's next reads, in its queue's order, while it has fewer than ``ahead`` experts open."""
+        """Submit each lane's next experts, in schedule order, while it has fewer than ``ahead`` experts open (0:
+        no limit). A lane is a drive's whole-file reads, or a striped layer's experts (each a piece per drive, so
+        each drive again reads at most ``ahead`` pieces ahead); a striped expert's buffer is taken when it goes."""
         for d, q in enumerate(self._queued):
-            while q and self._open[d] < self.ahead:
-                r = q.pop()
+            while q and (not self.ahead or self._open[d] < self.ahead):
+                unit = q.pop()
+                e = unit[0].expert
                 self._open[d] += 1
-                self._home[r.expert] = d
-                self._submit(r.expert, r.drive)
+                self._home[e] = d
+                if not self._striped_layer:
+                    self._submit(e, unit[0].drive)
+                    continue
+                nbytes = self.src.model.file_bytes(self.layer)
+                self.striped[e] = _Striped(e, self._striped_buffer(e, nbytes), len(unit))
+                for r in unit:
+                    self._submit(e, r.drive, Piece(r.drive, r.offset, r.nbytes))
 
     def _striped_buffer(self, e: int, nbytes: int) -> memoryview:
         try:
@@ -135,8 +147,7 @@ class LayerReads:
 
     def next(self) -> tuple[int, memoryview, int, str]:
         """The next expert to land; raises the error of an expert none of whose copies could be read."""
-        if self._queued:
-            self._top_up()  # the consumer is done with the expert before this one: its drive may read further
+        self._top_up()  # the consumer is done with the expert before this one: its lane may read further
         while True:
             assert self.live, "experts left with no read in flight"
             wait = min(a.deadline for a in self.live.values()) - time.monotonic()
@@ -147,8 +158,7 @@ class LayerReads:
                 continue
             landed = self._completed(c)
             if landed is not None:
-                if self._queued:
-                    self._open[self._home[landed[0]]] -= 1
+                self._open[self._home[landed[0]]] -= 1
                 return landed
 
     def _completed(self, c: Completion) -> tuple[int, memoryview, int, str] | None:

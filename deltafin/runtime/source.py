@@ -2,8 +2,9 @@
 
 ``fetch(layer, ids)`` queues every miss the moment it is called, yields cached experts first (their
 math overlaps the reads), then each miss as its read lands. Time blocked waiting for a read is I/O wait;
-time between yields is expert math. Each drive reads at most ``read_ahead`` whole experts ahead of the
-consumer (eight per reader thread by default): a slow consumer holds that many read buffers, not a layer's.
+time between yields is expert math. Each drive reads at most ``read_ahead`` experts ahead of the consumer
+(eight per reader thread by default; a striped layer: that many experts, a piece of each on every drive): a
+slow consumer holds that many read buffers, not a layer's.
 
 The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
 replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
