@@ -1,5 +1,5 @@
 """Shared fixtures: the test session gets its own Deltafin home (catalog, chat history), so nothing lands in the
-user's; ``one_thread`` for modules of tiny tensors."""
+user's; ``one_thread`` for modules of tiny tensors; ``timing`` for the wall-clock tests."""
 
 from __future__ import annotations
 
@@ -27,3 +27,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def busy_reason() -> str | None:
+    """Why this machine is too busy for timing tests (other jobs competing for its CPUs), or None."""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cpus:
+        return f"load average {load:.1f} on {cpus} CPUs"
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = float(f.readline().split()[1].split("=")[1])  # "some avg10=12.34 ..."
+    except (OSError, IndexError, ValueError):
+        return None
+    return f"CPU pressure {some:.0f}% (tasks waiting for a CPU)" if some > 25 else None
+
+
+@pytest.fixture
+def timing():
+    """Wall-clock tests measure the machine as much as the code: they are marked ``timing`` (out of the default
+    run: ``python -m pytest -m timing``) and skip while other jobs compete for the CPUs."""
+    reason = busy_reason()
+    if reason:
+        pytest.skip(f"{reason}: timing would measure other jobs, not the code")

@@ -24,28 +24,6 @@ from deltafin.io.replicas import read_with_replicas
 MiB = 1 << 20
 
 
-def busy_reason() -> str | None:
-    """Why this machine is too busy for timing tests (other jobs competing for its CPUs), or None."""
-    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cpus:
-        return f"load average {load:.1f} on {cpus} CPUs"
-    try:
-        with open("/proc/pressure/cpu") as f:
-            some = float(f.readline().split()[1].split("=")[1])  # "some avg10=12.34 ..."
-    except (OSError, IndexError, ValueError):
-        return None
-    return f"CPU pressure {some:.0f}% (tasks waiting for a CPU)" if some > 25 else None
-
-
-@pytest.fixture
-def timing():
-    """Wall-clock tests measure the machine as much as the emulator: they are marked ``timing`` (out of
-    the default run: ``python -m pytest -m timing``) and skip while other jobs compete for the CPUs."""
-    reason = busy_reason()
-    if reason:
-        pytest.skip(f"{reason}: timing would measure other jobs, not the emulator")
-
-
 def _eventually(check, attempts: int = 5, pause: float = 0.5):
     """Run ``check`` (returns (ok, detail)) up to ``attempts`` times, ``pause`` seconds apart: a stray
     preemption spoils one measurement, and a burst of them on a shared virtual machine lasts a moment (a

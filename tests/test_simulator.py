@@ -176,24 +176,8 @@ def test_write_plots(tmp_path, caplog):
         assert paths and all(os.path.getsize(p) > 0 for p in paths)
 
 
-def _busy_reason() -> str | None:
-    """As in test_emulator: other jobs competing for the CPUs would spoil a timing test."""
-    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cpus:
-        return f"load average {load:.1f} on {cpus} CPUs"
-    try:
-        with open("/proc/pressure/cpu") as f:
-            some = float(f.readline().split()[1].split("=")[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return f"CPU pressure {some:.0f}%" if some > 25 else None
-
-
 @pytest.mark.timing
-def test_simulator_agrees_with_emulator():
-    reason = _busy_reason()
-    if reason:
-        pytest.skip(f"{reason}: timing would measure other jobs, not the emulator")
+def test_simulator_agrees_with_emulator(timing):
     shape = MoEShape("tiny", layers=4, experts=16, top_k=4, expert_bytes=4 << 20)
     results = []
     for i in range(5):  # a stray preemption spoils one run; a burst of them lasts a moment
