@@ -1047,6 +1047,14 @@ static inline void gw_thread_buffers(float **ws, int32_t **wp, int *rc) {
     }
 }
 
+/* The start of a GEMM region, in every thread: its panel buffers (ws, wp), then its share of x's quantization
+ * (token t of x is row rows[t] where rows is given) into xq and xs. */
+static void gw_region_begin(const float *x, const int64_t *rows, int32_t *xq, float *xs, int64_t C, int64_t T,
+                            float **ws, int32_t **wp, int *rc) {
+    gw_thread_buffers(ws, wp, rc);
+    gw_quantize_all(x, rows, xq, xs, C, T);
+}
+
 /* Inside a parallel region: out [T, R] = xq @ W^T for every panel of W [R, C], panels handed to threads as they
  * free up (nothing when this thread's buffers are missing: gw_thread_buffers reported it). */
 static void gw_panels(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
@@ -1074,8 +1082,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
         {
             float *ws;
             int32_t *wp;
-            gw_thread_buffers(&ws, &wp, &rc);
-            gw_quantize_all(x, NULL, xq, xs, C, T);
+            gw_region_begin(x, NULL, xq, xs, C, T, &ws, &wp, &rc);
             gw_panels(kind, packed, scales, e8m0, mult, &k, xq, xs, wp, ws, out, R, C, T);
         }
     }
@@ -1112,8 +1119,7 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
         {
             float *ws;
             int32_t *wp;
-            gw_thread_buffers(&ws, &wp, &rc);
-            gw_quantize_all(x, rows, xq, xs, D, T);
+            gw_region_begin(x, rows, xq, xs, D, T, &ws, &wp, &rc);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t p = 0; p < npi; p++) {
                 const int64_t r0 = p * GW_ROWS, n = I - r0 < GW_ROWS ? I - r0 : GW_ROWS;
