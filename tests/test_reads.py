@@ -3,6 +3,7 @@ a replica or reported, every read is checked against its checksum, and a bad cop
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -15,7 +16,7 @@ import torch
 
 from deltafin.cli import main
 from deltafin.errors import ExpertChecksumError, ReadError
-from deltafin.io.direct import FileDriveReader
+from deltafin.io.direct import FileDriveReader, align_up, aligned_buffer
 from deltafin.io.pool import BufferPool, ReadDeadline, ReaderPool
 from deltafin.k3_tiny import write_tiny_k3
 from deltafin.models import registry
@@ -387,3 +388,99 @@ def test_drives_read_a_bounded_number_of_experts_ahead_of_a_slow_consumer(k3, tm
             assert buffers <= most if read_ahead else buffers == most, (read_ahead, buffers)
         finally:
             source.close()
+
+
+# ------------------------------------------------------------------ reads in parts, reserved buffers
+
+
+class _Gated(FileDriveReader):
+    """Records every call; each waits at a barrier of ``n`` calls, so the reads pass only when ``n`` of them run at
+    once (reads in parts of one file: the threads share it; whole reads would never meet there)."""
+
+    def __init__(self, label, root, n: int, fail_at: int | None = None):
+        super().__init__(label, root)
+        self.barrier = threading.Barrier(n, timeout=20) if n > 1 else None
+        self.fail_at = fail_at
+        self.calls: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def read_into(self, path, offset, buf):
+        with self._lock:
+            self.calls.append((os.path.basename(path), offset, len(buf)))
+        if self.barrier is not None:
+            self.barrier.wait()
+        if offset == self.fail_at:
+            raise OSError(5, "Input/output error")
+        return super().read_into(path, offset, buf)
+
+
+def test_a_long_read_goes_in_parts_the_threads_share_and_lands_once_whole(tmp_path):
+    data = os.urandom(4 * 8192 - 123)  # four parts of 8 KiB, the last one short (not a multiple of 4 KiB)
+    (tmp_path / "a").write_bytes(data)
+    reader = _Gated("d0", str(tmp_path), 4)
+    pool = ReaderPool([reader], 4, part_bytes=8192)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    checked = []
+    pool.submit(0, str(tmp_path / "a"), len(data), "a", done, check=lambda b: checked.append(bytes(b)))
+    c = done.get(timeout=30)
+    assert c.error is None and c.tag == "a" and c.nbytes == len(data)
+    assert bytes(c.buf[: len(data)]) == data and checked == [data]  # the check saw the whole file, once
+    assert sorted(off for _, off, _ in reader.calls) == [0, 8192, 16384, 24576]
+    with pytest.raises(queue.Empty):
+        done.get(timeout=0.2)  # one completion for the read, not one per part
+    assert pool.pending_bytes() == [0] and pool.counters[0].reads == 1 and pool.counters[0].bytes == len(data)
+    # into a caller's view (a striped expert's piece) the same way
+    dst = aligned_buffer(align_up(len(data)) + 8192)[8192:]
+    pool.submit(0, str(tmp_path / "a"), len(data), "b", done, into=dst)
+    c = done.get(timeout=30)
+    pool.close()
+    assert c.error is None and bytes(dst[: len(data)]) == data
+
+
+def test_a_failed_part_fails_the_read_once_and_gives_its_buffer_back(tmp_path):
+    (tmp_path / "a").write_bytes(os.urandom(3 * 8192))
+    pool = ReaderPool([_Gated("d0", str(tmp_path), 1, fail_at=8192)], 2, part_bytes=8192)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    pool.submit(0, str(tmp_path / "a"), 3 * 8192, "a", done, check=lambda b: None)
+    c = done.get(timeout=30)
+    assert isinstance(c.error, OSError) and c.buf is None
+    with pytest.raises(queue.Empty):
+        done.get(timeout=0.2)
+    assert pool.counters[0].errors == 1 and pool.counters[0].reads == 0 and pool.pending_bytes() == [0]
+    assert len(pool.buffers._free[3 * 8192]) == 1  # back in the pool for the next read
+    pool.close()
+
+
+def test_the_engine_reads_in_parts_give_the_same_tokens(k3, tmp_path):
+    root, ref = k3
+    pm = PackedModel.open(str(root / "model"))
+    source = StreamingExperts(pm, cache_bytes=0, threads=3, deadline=FAST)
+    source.pool.part_bytes = 4096  # the tiny experts' files are a few parts each
+    assert pm.file_bytes(pm.moe_layers[0]) > 2 * 4096
+    model = registry.build(pm.family, pm.text_config, pm.trunk_records())
+    try:
+        got = _bounded(lambda: model.forward(torch.tensor(PROMPT), model.new_state(64), source))
+    finally:
+        source.close()
+    assert torch.equal(got, ref)
+
+
+def test_the_source_maps_its_read_buffers_when_it_opens(k3):
+    root, _ = k3
+    pm = PackedModel.open(str(root / "model"))
+    L, nbytes = pm.moe_layers[0], pm.file_bytes(pm.moe_layers[0])
+    source = StreamingExperts(pm, cache_bytes=0, threads=1, read_ahead=2)
+    try:
+        lanes = len(pm.drives)  # whole files: a lane per drive, read_ahead experts each, and the consumer's one
+        assert source.reserved[:2] == (2 * lanes + 1, (2 * lanes + 1) * align_up(nbytes))
+        before = source.pool.buffers.allocated
+        assert sorted(e for e, _ in source.fetch(L, list(range(pm.num_experts)))) == list(range(pm.num_experts))
+        assert source.pool.buffers.allocated == before  # the layer's reads took no new buffer
+    finally:
+        source.close()
+    for kw in ({"reserve": False}, {"read_ahead": 0}):  # opted out; an unbounded read-ahead has no count to map
+        source = StreamingExperts(pm, cache_bytes=0, threads=1, **kw)
+        assert source.reserved == (0, 0, 0.0) and source.pool.buffers.allocated == 0
+        source.close()
+    buf = aligned_buffer(3 * 4096 + 5, populate=True)
+    assert len(buf) == 4 * 4096 and not any(buf) and ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 4096 == 0

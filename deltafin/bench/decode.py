@@ -18,7 +18,7 @@ import time
 import torch
 import xxhash
 
-from deltafin.bench.synthetic import K3_LATENT, synthetic_run
+from deltafin.bench.synthetic import K3_LATENT, reserved_line, synthetic_run
 
 
 def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,6 +75,7 @@ def run(args) -> dict:
         "step_over_bound": wall / max(io_s, math_s) if not args.io_only else None,
         "direct_io": source.direct, "math": "exact" if args.exact else kernels.backend_name(args.device),
         "verify_reads": verify, "xxh3_GBps": xxh3, "verify_cores_at_raw": raw / xxh3,
+        "reserved_buffers": source.reserved[0], "reserved_bytes": source.reserved[1], "reserve_s": source.reserved[2],
     }
     _print(rec)
     if args.json:
@@ -127,4 +128,5 @@ def _print(r: dict) -> None:
                  f"{r['step_over_bound']:.2f}x (target <= 1.15)")
     print(head + f"; {'reads verified' if r['verify_reads'] else 'reads not verified (--no-verify-reads)'}: "
           f"xxh3 {r['xxh3_GBps']:.2f} GB/s on one core vs raw {r['raw_GBps']:.2f} GB/s = "
-          f"{r['verify_cores_at_raw']:.2f} core to check every byte at the drive's rate")
+          f"{r['verify_cores_at_raw']:.2f} core to check every byte at the drive's rate. "
+          + reserved_line((r["reserved_buffers"], r["reserved_bytes"], r["reserve_s"])))

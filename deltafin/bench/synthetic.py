@@ -154,6 +154,13 @@ def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[Synt
         shutil.rmtree(work, ignore_errors=True)
 
 
+def reserved_line(reserved: tuple[int, int, float]) -> str:
+    """What the source mapped when it opened (``StreamingExperts.reserved``), outside the timed part."""
+    n, nbytes, s = reserved
+    return (f"Read buffers mapped at open, outside the timing: {n} ({nbytes / 1e9:.2f} GB) in {s:.2f} s" if n else
+            "No read buffers mapped at open")
+
+
 def expert_rows(token_routes: list[list[int]]) -> dict[int, torch.Tensor]:
     """Expert -> the rows (tokens, ascending) routed to it, int64: one pass over the routes per layer."""
     rows: dict[int, list[int]] = {}

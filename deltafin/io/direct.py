@@ -24,9 +24,21 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_buffer(nbytes: int) -> memoryview:
-    """A page-aligned, zero-filled writable buffer (anonymous mmap: always 4 KiB aligned)."""
-    return memoryview(mmap.mmap(-1, max(align_up(nbytes), ALIGN)))
+def aligned_buffer(nbytes: int, populate: bool = False) -> memoryview:
+    """A page-aligned, zero-filled writable buffer (private anonymous mmap: always 4 KiB aligned).
+
+    ``populate``: its pages are mapped now (MAP_POPULATE where the platform has it, else a write to every page)
+    rather than one fault at a time at first touch, which a direct read into a fresh buffer pays inside the read
+    (1.26 GB here: 0.37-0.40 s populated at once, 0.5-0.6 s touched page by page, 0.7 s as a shared mapping)."""
+    size = max(align_up(nbytes), ALIGN)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no flags; the mapping is private to the process anyway
+        buf = memoryview(mmap.mmap(-1, size))
+    else:
+        flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        buf = memoryview(mmap.mmap(-1, size, flags=flags))
+    if populate and not getattr(mmap, "MAP_POPULATE", 0):
+        buf[::ALIGN] = bytes(len(range(0, size, ALIGN)))  # one write per page maps it (zeros: the contents stay)
+    return buf
 
 
 class DriveReader(Protocol):
