@@ -194,6 +194,7 @@ def test_start_line_names_device_context_and_threads(packed, capsys):
     assert "on cpu (auto)" in err or "(auto)" in err
     assert "context 256 tokens (the model's max_position_embeddings)" in err
     assert "1 compute threads, 4 reader threads x 2 drive(s)" in err
+    assert "I/O, read buffers " in err  # mapped when the model opened (StreamingExperts.reserve_buffers)
 
 
 def test_list_and_rm(packed, tmp_path, capsys, monkeypatch):

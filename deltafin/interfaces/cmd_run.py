@@ -206,7 +206,9 @@ def start_line(eng, args) -> str:
             f"{fmt.size(eng.packed.doc['trunk']['bytes'])} resident; expert cache {fmt.size(eng.cache_bytes)}{cache}; "
             f"context {eng.opts.max_len:,} tokens ({eng.context_reason}); {torch.get_num_threads()} compute threads, "
             f"{args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
-            f"{'direct' if eng.source.direct else 'buffered'} I/O; math: {eng.math_name}")
+            f"{'direct' if eng.source.direct else 'buffered'} I/O"
+            + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
+            + f"; math: {eng.math_name}")
 
 
 def sampling_params(args):
