@@ -286,6 +286,29 @@ def test_bench_decode_reports_the_checksum_cost_beside_the_drive(tmp_path, capsy
     assert "reads not verified (--no-verify-reads)" in capsys.readouterr().out
 
 
+def test_bench_prefill_reports_reads_math_and_their_limits(tmp_path, capsys):
+    """Full mode on a small case (K3-size experts, 1 layer of 8, 16 tokens x 2): the floor from the unique bytes and
+    the raw rate, each expert read once, the math beside its floor at the int16 peak (where the GEMM is built), and
+    the read buffers mapped at open reported apart from the timing."""
+    from deltafin.bench.synthetic import K3_INTER, K3_LATENT
+    from deltafin.kernels import cpu
+
+    out = tmp_path / "prefill.json"
+    main(["bench", "prefill", "--layers", "1", "--experts", "8", "--k", "2", "--prompt", "16", "--threads", "2",
+          "--dir", str(tmp_path), "--json", str(out)])
+    line = capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    assert rec["mode"] == "full" and rec["read_amplification"] == 1.0
+    assert rec["floor_s"] == pytest.approx(rec["unique_bytes"] / (rec["raw_GBps"] * 1e9))
+    assert rec["ratio"] == pytest.approx(rec["ttft_s"] / rec["floor_s"]) and 0 < rec["math_s"] < rec["ttft_s"]
+    assert rec["expert_ops"] == 2 * 3 * K3_LATENT * K3_INTER * 16 * 2
+    if cpu.gemm_enabled():
+        assert rec["math_floor_s"] == pytest.approx(rec["expert_ops"] / (rec["int16_peak_GOPs"] * 1e9))
+        assert rec["math_over_floor"] == pytest.approx(rec["math_s"] / rec["math_floor_s"])
+        assert "at the int16 dot-product peak measured around the run" in line
+    assert rec["reserved_buffers"] > 0 and "Read buffers mapped at open, outside the timing" in line
+
+
 def test_a_late_piece_of_a_striped_expert_is_retried_then_reported(k3, tmp_path):
     model = str(tmp_path / "model")
     pack(str(k3[0] / "src"), model, parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
