@@ -501,6 +501,12 @@ def test_the_source_maps_its_read_buffers_when_it_opens(k3):
         assert source.pool.buffers.allocated == before  # the layer's reads took no new buffer
     finally:
         source.close()
+    from deltafin.runtime.engine import ForeignDrive
+
+    own = [FileDriveReader(pm.drives[0].label, pm.drives[0].path), ForeignDrive(pm.drives[1].label)]
+    source = StreamingExperts(pm, cache_bytes=0, threads=1, read_ahead=2, readers=own)
+    assert source.reserved[0] == 2 + 1  # a cluster rank: its own drive's lane only
+    source.close()
     for kw in ({"reserve": False}, {"read_ahead": 0}):  # opted out; an unbounded read-ahead has no count to map
         source = StreamingExperts(pm, cache_bytes=0, threads=1, **kw)
         assert source.reserved == (0, 0, 0.0) and source.pool.buffers.allocated == 0

@@ -107,6 +107,7 @@ class ForeignDrive:
     """A drive of another rank: this rank never reads it (its experts are owned elsewhere)."""
 
     direct = True
+    reads = False  # no read buffers to keep for it (StreamingExperts.reserve_buffers)
 
     def __init__(self, label: str):
         self.label = label

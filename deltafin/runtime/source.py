@@ -127,7 +127,8 @@ class StreamingExperts:
         for L in layers:
             sizes[m.file_bytes(L)] = sizes.get(m.file_bytes(L), 0) + 1
         nbytes = max(sizes, key=lambda n: (sizes[n], n))  # the common size (every layer's, in the usual model)
-        lanes = 1 if all(m.stripe(L) is not None for L in layers) else len(self.readers)
+        own = sum(getattr(r, "reads", True) for r in self.readers)  # a cluster rank reads its own drives only
+        lanes = min(1, own) if all(m.stripe(L) is not None for L in layers) else own
         count = lanes * min(self.read_ahead, m.num_experts) + 1
         import psutil
 
