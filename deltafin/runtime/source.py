@@ -4,7 +4,8 @@
 math overlaps the reads), then each miss as its read lands. Time blocked waiting for a read is I/O wait;
 time between yields is expert math. Each drive reads at most ``read_ahead`` experts ahead of the consumer
 (eight per reader thread by default; a striped layer: that many experts, a piece of each on every drive): a
-slow consumer holds that many read buffers, not a layer's.
+slow consumer holds that many read buffers, not a layer's; the source maps that many when it opens
+(``reserve_buffers``), so the first prompt's reads do not fault fresh buffers in page by page.
 
 The layer's reads go through ``deltafin.io.schedule``: it picks the copy to read for experts with
 replicas (the drive that finishes the layer soonest given what each drive has queued) and orders each
@@ -115,8 +116,8 @@ class StreamingExperts:
         for striped layers, ``read_ahead`` experts each, and the one the consumer holds), of the model's expert
         file size, and keep them in the pool. The source opens with the model, so this is load time: without it
         the first prompt's reads fault every 4 KiB page of each new buffer in, inside the reads and beside the
-        math (`bench prefill`, 72 buffers of a Kimi K3 expert, 1.26 GB: 0.9-5.9 s of system time a run with
-        fresh buffers, 0.22-0.33 s with them reserved; mapping them at open took 0.4-0.8 s on this 2-core VM).
+        math (`bench prefill` on a 2-core VM: 0.5-5.9 s of system time a run with fresh buffers, 0.2-0.3 s with its
+        65 Kimi K3-size buffers, 1.14 GB, mapped at open, which took 0.3-0.8 s).
         Nothing is reserved with an unbounded read-ahead (0), for pinned (CUDA) pools, or past an eighth of the
         memory available. Returns and records (buffers, bytes, seconds)."""
         m = self.model
