@@ -275,6 +275,30 @@ def test_bench_gated_expert_rows_beside_the_peak_of_as_many_threads(monkeypatch)
                "worst_one_token_fraction": 1.0, "target": 0.5, "prefill": [], "gated_expert": rows})
 
 
+def test_bench_kernels_times_the_engines_one_call_expert_beside_the_three_matmuls(monkeypatch, capsys):
+    """`bench kernels` expert rows: the three matmuls (the target's figure) and, where the backend has one call for
+    the whole expert (gate, up, SiTU-GLU, down: what the engine runs), that call beside them; a lone matrix has
+    none."""
+    import argparse
+
+    from deltafin.bench import kernels as bk
+
+    expert = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    lone = [_records(64, 96, seed=4)["int8"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: expert), ("int8", 1, lambda: lone)])
+    monkeypatch.setattr(bk, "_cache_bytes", lambda: 0)
+    monkeypatch.setattr(bk, "bandwidth", lambda device: 10.0)  # no 1 GiB sum here
+    for name in ("_prefill_rows", "_glu_rows"):
+        monkeypatch.setattr(bk, name, lambda device, seconds: [])
+    r = bk.run(argparse.Namespace(device="cpu", seconds=0.05, json=None))
+    e, i8 = r["cases"]
+    assert e["one_call_GBps"] > 0 and e["one_call_over_bandwidth"] == e["one_call_GBps"] / r["bandwidth_GBps"]
+    assert i8["one_call_GBps"] is None and i8["one_call_over_bandwidth"] is None
+    assert r["worst_one_token_fraction"] == min(e["fused_over_bandwidth"], i8["fused_over_bandwidth"])
+    out = capsys.readouterr().out
+    assert out.count("as one call with the activation (the engine's expert)") == 1
+
+
 @pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
 def test_nan_scale_propagates_like_the_reference(C):
     rec = _records(4, C, seed=1)["mxfp4"]
