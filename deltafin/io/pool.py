@@ -135,7 +135,8 @@ MAX_PARTS = 64  # past 64 x PART_BYTES the parts grow instead (expert files are 
 
 
 class _Parts:
-    """One read going as parts: the buffer the first part takes, how many parts are still out, the first error."""
+    """One read, in one part or several: the buffer the first part takes, how many parts are still out, the first
+    error."""
 
     def __init__(self, n: int, into: memoryview | None):
         self.left = n
@@ -195,13 +196,11 @@ class ReaderPool:
             ahead = self._pending[drive]
             self._pending[drive] += nbytes
         n = min(-(-nbytes // self.part_bytes), MAX_PARTS) if self.part_bytes and nbytes > self.part_bytes else 1
-        if n == 1:
-            self._exec[drive].submit(self._read, drive, path, nbytes, tag, done, into, check)
-            return ahead
-        step = align_up(-(-nbytes // n))
-        job = _Parts(-(-nbytes // step), into)
-        for lo in range(0, nbytes, step):
-            self._exec[drive].submit(self._read_part, drive, path, nbytes, tag, done, check, job, lo,
+        step = max(align_up(-(-nbytes // n)), ALIGN)
+        starts = range(0, nbytes, step) or range(1)  # a read of 0 bytes is one (empty) part
+        job = _Parts(len(starts), into)
+        for lo in starts:
+            self._exec[drive].submit(self._read, drive, path, nbytes, tag, done, check, job, lo,
                                      min(nbytes, lo + step))
         return ahead
 
@@ -211,45 +210,9 @@ class ReaderPool:
             return list(self._pending)
 
     def _read(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
-              into: memoryview | None = None, check: Callable[[memoryview], None] | None = None) -> None:
-        reader = self.readers[drive]
-        buf = into
-        t0 = time.perf_counter()
-        with self._lock:
-            self._inflight[drive] += 1
-            if self._inflight[drive] == 1:
-                self._since[drive] = t0
-        try:
-            buf = into if into is not None else self._buffer(reader.label, path, nbytes)
-            got = reader.read_into(path, 0, buf[: align_up(nbytes)])
-            if got < nbytes:
-                raise ReadError(f"drive {reader.label}: short read of {path}: {got} of {nbytes} bytes; "
-                                f"run 'deltafin verify' and repack the bad experts")
-            if check is not None:
-                check(buf[:nbytes])
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which names it
-            if into is None and buf is not None:
-                self.buffers.put(buf)
-            with self._lock:
-                self.counters[drive].errors += 1
-                self._pending[drive] -= nbytes
-                self._idle(drive, time.perf_counter())
-            done.put(Completion(tag, drive, path, None, nbytes, time.perf_counter() - t0, e))
-            return
-        dt = time.perf_counter() - t0
-        with self._lock:
-            c = self.counters[drive]
-            c.reads += 1
-            c.bytes += nbytes
-            c.busy_seconds += dt
-            self._pending[drive] -= nbytes
-            self._idle(drive, t0 + dt)
-        done.put(Completion(tag, drive, path, buf, nbytes, dt))
-
-    def _read_part(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
-                   check: Callable[[memoryview], None] | None, job: _Parts, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) of a read that goes in parts (see PART_BYTES); the last part to end checks the whole
-        read and posts its one Completion, as ``_read`` does for a whole read."""
+              check: Callable[[memoryview], None] | None, job: _Parts, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of a read (all of it, or one part: see PART_BYTES); the last part to end checks the whole
+        read and posts its one Completion, its errors included."""
         reader = self.readers[drive]
         t0 = time.perf_counter()
         with self._lock:
