@@ -18,7 +18,7 @@ import time
 import torch
 import xxhash
 
-from deltafin.bench.synthetic import K3_LATENT, reserved_line, synthetic_run
+from deltafin.bench.synthetic import K3_ACT, K3_LATENT, reserved_line, synthetic_run
 
 
 def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -27,7 +27,7 @@ def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> tor
     from deltafin.kernels import glu
     from deltafin.models.base import linear
 
-    y = glu(x, t["gate"], t["up"], t["down"], ("situ", 4.0, 25.0), rows=rows)
+    y = glu(x, t["gate"], t["up"], t["down"], K3_ACT, rows=rows)
     if y is not None:
         return y
     if rows is not None:

@@ -2,8 +2,8 @@
 
 Cases: one K3 routed expert (MXFP4 gate/up [3072, 3584], down [3584, 3072]; 17.5 MB) at 1 token and a few
 tokens, as three matmuls (the target's figure) and, beside, as the one call the engine makes for it where the
-backend has one (gate, up, SiTU-GLU, down: ``kernels.glu``), and the int8 trunk's GEMV shapes (KDA q/k/v/g [12288, 7168], o [7168, 12288], shared experts
-[6144, 7168] and [7168, 6144], latent down [3584, 7168]). Prefill rows: the same expert at 64 and 128 tokens
+backend has one (gate, up, SiTU-GLU, down: ``kernels.glu``), and the int8 trunk's GEMV shapes (KDA q/k/v/g
+[12288, 7168], o [7168, 12288], shared experts [6144, 7168] and [7168, 6144], latent down [3584, 7168]). Prefill rows: the same expert at 64 and 128 tokens
 (a layer's share of a 512-token prompt), in GFLOP/s beside the machine's int16 dot-product peak measured in the
 same run, with the tiled float path (``DELTAFIN_CPU_GEMM=0``) and a float32 torch matmul of the same shapes (weights
 already float) beside. The gated expert (gate, up, SiTU-GLU, down in one call) at bench prefill's 85 tokens per
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from deltafin.bench.synthetic import K3_INTER, K3_LATENT
+from deltafin.bench.synthetic import K3_ACT, K3_INTER, K3_LATENT
 from deltafin.quant.record import QTensor
 
 INT8_SHAPES = [(12288, 7168), (7168, 12288), (6144, 7168), (7168, 6144), (3584, 7168)]
@@ -32,8 +32,6 @@ PREFILL_TOKENS = (64, 128)
 TARGET = 0.5  # achieved / bandwidth at one token
 PREFILL_TARGET = 2.5  # the GEMM over the tiled float path at prefill token counts
 
-
-K3_ACT = ("situ", 4.0, 25.0)  # Kimi K3's expert activation (SiTU-GLU, beta 4, linear beta 25)
 
 def _sync(device: str) -> None:
     if device == "cuda":
@@ -192,8 +190,9 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-def _peak(device: str) -> float:
-    """The int16 dot-product peak on the fast path's threads (GOP/s), 0 where the kernels have no VNNI code."""
+def int16_peak(device: str) -> float:
+    """The int16 dot-product peak on the fast path's threads (GOP/s), the best of three short runs; 0 off the CPU or
+    where the kernels have no VNNI code."""
     from deltafin.kernels import native
 
     lib = native.library() if device == "cpu" else None
@@ -242,7 +241,7 @@ def run(args) -> dict:
         del sets, ws0
     prefill = _prefill_rows(device, args.seconds) if device == "cpu" else []
     glu_rows = _glu_rows(device, args.seconds) if device == "cpu" else []
-    peak = _peak(device)
+    peak = int16_peak(device)
     for r in prefill:
         r["fused_over_peak"] = r["fused_GFLOPs"] / peak if peak else None
     bw = max(bw0, bandwidth(device))

@@ -16,25 +16,13 @@ import time
 import torch
 
 from deltafin.bench.decode import situ_glu_expert
+from deltafin.bench.kernels import int16_peak
 from deltafin.bench.synthetic import K3_INTER, K3_LATENT, expert_major_layer, reserved_line, synthetic_run
-
-
-def int16_peak(device: str) -> float:
-    """The int16 dot-product peak (GOP/s) on the math's threads, the best of three short runs: the compute limit of
-    the CPU's prefill GEMM (0: not the CPU, or no VNNI code in this build). Measured before and after the timed
-    part, like the disk's rate: the VM's vCPUs move between quiet and shared cores from minute to minute."""
-    if device != "cpu":
-        return 0.0
-    from deltafin.kernels import cpu, native
-
-    lib = native.library()
-    if lib is None or not cpu.gemm_enabled(lib):
-        return 0.0
-    return max(lib.df_gw_peak(torch.get_num_threads(), 2_000_000) for _ in range(3))
 
 
 def run(args) -> dict:
     from deltafin import kernels
+    from deltafin.kernels import cpu
 
     with synthetic_run(args, "prefill") as run_, kernels.fast(not args.exact):
         pm, nbytes = run_.pm, run_.nbytes
@@ -43,7 +31,10 @@ def run(args) -> dict:
         source = run_.source(args.threads, args.device)
         x = torch.randn(args.prompt, K3_LATENT, device=args.device)
         unique, math_s = 0, 0.0
-        peak = 0.0 if args.io_only or args.exact else int16_peak(args.device)
+        # the int16 GEMM's compute limit, measured before and after like the disk's rate (the VM's vCPUs move
+        # between quiet and shared cores from minute to minute); none where the math does not take that GEMM
+        gemm = args.device == "cpu" and not (args.io_only or args.exact) and cpu.available() and cpu.gemm_enabled()
+        peak = int16_peak(args.device) if gemm else 0.0
         t0 = time.perf_counter()
         for L in pm.moe_layers:
             n, m = expert_major_layer(source, L, routes[L], x, args.io_only, situ_glu_expert)

@@ -25,6 +25,7 @@ from deltafin.store import manifest as mf
 from deltafin.store.expert_file import layout_for
 
 K3_LATENT, K3_INTER = 3584, 3072
+K3_ACT = ("situ", 4.0, 25.0)  # Kimi K3's expert activation: SiTU-GLU, beta 4, linear beta 25
 
 
 def k3_expert_layout(latent: int = K3_LATENT, inter: int = K3_INTER) -> ef.ExpertLayout:
