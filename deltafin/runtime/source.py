@@ -18,6 +18,7 @@ reads are retried or served by a replica (``deltafin.runtime.layer_reads``).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -124,9 +125,7 @@ class StreamingExperts:
         layers = m.moe_layers
         if not layers or not self.read_ahead or self.pool.buffers.pin:
             return self.reserved
-        sizes: dict[int, int] = {}
-        for L in layers:
-            sizes[m.file_bytes(L)] = sizes.get(m.file_bytes(L), 0) + 1
+        sizes = Counter(m.file_bytes(L) for L in layers)
         nbytes = max(sizes, key=lambda n: (sizes[n], n))  # the common size (every layer's, in the usual model)
         own = sum(getattr(r, "reads", True) for r in self.readers)  # a cluster rank reads its own drives only
         lanes = min(1, own) if all(m.stripe(L) is not None for L in layers) else own
