@@ -785,7 +785,9 @@ int df_simd_width(void) {
  * within noise of 7 x 2, 6 x 3 and 8 x 2 (float accumulators through L1), 5-9% ahead of 5 x 2, 4 x 3 and 8 x 3;
  * 8 x 1 and 3 x 4 far behind; GW_KB 8 and 4 slower than 16. The rest of the call is the weights' decode (about a
  * tenth at 85 tokens) and one float conversion, scale product and multiply-add per 16 dot products. With the
- * broadcasts inside vpdpwssd (GW_EMB), 6, 7 and 8 tokens x 2 measured alike over a whole expert at 85 and 170. */
+ * broadcasts inside vpdpwssd (GW_EMB), 6, 7 and 8 tokens x 2 measured alike over a whole expert at 85 and 170.
+ * Software prefetch of the next chunk's weights (into L1 or L2, all at once or spread over the token groups, one
+ * or two chunks ahead) measured 0-3% in three runs of the same builds timed in turn, and was not kept. */
 /* GW_EMB: the token's pair broadcast from memory inside vpdpwssd ({1to16}: one instruction and one fused load
  * where the broadcast and the dot product were two), which intrinsics do not ask for when a broadcast feeds more
  * than one row vector. 5-9% faster over a K3 expert at 24-300 tokens (builds timed in turn, two threads). */
@@ -1017,32 +1019,6 @@ static void *gw_buffer(int which, size_t n) {
     return buf[which];
 }
 
-#ifndef GW_PF
-#define GW_PF 1
-#endif
-#ifndef GW_PF_HINT
-#define GW_PF_HINT _MM_HINT_T1
-#endif
-#ifndef GW_PF_NEXT
-#define GW_PF_NEXT 2
-#endif
-/* Asks for part `part` of `parts` of the packed bytes and scales of the chunk at block b0 of rows [r0, r0 + GW_ROWS)
- * (rows past R: none) to be brought into L2, spread over the current chunk's token groups, a chunk ahead of its
- * decode (the last chunk asks for the first of the panel GW_PF_NEXT panels on: the threads take panels in turn).
- * About 3% over a K3 expert at 85 tokens on two threads; all at once at the chunk's start, or into L1, no gain. */
-static inline void gw_prefetch(const uint8_t *packed, const void *scales, int kind, int64_t r0, int64_t R, int64_t C,
-                               int64_t b0, int64_t part, int64_t parts) {
-    const int64_t H = C / 2, nb = C / 32, b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
-    const int sb = kind == 0 ? 1 : kind == 2 ? 4 : 2; /* bytes per scale */
-    const int64_t lines = (b1 * 16 - 1) / 64 - b0 * 16 / 64 + 1, per = lines + 1, n = GW_ROWS * per;
-    for (int64_t i = part * n / parts; i < (part + 1) * n / parts; i++) {
-        const int64_t r = r0 + i / per, l = i % per;
-        if (r >= R) break;
-        _mm_prefetch(l < lines ? (const char *)(packed + r * H) + (b0 * 16 / 64 + l) * 64
-                               : (const char *)scales + (r * nb + b0) * sb, GW_PF_HINT);
-    }
-}
-
 static void gw_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
                      const gw_consts_t *k, const int32_t *xq, const float *xs, int32_t *wp, float *ws, float *out,
                      int64_t r0, int64_t R, int64_t C, int64_t T) {
@@ -1059,9 +1035,6 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
             const int64_t t0 = gw_start(g, T);
             const int32_t *xp = xq + t0 * (C / 2);
             const float *xsp = xs + t0 * nb;
-#if GW_PF
-            gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * GW_ROWS, R, C, b1 < nb ? b1 : 0, g, ng);
-#endif
             switch (gw_start(g + 1, T) - t0) { /* GW_MR at most; the same arithmetic per token whatever the size */
             case 1: gw_tile(wp, ws, xp, xsp, out, t0, 1, r0, mask, b0, b1, R); break;
             case 2: gw_tile(wp, ws, xp, xsp, out, t0, 2, r0, mask, b0, b1, R); break;
