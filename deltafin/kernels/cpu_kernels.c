@@ -785,9 +785,7 @@ int df_simd_width(void) {
  * within noise of 7 x 2, 6 x 3 and 8 x 2 (float accumulators through L1), 5-9% ahead of 5 x 2, 4 x 3 and 8 x 3;
  * 8 x 1 and 3 x 4 far behind; GW_KB 8 and 4 slower than 16. The rest of the call is the weights' decode (about a
  * tenth at 85 tokens) and one float conversion, scale product and multiply-add per 16 dot products. With the
- * broadcasts inside vpdpwssd (GW_EMB), 6, 7 and 8 tokens x 2 measured alike over a whole expert at 85 and 170.
- * Software prefetch of the next chunk's weights (into L1 or L2, all at once or spread over the token groups, one
- * or two chunks ahead) measured 0-3% in three runs of the same builds timed in turn, and was not kept. */
+ * broadcasts inside vpdpwssd (GW_EMB), 6, 7 and 8 tokens x 2 measured alike over a whole expert at 85 and 170. */
 /* GW_EMB: the token's pair broadcast from memory inside vpdpwssd ({1to16}: one instruction and one fused load
  * where the broadcast and the dot product were two), which intrinsics do not ask for when a broadcast feeds more
  * than one row vector. 5-9% faster over a K3 expert at 24-300 tokens (builds timed in turn, two threads). */
@@ -1019,6 +1017,33 @@ static void *gw_buffer(int which, size_t n) {
     return buf[which];
 }
 
+/* GW_PF: while a chunk's token groups run, each asks for its share of the next chunk's packed bytes and scales
+ * (the last chunk asks for the first chunk GW_PF_NEXT panels on: the threads take panels in turn), into L2: the
+ * decode's row loads otherwise wait on memory. 4-9% over a K3 gated expert at 24 and 85 tokens, alike at 300
+ * (builds timed in turn, two threads). The empty volatile asm keeps the call: a function that only prefetches is
+ * side-effect free to GCC, which drops calls to it whose result is unused. */
+#ifndef GW_PF
+#define GW_PF 1
+#endif
+#ifndef GW_PF_HINT
+#define GW_PF_HINT _MM_HINT_T1
+#endif
+#ifndef GW_PF_NEXT
+#define GW_PF_NEXT 2
+#endif
+static inline void gw_prefetch(const uint8_t *packed, const void *scales, int kind, int64_t r0, int64_t R, int64_t C,
+                               int64_t b0, int64_t part, int64_t parts) {
+    const int64_t H = C / 2, nb = C / 32, b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
+    const int sb = kind == 0 ? 1 : kind == 2 ? 4 : 2; /* bytes per scale */
+    const int64_t ra = r0 + part * GW_ROWS / parts, rb = r0 + (part + 1) * GW_ROWS / parts;
+    for (int64_t r = ra; r < rb && r < R; r++) {
+        const char *p = (const char *)(packed + r * H);
+        for (int64_t o = b0 * 16 / 64 * 64; o < b1 * 16; o += 64) _mm_prefetch(p + o, GW_PF_HINT);
+        _mm_prefetch((const char *)scales + (r * nb + b0) * sb, GW_PF_HINT);
+        __asm__ volatile("");
+    }
+}
+
 static void gw_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
                      const gw_consts_t *k, const int32_t *xq, const float *xs, int32_t *wp, float *ws, float *out,
                      int64_t r0, int64_t R, int64_t C, int64_t T) {
@@ -1035,6 +1060,9 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
             const int64_t t0 = gw_start(g, T);
             const int32_t *xp = xq + t0 * (C / 2);
             const float *xsp = xs + t0 * nb;
+#if GW_PF
+            gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * GW_ROWS, R, C, b1 < nb ? b1 : 0, g, ng);
+#endif
             switch (gw_start(g + 1, T) - t0) { /* GW_MR at most; the same arithmetic per token whatever the size */
             case 1: gw_tile(wp, ws, xp, xsp, out, t0, 1, r0, mask, b0, b1, R); break;
             case 2: gw_tile(wp, ws, xp, xsp, out, t0, 2, r0, mask, b0, b1, R); break;
