@@ -787,8 +787,8 @@ int df_simd_width(void) {
  * tenth at 85 tokens) and one float conversion, scale product and multiply-add per 16 dot products. With the
  * broadcasts inside vpdpwssd (GW_EMB), 6, 7 and 8 tokens x 2 measured alike over a whole expert at 85 and 170. */
 /* GW_EMB: the token's pair broadcast from memory inside vpdpwssd ({1to16}: one instruction and one fused load
- * where the broadcast and the dot product were two), which intrinsics do not ask for when a broadcast feeds more
- * than one row vector. 5-9% faster over a K3 expert at 24-300 tokens (builds timed in turn, two threads). */
+ * where the broadcast and the dot product were two); from the intrinsics GCC 12 emits a vpbroadcastd of its own.
+ * 5-9% faster over a K3 expert at 24-300 tokens (builds timed in turn, two threads). */
 #ifndef GW_EMB
 #define GW_EMB 1
 #endif
