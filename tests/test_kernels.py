@@ -299,6 +299,29 @@ def test_bench_kernels_times_the_engines_one_call_expert_beside_the_three_matmul
     assert out.count("as one call with the activation (the engine's expert)") == 1
 
 
+def test_bench_kernels_prefill_rows_over_the_higher_int16_peak(monkeypatch, capsys):
+    """`bench kernels` measures the int16 peak before and after the GEMM rows and divides by the higher (a VM's vCPUs
+    move between one core's hyperthreads and two whole cores during a run), as it does the memory bandwidth."""
+    import argparse
+
+    from deltafin.bench import kernels as bk
+
+    expert = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: expert)])
+    monkeypatch.setattr(bk, "_cache_bytes", lambda: 0)
+    monkeypatch.setattr(bk, "bandwidth", lambda device: 10.0)
+    peaks = iter([300.0, 500.0])
+    monkeypatch.setattr(bk, "int16_peak", lambda device: next(peaks))
+    monkeypatch.setattr(bk, "_prefill_rows", lambda device, seconds: [
+        {"case": "k3 expert mxfp4 x64 tok", "tokens": 64, "fused_GFLOPs": 400.0, "tile_GFLOPs": 100.0,
+         "f32_matmul_GFLOPs": 150.0, "fused_over_tile": 4.0}])
+    monkeypatch.setattr(bk, "_glu_rows", lambda device, seconds: [])
+    r = bk.run(argparse.Namespace(device="cpu", seconds=0.05, json=None))
+    assert r["int16_peak_GOPs_before_after"] == [300.0, 500.0] and r["int16_peak_GOPs"] == 500.0
+    assert r["prefill"][0]["fused_over_peak"] == 400.0 / 500.0
+    assert "int16 dot-product peak 500 GOP/s (the higher of before and after" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)
 def test_nan_scale_propagates_like_the_reference(C):
     rec = _records(4, C, seed=1)["mxfp4"]
