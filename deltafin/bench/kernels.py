@@ -3,10 +3,11 @@
 Cases: one K3 routed expert (MXFP4 gate/up [3072, 3584], down [3584, 3072]; 17.5 MB) at 1 token and a few
 tokens, as three matmuls (the target's figure) and, beside, as the one call the engine makes for it where the
 backend has one (gate, up, SiTU-GLU, down: ``kernels.glu``), and the int8 trunk's GEMV shapes (KDA q/k/v/g
-[12288, 7168], o [7168, 12288], shared experts [6144, 7168] and [7168, 6144], latent down [3584, 7168]). Prefill rows: the same expert at 64 and 128 tokens
-(a layer's share of a 512-token prompt), in GFLOP/s beside the machine's int16 dot-product peak measured in the
-same run, with the tiled float path (``DELTAFIN_CPU_GEMM=0``) and a float32 torch matmul of the same shapes (weights
-already float) beside. The gated expert (gate, up, SiTU-GLU, down in one call) at bench prefill's 85 tokens per
+[12288, 7168], o [7168, 12288], shared experts [6144, 7168] and [7168, 6144], latent down [3584, 7168]).
+Prefill rows: the same expert at 64 and 128 tokens (a layer's share of a 512-token prompt), in GFLOP/s beside
+the machine's int16 dot-product peak measured in the same run (before and after them, the higher kept), with
+the tiled float path (``DELTAFIN_CPU_GEMM=0``) and a float32 torch matmul of the same shapes (weights already
+float) beside. The gated expert (gate, up, SiTU-GLU, down in one call) at bench prefill's 85 tokens per
 expert, on one thread and on all, each over the int16 peak of as many threads. Each case cycles over enough copies
 of its weights to overflow the last-level cache, so every byte comes from memory. The limit, measured in the same run before
 and after the cases (the higher is kept): on the CPU the read rate of a sum over a 1 GiB tensor on all
@@ -258,7 +259,8 @@ def run(args) -> dict:
               "threads": torch.get_num_threads(), "bandwidth_GBps": bw,
               "bandwidth_GBps_before_after": [bw0, bw], "last_level_cache_bytes": llc, "cases": rows,
               "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET,
-              "int16_peak_GOPs": peak, "int16_peak_GOPs_before_after": [peak0, peak], "prefill": prefill, "prefill_target": PREFILL_TARGET, "gated_expert": glu_rows,
+              "int16_peak_GOPs": peak, "int16_peak_GOPs_before_after": [peak0, peak], "prefill": prefill,
+              "prefill_target": PREFILL_TARGET, "gated_expert": glu_rows,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     _print(result)
     if args.json:
@@ -279,9 +281,8 @@ def _print(r: dict) -> None:
               f"{mark}; plain torch {c['torch_GBps']:6.3f} GB/s = {c['torch_over_bandwidth']:.3f}{one}")
     print(f"worst one-token case: {r['worst_one_token_fraction']:.2f} of memory bandwidth (target >= {r['target']})")
     if r["prefill"]:
-        print(f"prefill: int16 dot-product peak {r['int16_peak_GOPs']:.0f} GOP/s (the higher of before and after the rows "
-              f"below, measured in this run); load average "
-              f"{r['load_average']:.1f}")
+        print(f"prefill: int16 dot-product peak {r['int16_peak_GOPs']:.0f} GOP/s (the higher of before and after "
+              f"the rows below, measured in this run); load average {r['load_average']:.1f}")
     for c in r["prefill"]:
         of_peak = f" = {c['fused_over_peak']:.2f} of peak" if c["fused_over_peak"] else ""
         print(f"  {c['case']:<28} fused {c['fused_GFLOPs']:6.1f} GFLOP/s{of_peak}; tiled float path "
