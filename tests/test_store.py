@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import shutil
+import struct
 import threading
 from pathlib import Path
 
@@ -147,6 +148,24 @@ def test_expert_file_round_trip_and_4k_alignment():
         if r.scale is not None:
             assert b.scale.dtype == r.scale.dtype and torch.equal(b.scale, r.scale)
     assert ef.checksum(data) == ef.checksum(ef.encode(recs, 5, 17))  # deterministic bytes
+
+
+def test_expert_header_layout_kept_per_layout_not_per_expert():
+    a, b = ef.encode(_records(), 5, 17), ef.encode(_records(), 61, 3)
+    la, L, e = ef.parse_header(a, "a.dfx")
+    lb, L2, e2 = ef.parse_header(b, "b.dfx")
+    assert (L, e, L2, e2) == (5, 17, 61, 3)
+    assert lb is la  # parsed once, the second expert's header takes it
+    # an edit of the layout is a header of its own: parsed and checked, not taken from the first
+    wrong = a.replace(b'"offset":4096', b'"offset":4097', 1)
+    with pytest.raises(ExpertFileError, match=r"w.dfx: corrupt expert header"):
+        ef.parse_header(wrong, "w.dfx")
+    # a second "layer" field: JSON's reading (the last one) decides, never the kept layout's shortcut
+    n = struct.unpack("<I", a[4:8])[0]
+    text = a[8 : 8 + n].replace(b'"file_bytes"', b'"layer":9,"file_bytes"', 1)
+    twice = a[:4] + struct.pack("<I", len(text)) + text + a[8 + len(text) :]
+    assert ef.parse_header(twice, "t.dfx")[1:] == (9, 17)
+    assert ef.parse_header(twice, "t.dfx")[1:] == (9, 17)
 
 
 def test_expert_file_errors_name_the_file(tmp_path):
