@@ -21,6 +21,9 @@ same way to int16: d_b = max|x| / 32767, |x - xq| <= d_b (1/2 + 2^-7) (the slack
 (|sum| <= 12 x 32767 x 32 < 2^24, so their float conversion is too) and the weight scales times 1/2 are exact, so
 the float32 error is that of the block loop: one rounding of the scale product d_b x weight scale and one fused
 multiply-add per block, n <= C/32 + 2 roundings on any term's path (no lane reduction: a lane is a row).
+int8 rows take the same GEMM past GEMM_TOKENS (whole blocks of 32) with the row's scale as every block's weight
+scale: their block sums are exact in int32 (|sum| <= 128 x 32767 x 32 < 2^31) but past 2^24 their float conversion
+rounds, and the reference's weights q x s are rounded to float32 once: n <= C/32 + 4.
 """
 
 from __future__ import annotations
@@ -109,27 +112,28 @@ def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
 GW_SLACK = 0.5 + 2.0**-7
 
 
-def _gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _gemm_bound(x: torch.Tensor, w: torch.Tensor, fmt: str = "mxfp4") -> torch.Tensor:
     T, C = x.shape
     d = x.double().abs().view(T, C // 32, 32).amax(-1, keepdim=True).div(32767).expand(T, C // 32, 32).reshape(T, C)
     aw = w.double().abs()
-    n = C // 32 + 2
+    n = C // 32 + (4 if fmt == "int8" else 2)
     g = n * U / (1 - n * U)
     return (d * GW_SLACK) @ aw.T + g * ((x.double().abs() + d * GW_SLACK) @ aw.T)
 
 
-def _check_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+def _check_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fmt: str = "mxfp4") -> None:
     ref = x.double() @ w.double().T
     err = (y.double() - ref).abs()
-    bound = _gemm_bound(x, w)
+    bound = _gemm_bound(x, w, fmt)
     assert torch.all(err <= bound), f"max error {err.max():.3g}, {(err / bound).max():.3g} of the bound"
     # a real constraint: about 2^-16 of sum |w x| for these inputs (a wrong block, row or scale lands far outside)
     assert torch.all(bound <= 1e-3 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
 def _kernel(fmt: str, T: int, lib=None) -> str:
-    """Which CPU kernel runs fmt at T tokens: gemm, q8, fused (the float loop) or tile."""
-    if fmt != "int8" and T > cpu.GEMM_TOKENS and cpu.gemm_enabled(lib):
+    """Which CPU kernel runs fmt at T tokens (of a width of whole blocks): gemm, q8, fused (the float loop) or
+    tile."""
+    if T > cpu.GEMM_TOKENS and cpu.gemm_enabled(lib):
         return "gemm"
     if T > cpu.FUSED_TOKENS:
         return "tile"
@@ -151,7 +155,7 @@ def test_fused_kernels_match_reference(fmt, R, C):
         y = fn(x, rec.data, rec.scale)
         assert y.shape == (T, R) and y.dtype == torch.float32
         if _kernel(fmt, T) == "gemm":
-            _check_gemm(y, x, w)
+            _check_gemm(y, x, w, fmt)
         else:
             _check_fmt(fmt, y, x, w, fused=T <= cpu.FUSED_TOKENS)
         _check(torch_ref.matmul(x, rec), x, w, fused=False)  # the reference is within its own bound too
@@ -163,6 +167,12 @@ def test_int8_odd_width_and_float_int4_scales():
     for T in (1, 5):  # one token takes the four-row loop, several the token loop
         x = torch.randn(T, 83)
         _check_fmt("int8", cpu.int8_linear(x, q, rec["int8"].scale), x, int8.dequantize(q, rec["int8"].scale), True)
+    for T in (cpu.GEMM_TOKENS + 1, cpu.FUSED_TOKENS + 1):  # not whole blocks of 32: no GEMM, the loop or the tile
+        x = torch.randn(T, 83)
+        cpu.USED.clear()
+        y = cpu.int8_linear(x, q, rec["int8"].scale)
+        assert "int8_gemm" not in cpu.USED
+        _check_fmt("int8", y, x, int8.dequantize(q, rec["int8"].scale), T <= cpu.FUSED_TOKENS)
     i4 = rec["int4g32"]
     x = torch.randn(2, 96)
     _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
@@ -188,7 +198,7 @@ GEMM_R = [17, 33, 100, 257]  # odd row counts: a partial vector of 16 rows, a pa
 
 @pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
 @pytest.mark.parametrize("C", [32, 96, 640])  # one block; a partial vector of 16 scales; a run and a partial one
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32", "int8"])
 def test_gemm_matches_reference(fmt, C):
     for R in GEMM_R:
         rec = _records(R, C, seed=R + C)[fmt.removesuffix("_f32")]
@@ -200,7 +210,7 @@ def test_gemm_matches_reference(fmt, C):
             cpu.USED.discard(f"{rec.format}_gemm")
             y = fn(x, rec.data, scale)
             assert y.shape == (T, R) and f"{rec.format}_gemm" in cpu.USED
-            _check_gemm(y, x, w)
+            _check_gemm(y, x, w, rec.format)
 
 
 @pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
@@ -238,16 +248,21 @@ def test_bench_prefill_rows_time_both_paths(monkeypatch):
     recs = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
     monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: recs)])
     monkeypatch.setattr(bk, "PREFILL_TOKENS", (cpu.FUSED_TOKENS + 3,))
+    monkeypatch.setattr(bk, "PREFILL_INT8", ((37, 64),))
+    monkeypatch.setattr(bk, "PREFILL_INT8_TOKENS", cpu.FUSED_TOKENS + 5)
     used, env = set(cpu.USED), os.environ.get("DELTAFIN_CPU_GEMM")
     cpu.USED.clear()
     try:
-        (row,) = bk._prefill_rows("cpu", seconds=0.06, rounds=2)
+        row, i8 = bk._prefill_rows("cpu", seconds=0.06, rounds=2)
         ran = set(cpu.USED)
     finally:
         cpu.USED |= used
     assert row["tokens"] == cpu.FUSED_TOKENS + 3 and row["fused_GFLOPs"] > 0 and row["tile_GFLOPs"] > 0
     assert row["fused_over_tile"] == row["fused_GFLOPs"] / row["tile_GFLOPs"]
+    assert row["target_over_tile"] == bk.PREFILL_TARGET and i8["target_over_tile"] is None
+    assert i8["case"] == f"int8 37x64 x{cpu.FUSED_TOKENS + 5} tok" and i8["fused_GFLOPs"] > 0 and i8["tile_GFLOPs"] > 0
     assert "mxfp4_tile" in ran and ("mxfp4_gemm" in ran) == cpu.gemm_enabled()
+    assert "int8_tile" in ran and ("int8_gemm" in ran) == cpu.gemm_enabled()
     assert os.environ.get("DELTAFIN_CPU_GEMM") == env  # restored
     assert bk.int16_peak("cpu") >= 0
 

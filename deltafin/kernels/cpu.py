@@ -2,8 +2,8 @@
 
 Up to ``FUSED_TOKENS`` tokens the compiled kernel decodes each weight block in registers and multiplies it into
 every token (never a float copy of the matrix); rows are split over ``torch.get_num_threads()`` threads. For
-more tokens (prefill: int8 weights, and 4-bit ones without the GEMM below) a tile of rows is decoded once into a
-small float32 buffer and multiplied by torch's matmul for all tokens. Accumulation is float32 whatever x's
+more tokens without the GEMM below (a build without it, int8 widths that are not whole blocks of 32) a tile of
+rows is decoded once into a small float32 buffer and multiplied by torch's matmul for all tokens. Accumulation is float32 whatever x's
 dtype; the result is float32 [T, out].
 
 4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI:
@@ -31,7 +31,9 @@ int8 rows up to ``FUSED_TOKENS`` tokens take int16 activations on the same switc
 scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extended into VNNI's int16 dot product
 (a third of the float loop's vector instructions per byte, so the trunk GEMVs keep pace with memory). Its
 rounding (|x - d q| <= d / 2) is 256 times finer than the 4-bit path's 8-bit activations, which changed greedy
-tokens of a tiny Kimi K3 when applied to its int8 trunk.
+tokens of a tiny Kimi K3 when applied to its int8 trunk. Past GEMM_TOKENS (``int8_gemm``) int8 rows take the
+4-bit GEMM's code with the rows sign-extended to int16 in its decode and the row's scale in each block's place: the
+same int16 activations per block of 32, 2-3x the decoded tile and torch's matmul at 512 tokens on K3's trunk shapes.
 """
 
 from __future__ import annotations
@@ -262,12 +264,28 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None)
     return glu_expert(x, gate, up, down, ("silu",), lib)
 
 
+def int8_gemm(T: int, C: int, lib=None) -> bool:
+    """Whether int8 rows take the int16 GEMM at T tokens of width C: past GEMM_TOKENS, whole blocks of 32, where
+    the build has it. On a K3 trunk matrix (7168 x 7168, two threads) it took 3.9 / 5.3 / 6.3 ms at 6 / 12 / 16 tokens
+    against 7.0 / 8.9 / 11.6 for the int16-activation loop, and 128 ms at 512 tokens against 252 for the tile decoded
+    to float32 and torch's matmul; the loop stays ahead at one and two tokens (1.2 against 2.5 ms)."""
+    return T > GEMM_TOKENS and C % 32 == 0 and gemm_enabled(lib)
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:
     """x [T, in] @ W^T for W = q [out, in] int8 * s [out] float32 -> float32 [T, out]."""
     lib = lib or native.library()
     T, C = x.shape
     R = q.shape[0]
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
+    if int8_gemm(T, C, lib):
+        out = torch.empty(T, R, dtype=torch.float32)
+        rc = lib.df_i8gw_mm(q.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr(), R, C, T, _threads(R, C, T))
+        if rc == -1:
+            raise MemoryError(f"int16 GEMM buffers for [{T}, {C}]; set DELTAFIN_CPU_GEMM=0 to skip them")
+        if rc == 0:
+            USED.add("int8_gemm")
+            return out
     if T <= FUSED_TOKENS and i16_enabled(lib):
         USED.add("int8_a16")
         out = torch.empty(T, R, dtype=torch.float32)
@@ -293,7 +311,7 @@ def int8_linear_many(x: torch.Tensor, ws: list[QTensor], lib=None) -> list[torch
     applies one at a time (many tokens, no int16 path)."""
     T, C = x.shape
     lib = lib or native.library()
-    if T > FUSED_TOKENS or not i16_enabled(lib):
+    if T > FUSED_TOKENS or not i16_enabled(lib) or int8_gemm(T, C, lib):
         return None
     qs = [w.data.contiguous() for w in ws]
     ss = [w.scale.to(torch.float32).contiguous() for w in ws]

@@ -803,6 +803,7 @@ int df_simd_width(void) {
 #endif
 _Static_assert(GW_KB >= 1 && GW_KB <= 16, "a chunk's scales are one 16 x 16 transpose");
 #define GW_ROWS (16 * GW_NV)
+#define GW_I8 8 /* the kind of int8 rows with one float scale each (df_i8gw_mm), beside q4_rows' 4-bit kinds */
 
 /* 16 x 16 int32 transpose in registers: r[a] element e -> r[e] element a. */
 static inline void gw_transpose16(__m512i r[16]) {
@@ -889,6 +890,17 @@ static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, 
     }
 }
 
+/* int8 rows (GW_I8): block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, as
+ * gw_decode_block's: each row's 32 bytes sign-extended to 32 int16 (16 pairs), then a 16 x 16 dword transpose. */
+static inline void gw_decode_block_i8(const int8_t *q, int64_t r, int64_t R, int64_t C, int64_t b, int32_t *dst) {
+    __m512i v[16];
+    for (int l = 0; l < 16; l++)
+        v[l] = r + l < R ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + (r + l) * C + b * 32)))
+                         : _mm512_setzero_si512();
+    gw_transpose16(v);
+    for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * GW_NV * 16, v[p]);
+}
+
 /* Blocks [b0, b1) (at most 16) of rows [r0, r0 + GW_ROWS) -> wp (int32 pairs, the layout above, block b at b - b0)
  * and ws (float scales x value factor, [b1 - b0][GW_NV][16], 0 past R). A chunk at a time, right before its use:
  * it is written to and read from L1 (a whole panel went through L2, a fifth of the call's time). */
@@ -898,6 +910,17 @@ static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales,
     const int64_t H = C / 2, nb = C / 32;
     const int n = (int)(b1 - b0);
     const __m512 vm = _mm512_set1_ps(mult);
+    if (kind == GW_I8) {
+        for (int j = 0; j < GW_NV; j++) {
+            const int64_t r = r0 + 16 * j;
+            for (int64_t b = b0; b < b1; b++)
+                gw_decode_block_i8((const int8_t *)packed, r, R, C, b, wp + ((b - b0) * 16 * GW_NV + j) * 16);
+            const __mmask16 live = r >= R ? 0 : r + 16 <= R ? (__mmask16)0xFFFF : (__mmask16)((1u << (R - r)) - 1);
+            const __m512 sv = _mm512_maskz_loadu_ps(live, (const float *)scales + r); /* a row's scale, every block */
+            for (int bb = 0; bb < n; bb++) _mm512_storeu_ps(ws + (bb * GW_NV + j) * 16, sv);
+        }
+        return;
+    }
     for (int j = 0; j < GW_NV; j++) {
         const int64_t r = r0 + 16 * j;
         for (int64_t b = b0; b < b1; b++) gw_decode_block(packed, r, R, H, b, k, wp + ((b - b0) * 16 * GW_NV + j) * 16);
@@ -1030,13 +1053,14 @@ static void *gw_buffer(int which, size_t n) {
 #endif
 static inline void gw_prefetch(const uint8_t *packed, const void *scales, int kind, int64_t r0, int64_t R, int64_t C,
                                int64_t b0, int64_t part, int64_t parts) {
-    const int64_t H = C / 2, nb = C / 32, b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
+    const int i8 = kind == GW_I8;
+    const int64_t H = i8 ? C : C / 2, nb = C / 32, b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb, bb = i8 ? 32 : 16;
     const int sb = kind == 0 ? 1 : kind == 2 ? 4 : 2; /* bytes per scale */
     const int64_t ra = r0 + part * GW_ROWS / parts, rb = r0 + (part + 1) * GW_ROWS / parts;
     for (int64_t r = ra; r < rb && r < R; r++) {
         const char *p = (const char *)(packed + r * H);
-        for (int64_t o = b0 * 16 / 64 * 64; o < b1 * 16; o += 64) _mm_prefetch(p + o, GW_PF_HINT);
-        _mm_prefetch((const char *)scales + (r * nb + b0) * sb, GW_PF_HINT);
+        for (int64_t o = b0 * bb / 64 * 64; o < b1 * bb; o += 64) _mm_prefetch(p + o, GW_PF_HINT);
+        if (!i8) _mm_prefetch((const char *)scales + (r * nb + b0) * sb, GW_PF_HINT);
         __asm__ volatile("");
     }
 }
@@ -1131,6 +1155,36 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
 #else
     (void)kind, (void)packed, (void)scales, (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out;
     (void)R, (void)C, (void)T, (void)nthreads;
+    return -2;
+#endif
+}
+
+/* y [T, R] = x [T, C] @ W^T for int8 rows W = q [R, C] x s [R] (one float scale a row): df_q4gw_mm's GEMM with
+ * the rows sign-extended to int16 in its decode (GW_I8) and the row's scale in every block's place. C a multiple of
+ * 32. The int32 block sums are exact (|sum| <= 128 x 32767 x 32 < 2^31); their float conversion rounds past 2^24.
+ * Returns as df_q4gw_mm (-2 also where C is not whole blocks). */
+int df_i8gw_mm(const int8_t *q, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,
+               int nthreads) {
+#ifdef GW_VNNI
+    if (C % 32) return -2;
+    int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t));
+    float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
+    int rc = xq && xs ? 0 : -1;
+    gw_consts_t k; /* unused by the int8 decode */
+    memset(&k, 0, sizeof k);
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *ws;
+            int32_t *wp;
+            gw_region_begin(x, NULL, xq, xs, C, T, &ws, &wp, &rc);
+            gw_panels(GW_I8, (const uint8_t *)q, s, NULL, 1.0f, &k, xq, xs, wp, ws, out, R, C, T);
+        }
+    }
+    for (int i = 0; i < 2; i++) gw_buffer(i, 0);
+    return rc;
+#else
+    (void)q, (void)s, (void)x, (void)out, (void)R, (void)C, (void)T, (void)nthreads;
     return -2;
 #endif
 }
