@@ -137,3 +137,36 @@ def test_plan_rule_whole_prompt_when_it_fits():
     assert p.chunk == 512 and p.chunks == 1
     small = plan_prefill(tc, 8192, 0, 8 << 30)
     assert small.chunk < 8192 and small.state_bytes + small.activation_bytes <= 8 << 30
+
+
+def test_moe_dispatch_slots_whatever_the_arrival_order_and_the_layer_before():
+    """Many tokens: each expert's products land in its (token, slot) places and are summed over slots, bit for bit
+    the per-slot sum, whatever order the experts arrive in; the slot buffer kept from the layer before (larger,
+    other values, made in or out of inference mode) leaves nothing behind."""
+    from deltafin.models.base import moe_dispatch
+
+    class Source:
+        def __init__(self, order):
+            self.order = order
+
+        def fetch(self, layer, wanted):
+            assert wanted == sorted(wanted)
+            yield from ((e, e) for e in (wanted if self.order == "up" else reversed(wanted)))
+
+    def expert(x, e):
+        return x * (e + 1) - e
+
+    g = torch.Generator().manual_seed(0)
+    for T, D, mode, order in ((40, 24, True, "up"), (9, 16, True, "down"), (9, 16, False, "up"), (1, 16, True, "down")):
+        k, E = 4, 7
+        x = torch.randn(T, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g)
+        ref = torch.zeros(T, k, D)
+        for t in range(T):
+            for s in range(k):
+                e = int(ids[t, s])
+                ref[t, s] = expert(x[t : t + 1], e)[0] * w[t, s]
+        with torch.inference_mode(mode):
+            y = moe_dispatch(x, ids, w, 0, Source(order), expert)
+        assert torch.equal(y, ref.sum(1)), (T, D, mode, order)

@@ -23,6 +23,7 @@ Every family module exports ``Config`` (``Config.from_dict(d)`` ignores unknown 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -195,24 +196,58 @@ def moe_dispatch(
             if all(kc.grouped_eligible(x, t) for _, t in got):
                 return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
             fetched = iter(got)
-    out = x.new_zeros(T, k, D)  # [T, k, D]
     seen = 0
     # One token (decode): each expert's slot is read off the host ids, with no per-expert index tensors; the
     # same products land in the same slots as below.
     row = ids_host[0].tolist() if T == 1 else []
     slot_of = {e: s for s, e in enumerate(row)} if T == 1 and len(set(row)) == k else None
-    for eid, tensors in fetched:
-        if slot_of is not None:
+    if slot_of is not None:
+        out = x.new_zeros(T, k, D)  # [T, k, D]
+        for eid, tensors in fetched:
             s = slot_of[eid]
             y = expert_fn(x, tensors)  # [1, D]
             out[0, s] = y[0] * weights[0, s].to(y.dtype)
             seen += 1
-            continue
-        tok, slot = (ids == eid).nonzero(as_tuple=True)
-        y = expert_fn(x[tok], tensors)  # [n, D]
-        out[tok, slot] = y * weights[tok, slot].unsqueeze(-1).to(y.dtype)
-        seen += 1
+    else:
+        # Many tokens: every expert's (token, slot) places from one stable sort of the ids (token order within an
+        # expert, as a scan of the ids gives them), and the slot buffer written place by place. Every place is
+        # some fetched expert's, so a source that computes them all here writes every row: on the CPU the buffer
+        # is kept across layers unzeroed (a fresh one per layer faulted ~100 MB of pages in at Kimi K3's widths); a
+        # source split over ranks fills only its own places, the rest must read zero.
+        flat = ids_host.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        by_id, want = flat[order], torch.tensor(wanted, dtype=flat.dtype)
+        span = dict(zip(wanted, zip(torch.searchsorted(by_id, want).tolist(),
+                                    torch.searchsorted(by_id, want, right=True).tolist(), strict=True), strict=True))
+        order = order.to(x.device)
+        tok_of, w_flat = order // k, weights.reshape(-1)
+        reuse = x.device.type == "cpu" and not hasattr(experts, "combine")
+        out = _slot_buffer(T * k, D, x) if reuse else x.new_zeros(T * k, D)  # [T k, D], row t k + s
+        for eid, tensors in fetched:
+            a, b = span[eid]
+            place, tok = order[a:b], tok_of[a:b]
+            y = expert_fn(x[tok], tensors)  # [n, D]
+            out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
+            seen += 1
+        out = out.view(T, k, D)
     assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {layer}"
     if hasattr(experts, "combine"):
         out = experts.combine(layer, out, ids)
     return out.sum(1)
+
+
+_SLOTS = threading.local()
+SLOT_KEEP = 1 << 30  # bytes of slot buffer kept between layers, per thread
+
+
+def _slot_buffer(n: int, D: int, like: torch.Tensor) -> torch.Tensor:
+    """An [n, D] buffer of like's dtype and device, uninitialised, reused by the next layer of this thread (up to
+    SLOT_KEEP bytes): its pages are faulted in once per prompt, not once per layer."""
+    buf = getattr(_SLOTS, "buf", None)
+    if (buf is None or buf.dtype != like.dtype or buf.device != like.device or buf.numel() < n * D
+            or buf.is_inference() != torch.is_inference_mode_enabled()):  # an inference tensor is read-only outside
+        _SLOTS.buf = None  # the old one goes before the new one is made
+        buf = torch.empty(n * D, dtype=like.dtype, device=like.device)
+        if buf.numel() * buf.element_size() <= SLOT_KEEP:
+            _SLOTS.buf = buf
+    return buf[: n * D].view(n, D)
