@@ -165,3 +165,25 @@ def test_context_limit_is_a_clear_error(k3_model):
             list(eng.generate([], 2))
     finally:
         eng.close()
+
+
+def test_keep_freed_memory_on_glibc_unless_the_user_tunes_malloc(monkeypatch):
+    """A CPU engine has glibc's malloc keep freed blocks (no mmap per large block, no trimming); a user's own
+    malloc settings, or DELTAFIN_KEEP_FREED_MEMORY=0, leave it alone."""
+    import os
+    import sys
+
+    from deltafin.runtime import host_memory
+
+    monkeypatch.setattr(host_memory, "_done", False)
+    for name, value in (("DELTAFIN_KEEP_FREED_MEMORY", "0"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+                        ("MALLOC_ARENA_MAX", "2")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert host_memory.keep_freed_memory() is False and host_memory._done is False
+    glibc = sys.platform.startswith("linux") and bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    for k in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("DELTAFIN_KEEP_FREED_MEMORY", raising=False)
+    assert host_memory.keep_freed_memory() is glibc
+    assert host_memory.keep_freed_memory() is glibc  # once is enough; a second call says the same

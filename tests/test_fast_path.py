@@ -63,3 +63,19 @@ def test_exact_engine_takes_the_torch_path(tmp_path, monkeypatch):
     eng = Engine(model_dir, EngineOptions(cache_gb=0.05, exact=True))
     eng.forward([1, 2, 3], eng.new_state())
     assert calls == []
+
+
+def test_fast_engine_flushes_denormals_the_exact_one_does_not(tmp_path):
+    """The CPU fast path runs with denormals flushed to zero (kernels.cpu.denormals_flushed), only inside the
+    engine's math block; the exact path keeps IEEE arithmetic, so it stays token-identical to transformers."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("FTZ/DAZ are x86 control bits")
+    model_dir = pack_tiny(tmp_path, "qwen3_moe")
+    tiny = torch.full((1 << 20,), 1e-39)
+    for exact in (False, True):
+        eng = Engine(model_dir, EngineOptions(cache_gb=0.05, exact=exact))
+        with eng.math():
+            assert bool(torch.all(tiny * 2 == 0)) is not exact
+        assert torch.all(tiny * 2 == 2e-39)

@@ -469,11 +469,12 @@ def test_k3_slice_at_real_widths_packs_and_runs(tmp_path):
     generates. Writes ~10 GB of source under tmp_path."""
     from deltafin.bench.k3_slice import run
 
-    rec = run(str(tmp_path), layers=3, experts=16, tokens=2)
+    rec = run(str(tmp_path), layers=3, experts=16, tokens=2, prompt=64)
     assert rec["pack_peak_rss_bytes"] <= rec["limit_bytes"], rec
     # converted a block of rows at a time: far below the 2.35 GB embedding (0.18x measured)
     assert rec["pack_peak_rss_bytes"] < 0.5 * rec["largest_tensor_bytes"] + rec["baseline_rss_bytes"], rec
     assert len(rec["run_tokens"]) == 2 and all(0 <= t < 163840 for t in rec["run_tokens"])
+    assert rec["run_prompt_tokens"] == 64 and rec["run_ttft_s"] > 0 and rec["run_trunk_math_s"] > 0
 
 
 def test_tiktoken_tokenizer_that_does_not_fit_the_vocabulary_is_refused(tmp_path, capsys):

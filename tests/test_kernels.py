@@ -509,3 +509,20 @@ def test_rows_split_over_threads_give_the_one_thread_results(monkeypatch):
             ys += cpu.int8_linear_many(x, [recs["int8"], recs["int8"]])
         runs.append(ys)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_denormals_flushed_inside_the_block_and_back_after():
+    """The CPU fast path's block flushes denormals (FTZ/DAZ) in this thread and torch's compute threads, and puts
+    the setting back after it; the exact path keeps IEEE arithmetic."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("FTZ/DAZ are x86 control bits")
+    tiny = torch.full((1 << 20,), 1e-39)  # a denormal float32, in a tensor large enough to spread over threads
+    assert torch.all(tiny * 2 == 2e-39)
+    with cpu.denormals_flushed():
+        assert torch.all(tiny * 2 == 0)  # read as zero in every thread that took a share
+        with cpu.denormals_flushed():  # nested: the outer block's setting stands
+            assert torch.all(tiny * 2 == 0)
+        assert torch.all(tiny * 2 == 0)
+    assert torch.all(tiny * 2 == 2e-39)

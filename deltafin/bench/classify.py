@@ -15,7 +15,7 @@ import time
 import torch
 
 from deltafin.bench.decode import situ_glu_expert
-from deltafin.bench.synthetic import K3_LATENT, expert_major_layer, synthetic_run
+from deltafin.bench.synthetic import K3_LATENT, engine_math, expert_major_layer, synthetic_run
 
 K3_MOE_LAYERS, K3_EXPERTS, K3_K = 92, 896, 16  # Kimi K3: 82,432 expert files
 
@@ -37,9 +37,8 @@ def run(args) -> dict:
         from deltafin.errors import UsageError
 
         raise UsageError("--inputs, --tokens and --batch must be >= 1")
-    from deltafin import kernels
 
-    with synthetic_run(args, "classify") as run_, kernels.fast(not args.exact):
+    with synthetic_run(args, "classify") as run_, engine_math(args):
         pm, nbytes = run_.pm, run_.nbytes
         rng = random.Random(args.seed)
         inputs = [_routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, rng) for _ in range(args.inputs)]

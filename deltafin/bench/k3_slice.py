@@ -1,5 +1,6 @@
 """``deltafin bench pack --k3-slice``: pack and run a Kimi K3 slice at the real widths (vocabulary 163,840,
-hidden 7,168, real attention, dense-MLP and expert sizes), a few layers and fewer experts per layer.
+hidden 7,168, real attention, dense-MLP and expert sizes), a few layers and fewer experts per layer. The run
+prefills a 512-token prompt (``--slice-prompt``) and reports where its time to first token went.
 
 The source is written here in the real naming (``deltafin.k3_tiny``'s config layout, shapes from
 ``store.shapes``), random and streamed a block of rows at a time, so writing it needs little memory. Pack and
@@ -145,7 +146,10 @@ def _baseline() -> int:
 
 
 def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2, json_path: str | None = None,
-        keep: bool = False, **widths) -> dict:
+        keep: bool = False, prompt: int = 512, **widths) -> dict:
+    """Write, pack and run the slice; the run prefills a seeded ``prompt``-token prompt (its time to first token
+    and where it went, trunk or expert math or I/O, recorded: the CPU prefill at the real widths) and generates
+    ``tokens``."""
     work = tempfile.mkdtemp(prefix="deltafin-k3-slice-", dir=folder)
     try:
         t0 = time.perf_counter()
@@ -155,12 +159,14 @@ def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2,
         model = os.path.join(work, "model")
         t0 = time.perf_counter()
         pack_peak, _ = _child(["pack", os.path.join(work, "src"), model, "--drive", f"d0:{work}/drive=3",
-                               "--no-progress", "--json", os.path.join(work, "pack.json")])
+                               "--create", "--no-progress", "--json", os.path.join(work, "pack.json")])
         t_pack = time.perf_counter() - t0
         with open(os.path.join(work, "pack.json")) as f:
             summary = json.load(f)
         t0 = time.perf_counter()
-        run_peak, _ = _child(["run", model, "--prompt-ids", "1,2,3", "-n", str(tokens), "--greedy", "--quiet",
+        vocab = cfg["text_config"]["vocab_size"]
+        ids = ",".join(str(1 + (i * 7919) % (vocab - 1)) for i in range(prompt))  # fixed ids across the vocabulary
+        run_peak, _ = _child(["run", model, "--prompt-ids", ids, "-n", str(tokens), "--greedy", "--quiet",
                               "--cache-gb", "0", "--stats-json", os.path.join(work, "run.json")])
         t_run = time.perf_counter() - t0
         with open(os.path.join(work, "run.json")) as f:
@@ -175,7 +181,10 @@ def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2,
             "pack_peak_vs_largest": pack_peak / largest, "baseline_rss_bytes": base,
             "limit_bytes": 2 * largest + in_flight + base,
             "trunk_bytes": summary["trunk_bytes"], "expert_bytes": summary["expert_bytes"],
-            "run_peak_rss_bytes": run_peak, "run_tokens": stats.get("tokens"),
+            "run_peak_rss_bytes": run_peak, "run_tokens": stats.get("tokens"), "run_prompt_tokens": prompt,
+            "run_ttft_s": stats.get("ttft_s"), "run_trunk_math_s": stats.get("trunk_math_s"),
+            "run_expert_math_s": stats.get("expert_math_s"), "run_io_wait_s": stats.get("io_wait_s"),
+            "run_device": stats.get("device"),
         }
     finally:
         if not keep:
@@ -186,7 +195,9 @@ def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2,
           f"tensor ({largest / g:.2f} GiB; limit {rec['limit_bytes'] / g:.2f} GiB = 2x + buffers in flight + "
           f"{base / g:.2f} GiB of interpreter and libraries); "
           f"run peak RSS {run_peak / g:.2f} GiB beside a {rec['trunk_bytes'] / g:.2f} GiB trunk; pack "
-          f"{t_pack:.0f} s, run {t_run:.0f} s")
+          f"{t_pack:.0f} s, run {t_run:.0f} s. Run on {rec['run_device']}: a {prompt}-token prompt, time to first "
+          f"token {rec['run_ttft_s']:.1f} s (trunk math {rec['run_trunk_math_s']:.1f} s, expert math "
+          f"{rec['run_expert_math_s']:.1f} s, waiting on reads {rec['run_io_wait_s']:.1f} s)")
     if json_path:
         from deltafin.store.manifest import write_json_atomic
 

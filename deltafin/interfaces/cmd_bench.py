@@ -7,7 +7,7 @@ def run(args) -> int:
     if args.bench == "pack" and args.k3_slice:
         from deltafin.bench.k3_slice import run as bench_slice
 
-        bench_slice(args.dir, args.slice_layers, args.slice_experts, json_path=args.json)
+        bench_slice(args.dir, args.slice_layers, args.slice_experts, json_path=args.json, prompt=args.slice_prompt)
         return 0
     if args.bench == "pack":
         from deltafin.bench.pack import run as bench_pack

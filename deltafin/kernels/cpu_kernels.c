@@ -1238,6 +1238,32 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
 #endif
 }
 
+/* Denormals flushed to zero (FTZ) and read as zero (DAZ) in the calling thread and the OpenMP team of nthreads
+ * (torch's and these kernels' one runtime, so its threads are torch's and MKL's too), on = 1, or both bits cleared,
+ * on = 0; on < 0 changes nothing. Returns the calling thread's setting before: 1 when both bits were set. Off x86
+ * a no-op returning -1.
+ * Tiny values in a long model's prefill (Kimi K3's decays, e^-100 and below, and their products) otherwise make
+ * the multiply units take their slow microcoded path. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h> /* the portable build leaves immintrin.h out */
+#endif
+int df_ftz(int on, int nthreads) {
+#if defined(__x86_64__) || defined(__i386__)
+    const unsigned bits = 0x8040; /* FTZ (bit 15) | DAZ (bit 6) */
+    const int before = (_mm_getcsr() & bits) == bits;
+    if (on < 0) return before;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(on ? csr | bits : csr & ~bits);
+    }
+    return before;
+#else
+    (void)on, (void)nthreads;
+    return -1;
+#endif
+}
+
 /* 1 when df_q4gw_mm has its vector code in this build. */
 int df_q4gw_vnni(void) {
 #ifdef GW_VNNI

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -176,6 +177,10 @@ class Engine:
             self._open(model_dir, opts)
 
     def _open(self, model_dir: str, opts: EngineOptions) -> None:
+        if self.device.type == "cpu":
+            from deltafin.runtime.host_memory import keep_freed_memory
+
+            keep_freed_memory()  # a CPU forward's large temporaries reuse freed blocks (see host_memory)
         own = None if self.cluster is None else own_drives(model_dir, self.cluster.rank)
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
@@ -282,9 +287,18 @@ class Engine:
                                                             self.packed.moe_layers)
         return self.routes
 
-    def math(self):
-        """The compute path for model calls made in this block: fused kernels unless the options say exact."""
-        return kernels.fast(not self.opts.exact)
+    @contextlib.contextmanager
+    def math(self) -> Iterator[None]:
+        """The compute path for model calls made in this block: fused kernels unless the options say exact; on
+        the CPU's fast path with denormals flushed to zero (``kernels.cpu.denormals_flushed``)."""
+        with kernels.fast(not self.opts.exact):
+            if self.opts.exact or self.device.type != "cpu" or kernels.backend("cpu") is None:
+                yield
+                return
+            from deltafin.kernels.cpu import denormals_flushed
+
+            with denormals_flushed():
+                yield
 
     @property
     def math_name(self) -> str:
