@@ -188,17 +188,8 @@ def expert_major_layer(source, layer: int, token_routes: list[list[int]], x: tor
     return len(union), math_s
 
 
-@contextmanager
-def engine_math(args) -> Iterator[None]:
-    """The engine's compute path for a synthetic benchmark's expert math (``Engine.math``): the fused kernels
-    unless ``--exact``, with denormals flushed to zero on the CPU's fast path."""
+def engine_math(args):
+    """The engine's compute path for a synthetic benchmark's expert math (``kernels.math``, as ``Engine.math``)."""
     from deltafin import kernels
 
-    with kernels.fast(not args.exact):
-        if args.exact or args.device != "cpu" or kernels.backend("cpu") is None:
-            yield
-            return
-        from deltafin.kernels.cpu import denormals_flushed
-
-        with denormals_flushed():
-            yield
+    return kernels.math(args.exact, args.device)

@@ -41,6 +41,19 @@ def fast(enabled: bool = True) -> Iterator[None]:
         _FAST.reset(token)
 
 
+@contextlib.contextmanager
+def math(exact: bool, device_type: str) -> Iterator[None]:
+    """The engine's compute path for model calls in this block: the fused kernels unless ``exact``, and on the CPU's
+    fast path denormals flushed to zero (``cpu.denormals_flushed``); the exact path keeps IEEE arithmetic."""
+    with fast(not exact):
+        cpu = None if exact or device_type != "cpu" else backend("cpu")
+        if cpu is None:
+            yield
+            return
+        with cpu.denormals_flushed():
+            yield
+
+
 def fast_enabled() -> bool:
     return _FAST.get()
 

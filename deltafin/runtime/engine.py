@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import logging
@@ -287,18 +286,10 @@ class Engine:
                                                             self.packed.moe_layers)
         return self.routes
 
-    @contextlib.contextmanager
-    def math(self) -> Iterator[None]:
-        """The compute path for model calls made in this block: fused kernels unless the options say exact; on
-        the CPU's fast path with denormals flushed to zero (``kernels.cpu.denormals_flushed``)."""
-        with kernels.fast(not self.opts.exact):
-            if self.opts.exact or self.device.type != "cpu" or kernels.backend("cpu") is None:
-                yield
-                return
-            from deltafin.kernels.cpu import denormals_flushed
-
-            with denormals_flushed():
-                yield
+    def math(self):
+        """The compute path for model calls made in this block (``kernels.math``): fused kernels unless the options
+        say exact, on the CPU with denormals flushed."""
+        return kernels.math(self.opts.exact, self.device.type)
 
     @property
     def math_name(self) -> str:
