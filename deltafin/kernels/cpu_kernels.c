@@ -15,6 +15,9 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h> /* MXCSR (df_ftz), in the portable build too */
+#endif
 
 #define TT 32 /* tokens per tile: the accumulators of a tile stay in L1 */
 
@@ -1130,28 +1133,37 @@ static void gw_panels(int kind, const uint8_t *packed, const void *scales, const
 }
 #endif
 
-/* y [T, R] = x [T, C] @ W^T for a 4-bit W (kind as in q4_rows; tab8 and K the Q8 table and its offset; mult the
- * value factor, 0.5 for MXFP4). Returns 0, -1 when buffers could not be allocated, -2 when this build has no
- * vector code for it (the caller takes the tiled float path). */
-int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K, float mult,
-               const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
 #ifdef GW_VNNI
+/* y [T, R] = x [T, C] @ W^T through the GEMM for any kind it decodes (k: the 4-bit kinds' constants): x quantized,
+ * then W's panels shared out, in one parallel region. Returns 0, or -1 when buffers could not be allocated. */
+static int gw_mm(int kind, const uint8_t *packed, const void *scales, const gw_consts_t *k, float mult,
+                 const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t));
     float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
     int rc = xq && xs ? 0 : -1;
-    gw_consts_t k;
-    gw_consts(tab8, K, &k);
     if (rc == 0) {
 #pragma omp parallel num_threads(nthreads)
         {
             float *ws;
             int32_t *wp;
             gw_region_begin(x, NULL, xq, xs, C, T, &ws, &wp, &rc);
-            gw_panels(kind, packed, scales, e8m0, mult, &k, xq, xs, wp, ws, out, R, C, T);
+            gw_panels(kind, packed, scales, e8m0, mult, k, xq, xs, wp, ws, out, R, C, T);
         }
     }
     for (int i = 0; i < 2; i++) gw_buffer(i, 0);
     return rc;
+}
+#endif
+
+/* y [T, R] = x [T, C] @ W^T for a 4-bit W (kind as in q4_rows; tab8 and K the Q8 table and its offset; mult the
+ * value factor, 0.5 for MXFP4). Returns 0, -1 when buffers could not be allocated, -2 when this build has no
+ * vector code for it (the caller takes the tiled float path). */
+int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K, float mult,
+               const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
+#ifdef GW_VNNI
+    gw_consts_t k;
+    gw_consts(tab8, K, &k);
+    return gw_mm(kind, packed, scales, &k, mult, e8m0, x, out, R, C, T, nthreads);
 #else
     (void)kind, (void)packed, (void)scales, (void)tab8, (void)K, (void)mult, (void)e8m0, (void)x, (void)out;
     (void)R, (void)C, (void)T, (void)nthreads;
@@ -1167,22 +1179,9 @@ int df_i8gw_mm(const int8_t *q, const float *s, const float *x, float *out, int6
                int nthreads) {
 #ifdef GW_VNNI
     if (C % 32) return -2;
-    int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t));
-    float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
-    int rc = xq && xs ? 0 : -1;
     gw_consts_t k; /* unused by the int8 decode */
     memset(&k, 0, sizeof k);
-    if (rc == 0) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *ws;
-            int32_t *wp;
-            gw_region_begin(x, NULL, xq, xs, C, T, &ws, &wp, &rc);
-            gw_panels(GW_I8, (const uint8_t *)q, s, NULL, 1.0f, &k, xq, xs, wp, ws, out, R, C, T);
-        }
-    }
-    for (int i = 0; i < 2; i++) gw_buffer(i, 0);
-    return rc;
+    return gw_mm(GW_I8, (const uint8_t *)q, s, &k, 1.0f, NULL, x, out, R, C, T, nthreads);
 #else
     (void)q, (void)s, (void)x, (void)out, (void)R, (void)C, (void)T, (void)nthreads;
     return -2;
@@ -1244,9 +1243,6 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
  * a no-op returning -1.
  * Tiny values in a long model's prefill (Kimi K3's decays, e^-100 and below, and their products) otherwise make
  * the multiply units take their slow microcoded path. */
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h> /* the portable build leaves immintrin.h out */
-#endif
 int df_ftz(int on, int nthreads) {
 #if defined(__x86_64__) || defined(__i386__)
     const unsigned bits = 0x8040; /* FTZ (bit 15) | DAZ (bit 6) */
