@@ -15,7 +15,7 @@ import time
 import torch
 
 from deltafin.bench.decode import situ_glu_expert
-from deltafin.bench.synthetic import K3_LATENT, engine_math, expert_major_layer, synthetic_run
+from deltafin.bench.synthetic import K3_LATENT, expert_major_layer, synthetic_run
 
 K3_MOE_LAYERS, K3_EXPERTS, K3_K = 92, 896, 16  # Kimi K3: 82,432 expert files
 
@@ -38,7 +38,9 @@ def run(args) -> dict:
 
         raise UsageError("--inputs, --tokens and --batch must be >= 1")
 
-    with synthetic_run(args, "classify") as run_, engine_math(args):
+    from deltafin import kernels
+
+    with synthetic_run(args, "classify") as run_, kernels.math(args.exact, args.device):
         pm, nbytes = run_.pm, run_.nbytes
         rng = random.Random(args.seed)
         inputs = [_routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, rng) for _ in range(args.inputs)]

@@ -18,7 +18,7 @@ import time
 import torch
 import xxhash
 
-from deltafin.bench.synthetic import K3_ACT, K3_LATENT, engine_math, reserved_line, synthetic_run
+from deltafin.bench.synthetic import K3_ACT, K3_LATENT, reserved_line, synthetic_run
 
 
 def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> 
 def run(args) -> dict:
     from deltafin import kernels
 
-    with synthetic_run(args, "decode", inflight=min(args.threads, args.k)) as run_, engine_math(args):
+    with synthetic_run(args, "decode", inflight=min(args.threads, args.k)) as run_, kernels.math(args.exact, args.device):
         pm = run_.pm
         verify = getattr(args, "verify_reads", True)
         source = run_.source(args.threads, args.device, verify)

@@ -17,21 +17,14 @@ import torch
 
 from deltafin.bench.decode import situ_glu_expert
 from deltafin.bench.kernels import int16_peak
-from deltafin.bench.synthetic import (
-    K3_INTER,
-    K3_LATENT,
-    engine_math,
-    expert_major_layer,
-    reserved_line,
-    synthetic_run,
-)
+from deltafin.bench.synthetic import K3_INTER, K3_LATENT, expert_major_layer, reserved_line, synthetic_run
 
 
 def run(args) -> dict:
     from deltafin import kernels
     from deltafin.kernels import cpu
 
-    with synthetic_run(args, "prefill") as run_, engine_math(args):
+    with synthetic_run(args, "prefill") as run_, kernels.math(args.exact, args.device):
         pm, nbytes = run_.pm, run_.nbytes
         rng = random.Random(args.seed)
         routes = {L: [rng.sample(range(pm.num_experts), args.k) for _ in range(args.prompt)] for L in pm.moe_layers}

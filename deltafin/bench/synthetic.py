@@ -186,10 +186,3 @@ def expert_major_layer(source, layer: int, token_routes: list[list[int]], x: tor
             expert_fn(x, t, rows[e])
             math_s += time.perf_counter() - m0
     return len(union), math_s
-
-
-def engine_math(args):
-    """The engine's compute path for a synthetic benchmark's expert math (``kernels.math``, as ``Engine.math``)."""
-    from deltafin import kernels
-
-    return kernels.math(args.exact, args.device)
