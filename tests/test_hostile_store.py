@@ -463,6 +463,21 @@ def test_k3_slice_writer_uses_the_real_names(tmp_path):
     assert norm(got) == norm(want)
 
 
+def test_k3_slice_matmul_ops_count_the_prefills_weight_matmuls():
+    """The slice run's compute limit counts every 2-D trunk matrix on every token, the lm_head on the last only, no
+    embedding lookup, no vectors or conv taps, and k routed experts per token in each MoE layer."""
+    from deltafin.bench.k3_slice import matmul_ops
+
+    t = {"model.embed_tokens.weight": [100, 8], "lm_head.weight": [100, 8], "layers.0.mlp.up_proj.weight": [16, 8],
+         "layers.1.self_attn.o_proj.weight": [8, 12], "layers.1.input_layernorm.weight": [8],
+         "layers.1.self_attn.q_conv1d.weight": [12, 1, 4]}
+    doc = {"trunk": {"tensors": {n: {"shape": s} for n, s in t.items()}}}
+    tc = {"num_hidden_layers": 3, "first_k_dense_replace": 1, "num_experts_per_token": 2, "moe_intermediate_size": 5,
+          "routed_expert_hidden_size": 7}
+    per_token = 16 * 8 + 8 * 12 + 2 * 2 * 3 * 5 * 7
+    assert matmul_ops(doc, tc, 10) == 2 * (10 * per_token + 100 * 8)
+
+
 @pytest.mark.slow
 def test_k3_slice_at_real_widths_packs_and_runs(tmp_path):
     """Vocabulary 163,840 x hidden 7,168 (a 2.35 GB bf16 embedding and lm_head): packs in bounded memory and
@@ -475,6 +490,9 @@ def test_k3_slice_at_real_widths_packs_and_runs(tmp_path):
     assert rec["pack_peak_rss_bytes"] < 0.5 * rec["largest_tensor_bytes"] + rec["baseline_rss_bytes"], rec
     assert len(rec["run_tokens"]) == 2 and all(0 <= t < 163840 for t in rec["run_tokens"])
     assert rec["run_prompt_tokens"] == 64 and rec["run_ttft_s"] > 0 and rec["run_trunk_math_s"] > 0
+    if rec["int16_peak_GOPs"]:  # the limit beside the figure: the weight matmuls at the int16 peak
+        assert rec["run_matmul_floor_s"] == rec["run_matmul_ops"] / (rec["int16_peak_GOPs"] * 1e9)
+        assert 0 < rec["run_matmul_floor_s"] < rec["run_ttft_s"]
 
 
 def test_tiktoken_tokenizer_that_does_not_fit_the_vocabulary_is_refused(tmp_path, capsys):

@@ -127,6 +127,26 @@ def largest_tensor_bytes(cfg: dict) -> int:
     return max(nbytes_of(dt, s) for items in _tensor_names(cfg["text_config"]).values() for _n, dt, s in items)
 
 
+def matmul_ops(doc: dict, tc: dict, prompt: int) -> int:
+    """Multiplies and adds of a prompt's weight matmuls on the packed slice (``doc`` its manifest, ``tc`` its
+    text_config): every 2-D trunk matrix on every token but the embedding (a lookup) and the lm_head (the last
+    token only), and each MoE layer's top-k routed experts (gate, up, down) per token. Attention's and KDA's
+    token-by-token products are left out: the limit it gives is a lower bound."""
+    per_token = last = 0
+    for name, meta in doc["trunk"]["tensors"].items():
+        shape = meta["shape"]
+        if len(shape) != 2 or "embed_tokens" in name:
+            continue
+        if "lm_head" in name:
+            last += shape[0] * shape[1]
+        else:
+            per_token += shape[0] * shape[1]
+    moe_layers = tc["num_hidden_layers"] - tc["first_k_dense_replace"]
+    expert = 3 * tc["moe_intermediate_size"] * tc["routed_expert_hidden_size"]
+    per_token += moe_layers * tc["num_experts_per_token"] * expert
+    return 2 * (per_token * prompt + last)
+
+
 def _child(argv: list[str]) -> tuple[int, str]:
     """Run a deltafin command in a child process; (peak resident bytes, its stderr)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
@@ -163,14 +183,20 @@ def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2,
         t_pack = time.perf_counter() - t0
         with open(os.path.join(work, "pack.json")) as f:
             summary = json.load(f)
+        from deltafin.bench.kernels import int16_peak
+
+        peak0 = int16_peak("cpu")  # the run's compute limit, measured before and after it (the higher kept)
         t0 = time.perf_counter()
         vocab = cfg["text_config"]["vocab_size"]
         ids = ",".join(str(1 + (i * 7919) % (vocab - 1)) for i in range(prompt))  # fixed ids across the vocabulary
         run_peak, _ = _child(["run", model, "--prompt-ids", ids, "-n", str(tokens), "--greedy", "--quiet",
                               "--cache-gb", "0", "--stats-json", os.path.join(work, "run.json")])
         t_run = time.perf_counter() - t0
+        peak = max(peak0, int16_peak("cpu"))
         with open(os.path.join(work, "run.json")) as f:
             stats = json.load(f)
+        with open(os.path.join(model, "deltafin.json")) as f:
+            ops = matmul_ops(json.load(f), cfg["text_config"], prompt)
         base = _baseline()
         in_flight = 3 * 17_551_360 + 2 * BLOCK_BYTES  # expert buffers of the writers, blocks being converted
         rec = {
@@ -184,7 +210,9 @@ def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2,
             "run_peak_rss_bytes": run_peak, "run_tokens": stats.get("tokens"), "run_prompt_tokens": prompt,
             "run_ttft_s": stats.get("ttft_s"), "run_trunk_math_s": stats.get("trunk_math_s"),
             "run_expert_math_s": stats.get("expert_math_s"), "run_io_wait_s": stats.get("io_wait_s"),
-            "run_device": stats.get("device"),
+            "run_device": stats.get("device"), "run_matmul_ops": ops,
+            "int16_peak_GOPs": peak if stats.get("device") == "cpu" else None,
+            "run_matmul_floor_s": ops / (peak * 1e9) if peak and stats.get("device") == "cpu" else None,
         }
     finally:
         if not keep:
@@ -197,7 +225,10 @@ def run(folder: str | None, layers: int = 3, experts: int = 32, tokens: int = 2,
           f"run peak RSS {run_peak / g:.2f} GiB beside a {rec['trunk_bytes'] / g:.2f} GiB trunk; pack "
           f"{t_pack:.0f} s, run {t_run:.0f} s. Run on {rec['run_device']}: a {prompt}-token prompt, time to first "
           f"token {rec['run_ttft_s']:.1f} s (trunk math {rec['run_trunk_math_s']:.1f} s, expert math "
-          f"{rec['run_expert_math_s']:.1f} s, waiting on reads {rec['run_io_wait_s']:.1f} s)")
+          f"{rec['run_expert_math_s']:.1f} s, waiting on reads {rec['run_io_wait_s']:.1f} s)"
+          + (f" vs {rec['run_matmul_floor_s']:.1f} s for its weight matmuls ({ops / 1e12:.2f} TOP) at the int16 "
+             f"dot-product peak measured around the run ({peak:.0f} GOP/s) = "
+             f"{rec['run_ttft_s'] / rec['run_matmul_floor_s']:.2f}x" if rec["run_matmul_floor_s"] else ""))
     if json_path:
         from deltafin.store.manifest import write_json_atomic
 
