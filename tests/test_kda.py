@@ -8,9 +8,12 @@ differently: the chunked form exponentiates differences of in-chunk cumulative l
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from deltafin import kernels
 from deltafin.models import kda
 
 F32_TOL = 2e-5
@@ -60,6 +63,27 @@ def test_chunked_matches_recurrent_float32(T, H, K, V, shift):
     _close(kda.chunked(*x), want, F32_TOL)
     _close(kda.chunked(*x, gate_bound=-5.0), want, F32_TOL)
     _close(kda.chunked_reference(*x), want, F32_TOL)
+
+
+@pytest.mark.parametrize("T,H,K,V", [(64, 3, 16, 16), (257, 4, 16, 32)])
+def test_fast_cpu_path_raises_tiny_decays_to_the_exp_floor(T, H, K, V):
+    """On the fast CPU path the chunked form's decays below e^-87 are taken as e^-87 (``kernels.exp_``: the CPU's exp
+    is many times slower for results below the smallest normal float). Decays at the gate's bound (chunk sums to
+    -320) hit the floor; the result keeps the float32 tolerance against the float64 recurrence, and the exact path
+    computes exp unchanged."""
+    x64 = _inputs(T, H, K, V, seed=T + 2, shift=8.0)
+    want = [t.float() for t in kda.recurrent(*x64)]
+    x = [t.float() for t in x64]
+    with kernels.math(True, "cpu"):
+        exact = kda.chunked(*x, gate_bound=-5.0)
+    with kernels.fast():
+        fast = kda.chunked(*x, gate_bound=-5.0)
+        floored = kernels.exp_(torch.tensor([-300.0, -87.5, -87.0, -1.0], dtype=torch.float64))
+    assert x[3][:64].cumsum(0).min() < -88  # the decays reach past the floor inside a chunk
+    _close(fast, want, F32_TOL)
+    _close(exact, want, F32_TOL)
+    assert floored.tolist() == [math.exp(-87.0)] * 3 + [math.exp(-1.0)]
+    assert kernels.exp_(torch.tensor([-300.0], dtype=torch.float64)).item() == math.exp(-300.0)  # not fast: exp
 
 
 @pytest.mark.parametrize("bound,sub", [(-5.0, 16), (-20.0, 4), (-100.0, 1)])

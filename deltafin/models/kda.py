@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deltafin.kernels import exp_
+
 L2_EPS = 1e-6  # §3.1 step 4 (fla l2norm): x / sqrt(sum(x^2) + 1e-6), eps added to the sum, not the mean
 CHUNK = 64  # §3.1 chunked prefill: fla naive_chunk_kda uses 64-token chunks
 SUB = 16  # sub-block of a chunk inside which decays are factored through one reference (see _intra)
@@ -149,14 +151,14 @@ def _segment(q, k, v, g, beta, S, c: int, sub: int, products) -> tuple[torch.Ten
     q, k, v, g = (_blocks(x, N, c) for x in (q, k, v, g))  # [N, H, c, *]
     b = _blocks(beta, N, c).unsqueeze(-1)  # [N, H, c, 1]
     G = g.cumsum(2)  # [N, H, c, K] cumulative log-decay Gamma_r within the chunk
-    eG = G.exp()  # in (0, 1]; an underflow to 0 stands for a decay below e^-87, negligible beside 1
+    eG = exp_(G.clone())  # in (0, 1]; an underflow to 0 stands for a decay below e^-87, negligible beside 1
     LP = products(q, k, G, b, sub) if products is not None else None
     L, P = LP if LP is not None else _products(q, k, G, b, sub)
     M = unit_lower_inverse(L, sub) * b.transpose(-1, -2)  # (I + L)^-1 diag(beta)
     W, U = M @ (k * eG), M @ v  # the WY factors
     last = G[:, :, -1:]  # [N, H, 1, K]
-    kd = (k * (last - G).exp()).transpose(-1, -2)  # [N, H, K, c]
-    decay = last.transpose(-1, -2).exp()  # [N, H, K, 1]
+    kd = (k * exp_(last - G)).transpose(-1, -2)  # [N, H, K, c]
+    decay = exp_(last.transpose(-1, -2).clone())  # [N, H, K, 1]
     S_in, Vn = _states(W, U, kd, decay, S)
     o = torch.baddbmm((P @ Vn).flatten(0, 1), (q * eG).flatten(0, 1), S_in[:N].flatten(0, 1))
     return o.view(N, H, c, -1).transpose(1, 2).reshape(N * c, H, -1)[:T], S_in[N].clone()
@@ -184,9 +186,9 @@ def _intra(q, k, G, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(c // sub):
         rows, cols = slice(i * sub, (i + 1) * sub), slice(0, (i + 1) * sub)
         ref = G[:, :, i * sub : i * sub + 1]  # [N, H, 1, K]
-        e = (G[:, :, rows] - ref).exp_()
+        e = exp_(G[:, :, rows] - ref)
         left = torch.cat([k[:, :, rows] * e, q[:, :, rows] * e], 2)  # [N, H, 2sub, K]
-        right = (ref - G[:, :, cols]).exp_().mul_(k[:, :, cols])  # [N, H, (i+1)sub, K]
+        right = exp_(ref - G[:, :, cols]).mul_(k[:, :, cols])  # [N, H, (i+1)sub, K]
         A[:, :, i, :, cols] = left @ right.transpose(-1, -2)
     return A[:, :, :, :sub].reshape(N, H, c, c), A[:, :, :, sub:].reshape(N, H, c, c)
 
