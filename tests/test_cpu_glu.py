@@ -102,13 +102,14 @@ def test_glu_act_specials():
     assert s[:2].isnan().all() and s[2] == inf and s[3].isnan()  # -inf * sigmoid(-inf) = -inf * 0, as torch
 
 
-def test_glu_act_portable_build():
-    """The build without AVX-512 takes libm's expm1f in the same formulas: within the same bounds."""
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_glu_act_builds_without_avx512(isa):
+    """The builds without AVX-512 take libm's expm1f in the same formulas: within the same bounds."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build is the default build off x86")
-    lib = native.library(("-mno-avx512f",))
+        pytest.skip("the plain C build is the default build off x86")
+    lib = native.library(native.ISA_FLAGS[isa])
     g, u = _act_inputs(500, seed=3)
     for act, rel in ACTS.values():
         _check_act(cpu.glu_act(g, u, act, lib=lib), g, u, act, rel)
@@ -166,6 +167,26 @@ def test_fused_gemm_expert_matches_reference(fmt, name, I, D):  # noqa: E741
         err = (y.double() - ref).abs()
         assert torch.all(err <= bound), f"{(err / bound).max():.3g} of the bound"
         assert torch.all(bound <= 1e-3 * scale)  # about 1e-4 here: the bound is a real constraint
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx2-novnni", "portable"])
+def test_few_token_expert_is_its_three_matmuls(isa):
+    """The Q8 range's one-call expert is bit for bit its three Q8 matmuls with the activation between them, in every
+    build (the AVX2 builds are what x86 machines without AVX-512 run), and near the float64 expert."""
+    import platform
+
+    flags = native.ISA_FLAGS[isa] if platform.machine() in ("x86_64", "AMD64") else ()
+    lib = native.library(flags)
+    r = _expert("mxfp4", 96, 224, seed=11)
+    g, u, d = (r[k] for k in ("gate", "up", "down"))
+    for T in (1, 3):
+        x = torch.randn(T, 224, generator=torch.Generator().manual_seed(T))
+        y = cpu.glu_expert(x, g, u, d, SITU, lib=lib)
+        lin = cpu.mxfp4_linear
+        h = cpu.glu_act(lin(x, g.data, g.scale, lib=lib), lin(x, u.data, u.scale, lib=lib), SITU, lib=lib)
+        assert torch.equal(y, lin(h, d.data, d.scale, lib=lib))
+        ref, _, scale = _expert_bound(x, r, h, SITU, ACTS["situ"][1])
+        assert torch.all((y.double() - ref).abs() <= 0.05 * scale)
 
 
 @gemm_only

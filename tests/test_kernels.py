@@ -178,19 +178,48 @@ def test_int8_odd_width_and_float_int4_scales():
     _check_fmt("int4g32", cpu.int4g32_linear(x, i4.data, i4.scale.float()), x, dequantize(i4), fused=True)
 
 
-def test_portable_build_matches_reference():
-    """The build without AVX-512 (what a machine without it compiles) gives the same answers."""
+@pytest.mark.parametrize("isa", ["avx2", "avx2-novnni", "portable"])
+def test_builds_without_avx512_match_reference(isa):
+    """What machines without AVX-512 compile (AVX2 with and without AVX-VNNI, and the plain C loops) gives answers
+    within the same bounds: partial groups of 4 blocks and runs of 8 scales (96 and 640 columns), row counts not a
+    multiple of the four rows a one-token call takes together, int8 widths that are not whole steps of 16."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build is the default build off x86")
-    lib = native.library(("-mno-avx512f",))
+        pytest.skip("the plain C build is the default build off x86")
+    lib = native.library(native.ISA_FLAGS[isa])
     assert lib is not None and lib.df_simd_width() == 1
-    for fmt, rec in _records(77, 96, seed=5).items():
-        for T in (1, 3, 12):
-            x = torch.randn(T, 96)
-            y = getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib)
-            _check_fmt(fmt, y, x, dequantize(rec), fused=T <= cpu.FUSED_TOKENS, lib=lib)
+    assert native.ISA_NAMES[lib.df_isa()] != "avx512"
+    if isa == "portable":
+        assert lib.df_isa() == 0
+    for R, C in ((77, 96), (33, 640), (8, 4096)):
+        for fmt, rec in _records(R, C, seed=R + C).items():
+            for T in (1, 3, 12):
+                x = torch.randn(T, C) * torch.rand(T, 1) * 10
+                y = getattr(cpu, f"{fmt}_linear")(x, rec.data, rec.scale, lib=lib)
+                _check_fmt(fmt, y, x, dequantize(rec), fused=T <= cpu.FUSED_TOKENS, lib=lib)
+    for C in (83, 131, 250):  # int8 rows: a step of 16 columns cut short, alone or after whole ones
+        q, sc = int8.quantize_ref(np.random.default_rng(C).standard_normal((9, C)).astype(np.float32))
+        q, sc = torch.from_numpy(q), torch.from_numpy(sc)
+        for T in (1, 2, 7):
+            x = torch.randn(T, C)
+            _check_fmt("int8", cpu.int8_linear(x, q, sc, lib=lib), x, int8.dequantize(q, sc), fused=True, lib=lib)
+
+
+def test_cpu_isa_choice(monkeypatch):
+    """DELTAFIN_CPU_ISA picks the build; an unknown name is refused with the names it knows."""
+    import platform
+
+    from deltafin.errors import UsageError
+
+    monkeypatch.setenv("DELTAFIN_CPU_ISA", "portable")
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    assert native.isa_flags() == (native.ISA_FLAGS["portable"] if x86 else ())
+    monkeypatch.setenv("DELTAFIN_CPU_ISA", "avx9")
+    with pytest.raises(UsageError, match="avx9.*native, avx2, avx2-novnni, portable"):
+        native.isa_flags()
+    monkeypatch.delenv("DELTAFIN_CPU_ISA")
+    assert native.isa_flags() == ()
 
 
 GEMM_R = [17, 33, 100, 257]  # odd row counts: a partial vector of 16 rows, a partial panel of 32
@@ -331,10 +360,33 @@ def test_bench_kernels_prefill_rows_over_the_higher_int16_peak(monkeypatch, caps
         {"case": "k3 expert mxfp4 x64 tok", "tokens": 64, "fused_GFLOPs": 400.0, "tile_GFLOPs": 100.0,
          "f32_matmul_GFLOPs": 150.0, "fused_over_tile": 4.0}])
     monkeypatch.setattr(bk, "_glu_rows", lambda device, seconds: [])
+    monkeypatch.setattr(cpu, "gemm_enabled", lambda lib=None: True)
     r = bk.run(argparse.Namespace(device="cpu", seconds=0.05, json=None))
     assert r["int16_peak_GOPs_before_after"] == [300.0, 500.0] and r["int16_peak_GOPs"] == 500.0
     assert r["prefill"][0]["fused_over_peak"] == 400.0 / 500.0
     assert "int16 dot-product peak 500 GOP/s (the higher of before and after" in capsys.readouterr().out
+
+
+def test_bench_kernels_on_a_build_without_avx512(monkeypatch, capsys):
+    """`bench kernels --isa portable` (or avx2) measures the kernels other x86 machines build, says which, and leaves
+    out the prefill rows of the int16 GEMM that such a build does not have."""
+    import argparse
+    import platform
+
+    from deltafin.bench import kernels as bk
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the ISA choice is x86's")
+    monkeypatch.setenv("DELTAFIN_CPU_ISA", "native")  # restored after the test: run() sets it
+    expert = [_records(64, 96, seed=s)["mxfp4"] for s in (1, 2)] + [_records(96, 64, seed=3)["mxfp4"]]
+    monkeypatch.setattr(bk, "_cases", lambda device: [("small expert", 1, lambda: expert)])
+    monkeypatch.setattr(bk, "_cache_bytes", lambda: 0)
+    monkeypatch.setattr(bk, "bandwidth", lambda device: 10.0)
+    r = bk.run(argparse.Namespace(device="cpu", seconds=0.05, json=None, isa="portable"))
+    assert r["isa"] == "plain C" and r["prefill"] == [] and r["gated_expert"] == []
+    assert r["cases"][0]["fused_GBps"] > 0
+    out = capsys.readouterr().out
+    assert "backend cpu (plain C)" in out and "this build has no int16 GEMM" in out
 
 
 @pytest.mark.parametrize("C", [64, 512])  # a partial run of 16 block scales, and a whole one (vector decode)

@@ -233,6 +233,9 @@ def run(args) -> dict:
         from deltafin.errors import UsageError
 
         raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
+    if getattr(args, "isa", None):
+        os.environ["DELTAFIN_CPU_ISA"] = args.isa  # every native.library() call from here on builds for it
+    isa = _isa() if device == "cpu" else None
     bw0 = bandwidth(device)
     llc = _cache_bytes() if device == "cpu" else 0
     rows = []
@@ -256,8 +259,11 @@ def run(args) -> dict:
     # one core's two hyperthreads and two whole cores, and the ratio against a peak caught in the low state would
     # read past 1
     peak0 = int16_peak(device)
-    prefill = _prefill_rows(device, args.seconds) if device == "cpu" else []
-    glu_rows = _glu_rows(device, args.seconds) if device == "cpu" else []
+    from deltafin.kernels import cpu
+
+    gemm = device == "cpu" and cpu.available() and cpu.gemm_enabled()  # builds without it: the tiled float path
+    prefill = _prefill_rows(device, args.seconds) if gemm else []
+    glu_rows = _glu_rows(device, args.seconds) if gemm else []
     peak = max(peak0, int16_peak(device))
     for r in prefill:
         r["fused_over_peak"] = r["fused_GFLOPs"] / peak if peak else None
@@ -267,7 +273,7 @@ def run(args) -> dict:
         r["torch_over_bandwidth"] = r["torch_GBps"] / bw
         r["one_call_over_bandwidth"] = r["one_call_GBps"] / bw if r["one_call_GBps"] else None
     one = [r for r in rows if r["tokens"] == 1]
-    result = {"bench": "kernels", "device": device, "backend": kernels.backend_name(device),
+    result = {"bench": "kernels", "device": device, "backend": kernels.backend_name(device), "isa": isa,
               "threads": torch.get_num_threads(), "bandwidth_GBps": bw,
               "bandwidth_GBps_before_after": [bw0, bw], "last_level_cache_bytes": llc, "cases": rows,
               "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET,
@@ -282,8 +288,17 @@ def run(args) -> dict:
     return result
 
 
+def _isa() -> str:
+    """The vector code of the CPU kernels in use ('avx512', 'avx2+avx-vnni', 'avx2', 'plain C'), or 'torch'."""
+    from deltafin.kernels import native
+
+    lib = native.library()
+    return "torch" if lib is None else native.ISA_NAMES.get(lib.df_isa(), str(lib.df_isa()))
+
+
 def _print(r: dict) -> None:
-    print(f"kernels ({r['device']}, backend {r['backend']}, {r['threads']} threads): memory read bandwidth "
+    isa = f" ({r['isa']})" if r.get("isa") else ""
+    print(f"kernels ({r['device']}, backend {r['backend']}{isa}, {r['threads']} threads): memory read bandwidth "
           f"{r['bandwidth_GBps']:.2f} GB/s measured in this run ({'sum over 1 GiB' if r['device'] == 'cpu' else 'device copy'})")
     for c in r["cases"]:
         mark = f" (target >= {r['target']})" if c["tokens"] == 1 else ""
@@ -292,6 +307,9 @@ def _print(r: dict) -> None:
         print(f"  {c['case']:<28} fused {c['fused_GBps']:6.2f} GB/s = {c['fused_over_bandwidth']:.2f} of bandwidth"
               f"{mark}; plain torch {c['torch_GBps']:6.3f} GB/s = {c['torch_over_bandwidth']:.3f}{one}")
     print(f"worst one-token case: {r['worst_one_token_fraction']:.2f} of memory bandwidth (target >= {r['target']})")
+    if r["device"] == "cpu" and not r["prefill"]:
+        print("prefill: this build has no int16 GEMM (AVX-512 VNNI and VBMI); many-token matmuls take the tiled "
+              "float path")
     if r["prefill"]:
         print(f"prefill: int16 dot-product peak {r['int16_peak_GOPs']:.0f} GOP/s (the higher of before and after "
               f"the rows below, measured in this run); load average {r['load_average']:.1f}")

@@ -12,7 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__x86_64__) || defined(__i386__)
@@ -349,13 +349,13 @@ static void q8_quantize(const float *x, int64_t T, int64_t C, int K, float mult,
         }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define Q8_VNNI 1
 /* Software prefetch of the next rows, a row ahead: measured 1.5x on a K3 expert read from memory (the
  * hardware prefetcher alone left the one-token loop waiting on memory). */
 #ifndef PF
 #define PF 1
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_VNNI 1
 /* The weight scales of 16 blocks from block i (n < 16 in a last, partial run), as float32. E8M0 by its bits:
  * e << 23 is 2^(e - 127) for e in 1..254; 0 (2^-127, a subnormal) and 255 (NaN) are patched in. Scales past n
  * meet zero activation scales. */
@@ -390,66 +390,179 @@ static inline void q8_decode(const uint8_t *w, __mmask64 m, __m512i tab, __m512i
     *lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, m15));
     *hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
 }
+
+/* The Q8 path's vector code, one loop for both widths (q8_rows) over these: a unit is a group's 4 blocks (64
+ * packed bytes), decoded once per row and group and multiplied into each token; a run of Q8_RUN blocks shares one
+ * vector of weight scales, whose lanes a unit's block sums take by its place in the run (k->spread). */
+#define Q8_VEC 1
+#define Q8_RUN 16
+typedef __m512 q8f_t;
+typedef struct {
+    __m512i lo, hi; /* a group's table values, even and odd columns, block j in 128-bit lane j */
+} q8u_t;
+typedef struct {
+    __m512i tab, spread[4];
+} q8k_t;
+
+static inline void q8_consts(q8k_t *k, const uint8_t *tab8) {
+    k->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab8));
+    for (int j = 0; j < 4; j++)
+        k->spread[j] = _mm512_add_epi32(_mm512_set1_epi32(4 * j),
+                                        _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+}
+static inline q8f_t q8f_zero(void) { return _mm512_setzero_ps(); }
+static inline q8f_t q8f_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline q8f_t q8f_mul(q8f_t a, q8f_t b) { return _mm512_mul_ps(a, b); }
+static inline float q8f_sum(q8f_t a) { return _mm512_reduce_add_ps(a); }
+static inline q8f_t q8_wscale_run(int kind, const void *scales, const float *e8m0, int64_t i, int n) {
+    return q8_wscale16(kind, scales, e8m0, i, n);
+}
+/* n (1-4) blocks of a group; bytes past them are not read */
+static inline void q8_unit_decode(const uint8_t *w, int n, const q8k_t *k, q8u_t *u) {
+    const __mmask64 m = n == QG ? ~(__mmask64)0 : (((__mmask64)1 << (16 * n)) - 1);
+    q8_decode(w, m, k->tab, &u->lo, &u->hi);
+}
+/* acc + one token's unit: its 16 exact int32 lane sums times their blocks' scales (sc: the run's, gi: the unit's
+ * place in the run) */
+static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, const q8k_t *k, const int8_t *xe,
+                                const int8_t *xo, const int32_t *corr) {
+    return q8_group(u->lo, u->hi, sc, k->spread[gi], xe, xo, corr, acc);
+}
+#elif defined(__AVX2__)
+/* The same on 256-bit vectors (x86 without AVX-512: most laptop and desktop CPUs): a unit is two vectors of two
+ * blocks each, 8 int32 lanes of 4 byte pairs apiece, the AVX-512 code's lanes in two halves (corr lines up with
+ * them), and a run is 8 blocks. With AVX-VNNI (vpdpbusd on ymm) the sums are VNNI's; without it vpmaddubsw
+ * multiplies the unsigned table values by the signed activations into int16 pairs, which cannot saturate
+ * (2 x 24 x 127, twice for the even and odd columns added, < 2^15), and vpmaddwd by ones widens them to the same
+ * exact int32 lane sums. */
+#define Q8_VEC 1
+#define Q8_RUN 8
+typedef __m256 q8f_t;
+typedef struct {
+    __m256i lo[2], hi[2]; /* blocks 2h, 2h + 1 of the group in half h */
+    int n;                /* blocks in the group (1-4) */
+} q8u_t;
+typedef struct {
+    __m256i tab, spread[4]; /* spread[k]: lanes 0-3 take scale 2k of the run, lanes 4-7 scale 2k + 1 */
+} q8k_t;
+
+static inline void q8_consts(q8k_t *k, const uint8_t *tab8) {
+    k->tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab8));
+    for (int j = 0; j < 4; j++) k->spread[j] = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+}
+static inline q8f_t q8f_zero(void) { return _mm256_setzero_ps(); }
+static inline q8f_t q8f_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline q8f_t q8f_mul(q8f_t a, q8f_t b) { return _mm256_mul_ps(a, b); }
+static inline float q8f_sum(q8f_t v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The weight scales of 8 blocks from block i (n < 8 in a last, partial run: 0 past n, where the activation scales
+ * are 0 too), as float32: E8M0 through its table (2^-127 and NaN included), bf16 by its bits, or float32. */
+static inline q8f_t q8_wscale_run(int kind, const void *scales, const float *e8m0, int64_t i, int n) {
+    if (n < 8) {
+        float f[8] = {0};
+        for (int j = 0; j < n; j++) f[j] = scale_at(scales, kind, e8m0, i + j);
+        return _mm256_loadu_ps(f);
+    }
+    if (kind == 0)
+        return _mm256_i32gather_ps(e8m0, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)scales + i))), 4);
+    if (kind == 2) return _mm256_loadu_ps((const float *)scales + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)scales + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* n (1-4) blocks of a group -> their table values; bytes past them are not read (a missing block of a half reads
+ * as nibble 0, whose table value meets zero activations) */
+static inline void q8_unit_decode(const uint8_t *w, int n, const q8k_t *k, q8u_t *u) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    u->n = n;
+    for (int h = 0; h < 2 && 2 * h < n; h++) {
+        const __m128i b0 = _mm_loadu_si128((const __m128i *)(w + 32 * h));
+        const __m128i b1 = 2 * h + 1 < n ? _mm_loadu_si128((const __m128i *)(w + 32 * h + 16)) : _mm_setzero_si128();
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+        u->lo[h] = _mm256_shuffle_epi8(k->tab, _mm256_and_si256(v, m15));
+        u->hi[h] = _mm256_shuffle_epi8(k->tab, _mm256_and_si256(_mm256_srli_epi16(v, 4), m15));
+    }
+}
+
+/* acc + one token's unit (see the AVX-512 one): per half, the two blocks' int32 lane sums with K's offset taken
+ * off through corr, times their scales */
+static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, const q8k_t *k, const int8_t *xe,
+                                const int8_t *xo, const int32_t *corr) {
+    for (int h = 0; h < 2 && 2 * h < u->n; h++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(corr + 8 * h));
+        const __m256i e = _mm256_loadu_si256((const __m256i *)(xe + 32 * h));
+        const __m256i o = _mm256_loadu_si256((const __m256i *)(xo + 32 * h));
+#ifdef __AVXVNNI__
+        const __m256i sum = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(c, u->lo[h], e), u->hi[h], o);
+#else
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u->lo[h], e), _mm256_maddubs_epi16(u->hi[h], o));
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), c);
+#endif
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_permutevar8x32_ps(sc, k->spread[2 * gi + h]), acc);
+    }
+    return acc;
+}
 #endif
 
 static void q8_rows(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K,
                     const float *e8m0, const q8x_t *q, float *out, int64_t r0, int64_t r1, int64_t R, int64_t C,
                     int64_t T) {
     const int64_t H = C / 2, nb = C / 32, G = q->G;
-#ifdef Q8_VNNI
-    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab8));
-    __m512i spread[4];
-    for (int j = 0; j < 4; j++) spread[j] = _mm512_add_epi32(_mm512_set1_epi32(4 * j),
-                                                   _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+#ifdef Q8_VEC
+    /* a run of Q8_RUN blocks (Q8_RUN / QG groups) shares one vector of weight scales */
+    q8k_t k;
+    q8_consts(&k, tab8);
+    const int64_t GR = Q8_RUN / QG;
     int64_t r = r0;
-    if (T == 1) /* four rows at a time share the activation loads */
+    if (T == 1) /* four rows at a time share the activation loads; the same sums as below */
         for (; r + 4 <= r1; r += 4) {
-            __m512 acc[4];
-            for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                const int nb16 = nb - g0 * QG < 16 ? (int)(nb - g0 * QG) : 16;
-                const __m512 xs = _mm512_loadu_ps(q->xs + g0 * 4);
-                __m512 sc[4];
-                for (int i = 0; i < 4; i++)
-                    sc[i] = _mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + i) * nb + g0 * QG, nb16), xs);
-                for (int64_t g = g0; g < g0 + 4 && g < G; g++) {
+            q8f_t acc[4];
+            for (int i = 0; i < 4; i++) acc[i] = q8f_zero();
+            for (int64_t g0 = 0; g0 < G; g0 += GR) {
+                const int nbr = nb - g0 * QG < Q8_RUN ? (int)(nb - g0 * QG) : Q8_RUN;
+                const q8f_t xs = q8f_load(q->xs + g0 * QG);
+                q8f_t sc[4];
+                for (int i = 0; i < 4; i++) sc[i] = q8f_mul(q8_wscale_run(kind, scales, e8m0, (r + i) * nb + g0 * QG, nbr), xs);
+                for (int64_t g = g0; g < g0 + GR && g < G; g++) {
                     const int n = nb - g * QG < QG ? (int)(nb - g * QG) : QG;
-                    const __mmask64 m = n == QG ? ~(__mmask64)0 : (((__mmask64)1 << (16 * n)) - 1);
                     for (int i = 0; i < 4; i++) {
-                        __m512i lo, hi;
+                        q8u_t u;
                         if (PF && r + 4 + i < r1) _mm_prefetch((const char *)(packed + (r + 4 + i) * H + g * 64), _MM_HINT_T0);
-                        q8_decode(packed + (r + i) * H + g * 64, m, tab, &lo, &hi);
-                        acc[i] = q8_group(lo, hi, sc[i], spread[g - g0], q->xe + g * 64, q->xo + g * 64,
-                                          q->corr + g * 16, acc[i]);
+                        q8_unit_decode(packed + (r + i) * H + g * 64, n, &k, &u);
+                        acc[i] = q8_unit_fma(acc[i], &u, sc[i], (int)(g - g0), &k, q->xe + g * 64, q->xo + g * 64,
+                                             q->corr + g * 16);
                     }
                 }
             }
-            for (int i = 0; i < 4; i++) out[r + i] = _mm512_reduce_add_ps(acc[i]);
+            for (int i = 0; i < 4; i++) out[r + i] = q8f_sum(acc[i]);
         }
-    __m512 acc[TT];
+    q8f_t acc[TT];
     for (; r < r1; r++) {
         const uint8_t *row = packed + r * H;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             const int64_t nt = T - t0 < TT ? T - t0 : TT;
-            for (int64_t t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
-                const int nb16 = nb - g0 * QG < 16 ? (int)(nb - g0 * QG) : 16;
-                const __m512 ws = q8_wscale16(kind, scales, e8m0, r * nb + g0 * QG, nb16);
-                for (int64_t g = g0; g < g0 + 4 && g < G; g++) {
+            for (int64_t t = 0; t < nt; t++) acc[t] = q8f_zero();
+            for (int64_t g0 = 0; g0 < G; g0 += GR) {
+                const int nbr = nb - g0 * QG < Q8_RUN ? (int)(nb - g0 * QG) : Q8_RUN;
+                const q8f_t ws = q8_wscale_run(kind, scales, e8m0, r * nb + g0 * QG, nbr);
+                for (int64_t g = g0; g < g0 + GR && g < G; g++) {
                     const int n = nb - g * QG < QG ? (int)(nb - g * QG) : QG;
-                    const __mmask64 m = n == QG ? ~(__mmask64)0 : (((__mmask64)1 << (16 * n)) - 1);
-                    __m512i lo, hi;
+                    q8u_t u;
                     if (PF && r + 1 < r1) _mm_prefetch((const char *)(row + H + g * 64), _MM_HINT_T0);
-                    q8_decode(row + g * 64, m, tab, &lo, &hi);
+                    q8_unit_decode(row + g * 64, n, &k, &u);
                     for (int64_t t = 0; t < nt; t++) {
-                        const int64_t u = t0 + t;
-                        const __m512 sc = _mm512_mul_ps(ws, _mm512_loadu_ps(q->xs + u * XS + g0 * 4));
-                        acc[t] = q8_group(lo, hi, sc, spread[g - g0], q->xe + u * G * 64 + g * 64,
-                                          q->xo + u * G * 64 + g * 64, q->corr + u * G * 16 + g * 16, acc[t]);
+                        const int64_t v = t0 + t;
+                        const q8f_t sc = q8f_mul(ws, q8f_load(q->xs + v * XS + g0 * QG));
+                        acc[t] = q8_unit_fma(acc[t], &u, sc, (int)(g - g0), &k, q->xe + v * G * 64 + g * 64,
+                                             q->xo + v * G * 64 + g * 64, q->corr + v * G * 16 + g * 16);
                     }
                 }
             }
-            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(acc[t]);
+            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = q8f_sum(acc[t]);
         }
     }
 #else
@@ -512,64 +625,100 @@ static void a16_quantize(const float *x, int64_t T, int64_t C, i8a16_t *a) {
 #define I8PF 1 /* prefetch the next rows, a row ahead */
 #endif
 
+/* The int16-activation path's vector code, one loop for both widths (i8a16_rows) over these, on the Q8 path's
+ * float vectors (q8f_t): a row's block of 128 columns is loaded once (sign-extended to int16) and multiplied into
+ * each token; its int32 sum is exact, then one float multiply-add per lane applies the token's block scale. */
+#if defined(Q8_VNNI) && defined(__AVX512VL__)
+#define A16_VEC 1
+typedef struct {
+    __m512i w[4]; /* 32 columns each, 0 past the row's width */
+} a16w_t;
+static inline void a16_wload(a16w_t *W, const int8_t *p, int64_t n) {
+    for (int j = 0; j < 4; j++) {
+        const int64_t left = n - 32 * j;
+        const __mmask32 m = left >= 32 ? ~(__mmask32)0 : left <= 0 ? 0 : (((__mmask32)1 << left) - 1);
+        W->w[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, p + 32 * j));
+    }
+}
+static inline q8f_t a16_fma(q8f_t f, const a16w_t *W, const int16_t *xq, float d) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) acc = _mm512_dpwssd_epi32(acc, W->w[j], _mm512_loadu_si512(xq + 32 * j));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d), f);
+}
+#elif defined(Q8_VEC) && !defined(Q8_VNNI)
+/* AVX2: 16 columns a step, vpmaddwd (or AVX-VNNI's vpdpwssd) into 8 int32 lanes; the columns of a block past its
+ * last whole step (a width that is not a multiple of 16) are summed in scalar code into lane 0 */
+#define A16_VEC 1
+typedef struct {
+    __m256i w[A16B / 16];
+    const int8_t *p; /* the block's bytes, for the columns past its whole steps */
+    int64_t n;       /* its columns */
+} a16w_t;
+static inline void a16_wload(a16w_t *W, const int8_t *p, int64_t n) {
+    W->p = p;
+    W->n = n;
+    for (int64_t j = 0; j < n / 16; j++) W->w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * j)));
+}
+static inline q8f_t a16_fma(q8f_t f, const a16w_t *W, const int16_t *xq, float d) {
+    __m256i acc = _mm256_setzero_si256();
+    const int64_t nv = W->n / 16;
+    for (int64_t j = 0; j < nv; j++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 16 * j));
+#ifdef __AVXVNNI__
+        acc = _mm256_dpwssd_avx_epi32(acc, W->w[j], x);
+#else
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(W->w[j], x));
+#endif
+    }
+    int32_t tail = 0;
+    for (int64_t c = nv * 16; c < W->n; c++) tail += (int32_t)W->p[c] * xq[c];
+    acc = _mm256_add_epi32(acc, _mm256_setr_epi32(tail, 0, 0, 0, 0, 0, 0, 0));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d), f);
+}
+#endif
+
 static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float *out, int64_t r0, int64_t r1,
                        int64_t R, int64_t C, int64_t T) {
     const int64_t NB = a->NB;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    /* the 4 masks of a block's 32-column steps: full, or the columns left in the last block */
-    __mmask32 last[4];
-    for (int j = 0; j < 4; j++) {
-        const int64_t n = C - (NB - 1) * A16B - j * 32;
-        last[j] = n >= 32 ? ~(__mmask32)0 : n <= 0 ? 0 : (((__mmask32)1 << n) - 1);
-    }
-    const __mmask32 full[4] = {~(__mmask32)0, ~(__mmask32)0, ~(__mmask32)0, ~(__mmask32)0};
+#ifdef A16_VEC
     int64_t r = r0;
     if (T == 1) /* four rows at a time share the activation loads; the same sums as below */
         for (; r + 4 <= r1; r += 4) {
-            __m512 f[4];
-            for (int i = 0; i < 4; i++) f[i] = _mm512_setzero_ps();
+            q8f_t f[4];
+            for (int i = 0; i < 4; i++) f[i] = q8f_zero();
             for (int64_t b = 0; b < NB; b++) {
-                const __mmask32 *m = b + 1 < NB ? full : last;
-                const int16_t *xq = a->q + b * A16B;
-                const __m512 dv = _mm512_set1_ps(a->d[b]);
+                const int64_t c0 = b * A16B, n = C - c0 < A16B ? C - c0 : A16B;
                 for (int i = 0; i < 4; i++) {
-                    const int8_t *p = w + (r + i) * C + b * A16B;
+                    const int8_t *p = w + (r + i) * C + c0;
                     if (I8PF && r + 4 + i < r1) {
                         _mm_prefetch((const char *)(p + 4 * C), _MM_HINT_T0);
                         _mm_prefetch((const char *)(p + 4 * C + 64), _MM_HINT_T0);
                     }
-                    __m512i acc = _mm512_setzero_si512();
-                    for (int j = 0; j < 4; j++)
-                        acc = _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m[j], p + 32 * j)),
-                                                  _mm512_loadu_si512(xq + 32 * j));
-                    f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dv, f[i]);
+                    a16w_t W;
+                    a16_wload(&W, p, n);
+                    f[i] = a16_fma(f[i], &W, a->q + b * A16B, a->d[b]);
                 }
             }
-            for (int i = 0; i < 4; i++) out[r + i] = _mm512_reduce_add_ps(f[i]) * s[r + i];
+            for (int i = 0; i < 4; i++) out[r + i] = q8f_sum(f[i]) * s[r + i];
         }
-    __m512 f[TT];
+    q8f_t f[TT];
     for (; r < r1; r++) {
         const int8_t *row = w + r * C;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             const int64_t nt = T - t0 < TT ? T - t0 : TT;
-            for (int64_t t = 0; t < nt; t++) f[t] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < nt; t++) f[t] = q8f_zero();
             for (int64_t b = 0; b < NB; b++) {
-                const __mmask32 *m = b + 1 < NB ? full : last;
+                const int64_t c0 = b * A16B, n = C - c0 < A16B ? C - c0 : A16B;
                 if (I8PF && r + 1 < r1) {
-                    _mm_prefetch((const char *)(row + C + b * A16B), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(row + C + b * A16B + 64), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(row + C + c0), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(row + C + c0 + 64), _MM_HINT_T0);
                 }
-                __m512i wv[4];
-                for (int j = 0; j < 4; j++)
-                    wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m[j], row + b * A16B + 32 * j));
-                for (int64_t t = 0; t < nt; t++) {
-                    const int16_t *xq = a->q + ((t0 + t) * NB + b) * A16B;
-                    __m512i acc = _mm512_setzero_si512();
-                    for (int j = 0; j < 4; j++) acc = _mm512_dpwssd_epi32(acc, wv[j], _mm512_loadu_si512(xq + 32 * j));
-                    f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(a->d[(t0 + t) * NB + b]), f[t]);
-                }
+                a16w_t W;
+                a16_wload(&W, row + c0, n);
+                for (int64_t t = 0; t < nt; t++)
+                    f[t] = a16_fma(f[t], &W, a->q + ((t0 + t) * NB + b) * A16B, a->d[(t0 + t) * NB + b]);
             }
-            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = _mm512_reduce_add_ps(f[t]) * s[r];
+            for (int64_t t = 0; t < nt; t++) out[(t0 + t) * R + r] = q8f_sum(f[t]) * s[r];
         }
     }
 #else
@@ -740,7 +889,7 @@ int df_i8a16_multi(int n, const int8_t *const *w, const float *const *s, float *
 
 /* 1 when the int8 x int16 path has its vector (AVX-512 VNNI) code here, 0 when it runs the plain C loop. */
 int df_a16_vnni(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(Q8_VNNI) && defined(__AVX512VL__)
     return 1;
 #else
     return 0;
@@ -751,6 +900,20 @@ int df_a16_vnni(void) {
 int df_q8_vnni(void) {
 #ifdef Q8_VNNI
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The vector code of the one-token paths in this build, for reports: 4 AVX-512 (VNNI where the CPU has it), 3 AVX2
+ * with AVX-VNNI, 2 AVX2, 0 plain C loops (auto-vectorised where the compiler can). */
+int df_isa(void) {
+#if defined(__AVX512F__)
+    return 4;
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+    return 3;
+#elif defined(__AVX2__)
+    return 2;
 #else
     return 0;
 #endif

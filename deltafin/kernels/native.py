@@ -5,6 +5,10 @@ The library is compiled for this CPU (``-march=native``, AVX-512 where present) 
 and kept under ``$DELTAFIN_CACHE`` (default ``~/.cache/deltafin``) keyed by the source, the compiler and the
 CPU, so later processes load it at once. Without a C compiler the fast CPU path is off and the plain torch path
 runs (one warning says what to install). ``DELTAFIN_CPU_KERNELS=0`` turns the fast CPU path off.
+
+``DELTAFIN_CPU_ISA`` builds for less than this CPU has, to measure what other x86 machines run: ``avx2`` (no
+AVX-512: AVX2, with AVX-VNNI where this CPU has it), ``avx2-novnni`` (AVX2 alone) or ``portable`` (no AVX2: the
+plain C loops); unset or ``native``, everything this CPU has.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ _SIGNATURES = {
     "df_i8a16_multi": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "df_q8_vnni": [],
     "df_simd_width": [],
+    "df_isa": [],
     "df_ftz": [_INT, _INT],
     "df_i8gw_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4gw_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
@@ -87,9 +92,26 @@ def _compile(cc: str, extra: tuple[str, ...], out: Path) -> str | None:
     return err
 
 
-def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The kernels built with ``extra`` compiler flags (tests build the portable variant with
-    ``-mno-avx512f``), or None when they cannot be built here (``why()`` says why)."""
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx2-novnni": ("-mno-avx512f", "-mno-avxvnni"),
+             "portable": ("-mno-avx512f", "-mno-avx2")}
+ISA_NAMES = {4: "avx512", 3: "avx2+avx-vnni", 2: "avx2", 0: "plain C"}  # df_isa()
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The compiler flags ``DELTAFIN_CPU_ISA`` asks for (x86 only; elsewhere and unset: none)."""
+    name = os.environ.get("DELTAFIN_CPU_ISA", "native").strip().lower() or "native"
+    if name not in ISA_FLAGS:
+        from deltafin.errors import UsageError
+
+        raise UsageError(f"DELTAFIN_CPU_ISA={name!r}: not a build this knows; use one of {', '.join(ISA_FLAGS)}")
+    return ISA_FLAGS[name] if platform.machine() in ("x86_64", "AMD64") else ()
+
+
+def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """The kernels built with ``extra`` compiler flags (default: ``isa_flags()``; tests build the builds of
+    machines without AVX-512 with ``ISA_FLAGS``), or None when they cannot be built here (``why()`` says why)."""
+    if extra is None:
+        extra = isa_flags()
     with _lock:
         if extra in _loaded:
             return _loaded[extra]
@@ -115,7 +137,7 @@ def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                     getattr(lib, name).argtypes = args
                 lib.df_q4gw_mm.restype = lib.df_q4gw_vnni.restype = lib.df_i8gw_mm.restype = _INT
                 lib.df_gw_peak.restype = ctypes.c_double
-                lib.df_simd_width.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
+                lib.df_simd_width.restype = lib.df_isa.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = _INT
                 lib.df_i8a16_multi.restype = lib.df_q4gw_glu.restype = _INT
                 lib.df_glu_act.restype = None
@@ -125,6 +147,6 @@ def library(extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return lib
 
 
-def why(extra: tuple[str, ...] = ()) -> str:
+def why(extra: tuple[str, ...] | None = None) -> str:
     """Why ``library(extra)`` is None ('' when it loaded or was not tried)."""
-    return _why.get(extra, "")
+    return _why.get(isa_flags() if extra is None else extra, "")
