@@ -32,7 +32,7 @@ def _agreement(model_dir: str, vocab: int) -> float:
     ids = torch.randint(0, vocab, (N,), generator=torch.Generator().manual_seed(0)).tolist()
     exact = _top1(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=True)), ids)
     fast = Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=False))
-    assert fast.dtype == torch.float32 and fast.math_name.startswith("fused kernels (cpu)")
+    assert fast.dtype == torch.float32 and fast.math_name.startswith("fused kernels (cpu, ")
     return (exact == _top1(fast, ids)).float().mean().item()
 
 
@@ -51,6 +51,24 @@ def test_fast_path_agrees_with_exact_k3(tmp_path):
     pack(str(tmp_path / "src"), str(tmp_path / "model"), parse_drives([f"{tmp_path}/d0=1"]), PackOptions(progress=False))
     vocab = cfg.get("text_config", cfg)["vocab_size"]
     assert _agreement(str(tmp_path / "model"), vocab) >= 0.99
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_fast_path_agrees_with_exact_on_the_avx2_build(family, tmp_path, monkeypatch):
+    """The kernels of an x86 machine without AVX-512 (``DELTAFIN_CPU_ISA=avx2``: its one-token Q8 and int16
+    paths, the decoded tile for prefill) keep the same agreement."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the ISA choice is x86's")
+    from deltafin.kernels import cpu
+
+    monkeypatch.setenv("DELTAFIN_CPU_ISA", "avx2")
+    assert cpu.isa().startswith("avx2")
+    model_dir = pack_tiny(tmp_path, family)
+    cpu.USED.clear()
+    assert _agreement(model_dir, TINY[family]["vocab_size"]) >= 0.99
+    assert any(k.endswith("_q8") or "_q8_" in k for k in cpu.USED) and "int8_a16" in cpu.USED
 
 
 def test_exact_engine_takes_the_torch_path(tmp_path, monkeypatch):

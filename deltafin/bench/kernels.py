@@ -235,7 +235,9 @@ def run(args) -> dict:
         raise UsageError("--device cuda: no CUDA device is available to torch here; use --device cpu")
     if getattr(args, "isa", None):
         os.environ["DELTAFIN_CPU_ISA"] = args.isa  # every native.library() call from here on builds for it
-    isa = _isa() if device == "cpu" else None
+    from deltafin.kernels import cpu
+
+    isa = cpu.isa() if device == "cpu" and cpu.available() else None
     bw0 = bandwidth(device)
     llc = _cache_bytes() if device == "cpu" else 0
     rows = []
@@ -259,8 +261,6 @@ def run(args) -> dict:
     # one core's two hyperthreads and two whole cores, and the ratio against a peak caught in the low state would
     # read past 1
     peak0 = int16_peak(device)
-    from deltafin.kernels import cpu
-
     gemm = device == "cpu" and cpu.available() and cpu.gemm_enabled()  # builds without it: the tiled float path
     prefill = _prefill_rows(device, args.seconds) if gemm else []
     glu_rows = _glu_rows(device, args.seconds) if gemm else []
@@ -286,14 +286,6 @@ def run(args) -> dict:
 
         write_json_atomic(args.json, result)
     return result
-
-
-def _isa() -> str:
-    """The vector code of the CPU kernels in use ('avx512', 'avx2+avx-vnni', 'avx2', 'plain C'), or 'torch'."""
-    from deltafin.kernels import native
-
-    lib = native.library()
-    return "torch" if lib is None else native.ISA_NAMES.get(lib.df_isa(), str(lib.df_isa()))
 
 
 def _print(r: dict) -> None:

@@ -89,6 +89,13 @@ USED: set[str] = set()  # kernel variants run so far ("mxfp4_q8", "int8_linear",
 _Q8_BUILT: dict[object, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
 
 
+def isa(lib=None) -> str:
+    """The vector code of these kernels in this process ('avx512', 'avx2+avx-vnni', 'avx2', 'plain C'; see
+    ``native.ISA_FLAGS`` for building less than the CPU has), for stats lines and benchmarks."""
+    lib = lib or native.library()
+    return "none" if lib is None else native.ISA_NAMES.get(lib.df_isa(), str(lib.df_isa()))
+
+
 def q8_enabled(lib=None) -> bool:
     """Whether 4-bit matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
     if os.environ.get("DELTAFIN_CPU_Q8", "1") == "0":

@@ -295,7 +295,12 @@ class Engine:
     def math_name(self) -> str:
         if self.opts.exact:
             return "exact float32 reference (plain torch)"
-        return f"fused kernels ({kernels.backend_name(self.device.type)}), {str(self.dtype).removeprefix('torch.')} activations"
+        name = kernels.backend_name(self.device.type)
+        if name == "cpu":
+            from deltafin.kernels import cpu
+
+            name = f"cpu, {cpu.isa()}"
+        return f"fused kernels ({name}), {str(self.dtype).removeprefix('torch.')} activations"
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
