@@ -1,5 +1,6 @@
 """Shared fixtures: the test session gets its own Deltafin home (catalog, chat history), so nothing lands in the
-user's; ``one_thread`` for modules of tiny tensors; ``timing`` for the wall-clock tests."""
+user's; ``one_thread`` for modules of tiny tensors; ``timing`` for the wall-clock tests; ``gemm_build`` for the int16
+GEMM's builds."""
 
 from __future__ import annotations
 
@@ -18,6 +19,23 @@ def _deltafin_home(tmp_path_factory):
         os.environ.pop("DELTAFIN_HOME", None)
     else:
         os.environ["DELTAFIN_HOME"] = old
+
+
+@pytest.fixture(params=["native", "avx2", "avx2-novnni"])
+def gemm_build(request, monkeypatch):
+    """Each build of the CPU kernels' int16 GEMM this machine can run, selected for the test's kernel calls through
+    DELTAFIN_CPU_ISA: its own (AVX-512 where present) and, on x86, those of machines without AVX-512 (AVX2 with and
+    without AVX-VNNI). Skipped where the build has no GEMM."""
+    import platform
+
+    from deltafin.kernels import cpu
+
+    if request.param != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 builds are x86's")
+    monkeypatch.setenv("DELTAFIN_CPU_ISA", request.param)
+    if not cpu.available() or not cpu.gemm_enabled():
+        pytest.skip(f"the {request.param} build here has no int16 GEMM")
+    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"CPU kernels u
 U = 2.0**-24
 SITU = ("situ", 4.0, 25.0)
 ACTS = {"silu": (("silu",), 10 * U), "situ": (SITU, 30 * U)}
-gemm_only = pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI GEMM")
 
 
 def _act64(g: torch.Tensor, u: torch.Tensor, act: tuple) -> torch.Tensor:
@@ -90,15 +89,19 @@ def test_glu_act_against_torch_float32(name):
     assert torch.all(err[~normal] <= 2.0**-117 * (u.double().abs()[~normal] + 1))
 
 
-def test_glu_act_specials():
-    """NaN stays NaN; infinities saturate as the formulas do (SiTU-GLU of +-inf is finite)."""
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_glu_act_specials(isa):
+    """NaN stays NaN; infinities saturate as the formulas do (SiTU-GLU of +-inf is finite); in every build."""
+    import platform
+
+    lib = native.library(native.ISA_FLAGS[isa] if platform.machine() in ("x86_64", "AMD64") else ())
     inf, nan = float("inf"), float("nan")
     g = torch.tensor([nan, 1.0, inf, -inf, inf])
     u = torch.tensor([1.0, nan, 1.0, 1.0, inf])
-    h = cpu.glu_act(g, u, SITU)
+    h = cpu.glu_act(g, u, SITU, lib=lib)
     assert h[:2].isnan().all() and h[2] == pytest.approx(4.0 * 25 * math.tanh(1 / 25)) and h[3] == 0
     assert h[4] == pytest.approx(100.0)
-    s = cpu.glu_act(g, u)
+    s = cpu.glu_act(g, u, lib=lib)
     assert s[:2].isnan().all() and s[2] == inf and s[3].isnan()  # -inf * sigmoid(-inf) = -inf * 0, as torch
 
 
@@ -147,11 +150,10 @@ def _expert_bound(x: torch.Tensor, r: dict[str, QTensor], h: torch.Tensor, act: 
     return _act64(g, u, act) @ wd.T, bound, scale
 
 
-@gemm_only
 @pytest.mark.parametrize("name", sorted(ACTS))
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32"])
 @pytest.mark.parametrize("I,D", [(96, 224), (160, 32), (32, 416)])  # panels: whole, partial; one block; many
-def test_fused_gemm_expert_matches_reference(fmt, name, I, D):  # noqa: E741
+def test_fused_gemm_expert_matches_reference(fmt, name, I, D, gemm_build):  # noqa: E741
     act, rel = ACTS[name]
     r = _expert(fmt, I, D, seed=I + D)
     lin = getattr(cpu, f"{r['gate'].format}_linear")
@@ -189,8 +191,7 @@ def test_few_token_expert_is_its_three_matmuls(isa):
         assert torch.all((y.double() - ref).abs() <= 0.05 * scale)
 
 
-@gemm_only
-def test_fused_gemm_expert_does_not_depend_on_the_batch():
+def test_fused_gemm_expert_does_not_depend_on_the_batch(gemm_build):
     r = _expert("mxfp4", 96, 160, seed=4)
     x = torch.randn(61, 160, generator=torch.Generator().manual_seed(5))
     full = cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU)

@@ -56,7 +56,7 @@ def test_fast_path_agrees_with_exact_k3(tmp_path):
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_fast_path_agrees_with_exact_on_the_avx2_build(family, tmp_path, monkeypatch):
     """The kernels of an x86 machine without AVX-512 (``DELTAFIN_CPU_ISA=avx2``: its one-token Q8 and int16
-    paths, the decoded tile for prefill) keep the same agreement."""
+    paths, its int16 GEMM for prefill) keep the same agreement."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -69,6 +69,7 @@ def test_fast_path_agrees_with_exact_on_the_avx2_build(family, tmp_path, monkeyp
     cpu.USED.clear()
     assert _agreement(model_dir, TINY[family]["vocab_size"]) >= 0.99
     assert any(k.endswith("_q8") or "_q8_" in k for k in cpu.USED) and "int8_a16" in cpu.USED
+    assert any("_gemm" in k for k in cpu.USED)
 
 
 def test_exact_engine_takes_the_torch_path(tmp_path, monkeypatch):

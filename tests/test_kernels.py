@@ -225,10 +225,9 @@ def test_cpu_isa_choice(monkeypatch):
 GEMM_R = [17, 33, 100, 257]  # odd row counts: a partial vector of 16 rows, a partial panel of 32
 
 
-@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
 @pytest.mark.parametrize("C", [32, 96, 640])  # one block; a partial vector of 16 scales; a run and a partial one
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32", "int8"])
-def test_gemm_matches_reference(fmt, C):
+def test_gemm_matches_reference(fmt, C, gemm_build):
     for R in GEMM_R:
         rec = _records(R, C, seed=R + C)[fmt.removesuffix("_f32")]
         scale = rec.scale.float() if fmt.endswith("_f32") else rec.scale
@@ -242,8 +241,7 @@ def test_gemm_matches_reference(fmt, C):
             _check_gemm(y, x, w, rec.format)
 
 
-@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
-def test_gemm_off_selects_the_tiled_float_path(monkeypatch):
+def test_gemm_off_selects_the_tiled_float_path(monkeypatch, gemm_build):
     rec = _records(37, 256, seed=6)["mxfp4"]
     x = torch.randn(40, 256)
     gemm = cpu.mxfp4_linear(x, rec.data, rec.scale)
@@ -254,9 +252,8 @@ def test_gemm_off_selects_the_tiled_float_path(monkeypatch):
     assert not torch.equal(y, gemm) and "mxfp4_tile" in cpu.USED
 
 
-@pytest.mark.skipif(not cpu.gemm_enabled(), reason="this CPU or build has no AVX-512 VNNI + VBMI int16 GEMM")
 @pytest.mark.parametrize("C", [64, 512])
-def test_gemm_nan_scale_and_smallest_scale_like_the_reference(C):
+def test_gemm_nan_scale_and_smallest_scale_like_the_reference(C, gemm_build):
     """E8M0 0xFF (NaN) reaches its row only; E8M0 0 is 2^-127, not the 0 its bits would give."""
     rec = _records(4, C, seed=1)["mxfp4"]
     scales = rec.scale.clone()

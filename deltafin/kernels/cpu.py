@@ -6,7 +6,8 @@ more tokens without the GEMM below (a build without it, int8 widths that are not
 rows is decoded once into a small float32 buffer and multiplied by torch's matmul for all tokens. Accumulation is float32 whatever x's
 dtype; the result is float32 [T, out].
 
-4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI:
+4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI
+(or AVX2, the same GEMM on 256-bit vectors, with AVX-VNNI's dot products where present):
 each token's row is quantized to int16 per block of 32 (d = max|x| / 32767, |x - d q| <= d (1/2 + 2^-7)), a panel
 of 32 weight rows is decoded once per call into exact small integers (16 blocks at a time, kept in L1), and
 vpdpwssd sums the blocks in int32 for up to six tokens at a time (groups of near-equal size); one float
@@ -25,9 +26,9 @@ per block of 32 (one float scale d = max|x| / 127 per block) and the block sums 
 (AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
 (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
 loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there). x86 CPUs without
-AVX-512 (most laptops and desktops) run the same Q8 and int16-activation paths on 256-bit AVX2 vectors, with
-AVX-VNNI's dot products where the CPU has them: on a K3 expert at one token 12-14 GB/s against 1.4-2 GB/s for the
-plain C loops (``deltafin bench kernels --isa avx2``, which builds for such a machine on this one).
+AVX-512 (most laptops and desktops) run the same Q8, int16-activation and int16 GEMM paths on 256-bit AVX2 vectors,
+with AVX-VNNI's dot products where the CPU has them: on a K3 expert at one token 14-15 GB/s against 1.4-2 GB/s for
+the plain C loops (``deltafin bench kernels --isa avx2``, which builds for such a machine on this one).
 
 int8 rows up to ``FUSED_TOKENS`` tokens take int16 activations on the same switch (``i16_enabled``): one
 scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extended into VNNI's int16 dot product
@@ -55,7 +56,7 @@ from deltafin.quant.record import QTensor
 # once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
 # made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
 FUSED_TOKENS = 16
-# 4-bit matrices of more tokens take the int16 GEMM where it is built (AVX-512 VNNI + VBMI). On a K3 expert matrix,
+# 4-bit matrices of more tokens take the int16 GEMM where it is built (AVX-512 VNNI + VBMI, or AVX2). On a K3 expert matrix,
 # one thread: 2.0 vs 2.5 ms for the Q8 loop at 6 tokens, 2.1 vs 3.1 at 8, 2.8 vs 4.0 at 16, but 1.7 vs 1.2 at 4;
 # 2.1-2.5x faster than the decoded tile at 64-128 tokens.
 GEMM_TOKENS = 5
@@ -123,7 +124,7 @@ _GW_BUILT: dict[int, bool] = {}  # per loaded library: whether the int16 GEMM ha
 
 
 def gemm_enabled(lib=None) -> bool:
-    """Whether 4-bit matmuls of more than GEMM_TOKENS tokens take the int16 GEMM (AVX-512 VNNI + VBMI builds)."""
+    """Whether 4-bit matmuls of more than GEMM_TOKENS tokens take the int16 GEMM (AVX-512 VNNI + VBMI or AVX2 builds)."""
     if os.environ.get("DELTAFIN_CPU_GEMM", "1") == "0":
         return False
     lib = lib or native.library()

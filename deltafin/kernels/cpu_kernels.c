@@ -97,6 +97,62 @@ static inline void v_glu(int act, float beta, float lbeta, const float *g, const
     }
     _mm512_mask_storeu_ps(h, m, y);
 }
+#elif defined(__AVX2__)
+/* The same on 8 lanes. 2^n is built from its exponent bits: 0 for n <= -127 (the AVX-512 code's scalef gives a
+ * subnormal there, which the sum beside it, 2^n - 1 = -1, does not see), and in two factors for the large branch, so
+ * that neither overflows where the product does not; multiplying by powers of two rounds nothing. */
+static inline __m256 v8_pow2(__m256 n) { /* n an integer in [-127, 127] */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+
+static inline __m256 v8_expm1(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-100.0f), _mm256_min_ps(_mm256_set1_ps(100.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.0f / 40320);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 5040));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    const __m256 q = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, r), one = _mm256_set1_ps(1.0f);
+    const __m256 s = v8_pow2(_mm256_max_ps(n, _mm256_set1_ps(-127.0f)));
+    const __m256 small = _mm256_fmadd_ps(s, q, _mm256_sub_ps(s, one));
+    const __m256 n1 = _mm256_floor_ps(_mm256_mul_ps(n, _mm256_set1_ps(0.5f))), n2 = _mm256_sub_ps(n, n1);
+    const __m256 big = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(q, one), v8_pow2(n1)), v8_pow2(n2)), one);
+    const __m256 x_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 y = _mm256_blendv_ps(small, big, _mm256_cmp_ps(n, _mm256_set1_ps(24.5f), _CMP_GT_OQ));
+    return _mm256_blendv_ps(y, x, x_nan); /* NaN kept */
+}
+
+static inline __m256 v8_sigmoid(__m256 g) {
+    const __m256 e = v8_expm1(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(2.0f), e));
+}
+
+static inline __m256 v8_tanh(__m256 y) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 e = v8_expm1(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.0f)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_setzero_ps(), e), _mm256_add_ps(_mm256_set1_ps(2.0f), e));
+    return _mm256_or_ps(t, _mm256_and_ps(y, sign)); /* the sign of y */
+}
+
+/* 8 lanes (m: the lanes to read and write, -1 each) of h = act(g, u) into h (which may be g). */
+static inline void v8_glu(int act, float beta, float lbeta, const float *g, const float *u, float *h, __m256i m) {
+    const __m256 gv = _mm256_maskload_ps(g, m), uv = _mm256_maskload_ps(u, m), sg = v8_sigmoid(gv);
+    __m256 y;
+    if (act == GLU_SILU) {
+        y = _mm256_mul_ps(_mm256_mul_ps(gv, sg), uv);
+    } else {
+        const __m256 b = _mm256_set1_ps(beta), lb = _mm256_set1_ps(lbeta);
+        const __m256 tg = _mm256_mul_ps(_mm256_mul_ps(b, v8_tanh(_mm256_div_ps(gv, b))), sg);
+        y = _mm256_mul_ps(tg, _mm256_mul_ps(lb, v8_tanh(_mm256_div_ps(uv, lb))));
+    }
+    _mm256_maskstore_ps(h, m, y);
+}
 #endif
 
 /* h[i] = act(g[i], u[i]) for n values (h may be g); the portable build takes libm's expm1f in the same formulas. */
@@ -106,6 +162,12 @@ static void glu_span(int act, float beta, float lbeta, const float *g, const flo
     for (; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         v_glu(act, beta, lbeta, g + i, u + i, h + i, m);
+    }
+#elif defined(__AVX2__)
+    for (; i < n; i += 8) {
+        const int left = n - i >= 8 ? 8 : (int)(n - i);
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        v8_glu(act, beta, lbeta, g + i, u + i, h + i, m);
     }
 #endif
     for (; i < n; i++) {
@@ -1100,53 +1162,36 @@ static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales,
     }
 }
 
-/* Token group g of T (ng = ceil(T / GW_MR) groups whose sizes differ by at most one) starts at token gw_start. */
-static inline int64_t gw_start(int64_t g, int64_t T) {
-    const int64_t ng = (T + GW_MR - 1) / GW_MR;
-    return g * (T / ng) + (g < T % ng ? g : T % ng);
+/* The micro-kernel's vector steps (gw_tile, shared with the AVX2 build): 16 rows a vector. */
+#define GW_LANES 16
+typedef __m512 gwf_t;
+typedef __m512i gwi_t;
+typedef __mmask16 gw_mask_t; /* a row vector's live rows */
+static inline gw_mask_t gw_mask_for(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
 }
-
-/* The MR tokens of the group at t0 (xp: its int32 pairs [nb][16][MR], xs: its scales [nb][MR]) x the panel's rows,
- * blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
-static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int32_t *xp,
-                                                          const float *xs, float *out, int64_t t0, const int MR,
-                                                          int64_t r0, const __mmask16 *mask, int64_t b0, int64_t b1,
-                                                          int64_t R) {
-    __m512 f[8][GW_NV]; /* MR <= 8 */
-    for (int t = 0; t < MR; t++)
-        for (int j = 0; j < GW_NV; j++)
-            f[t][j] = b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], out + (t0 + t) * R + r0 + 16 * j);
-    for (int64_t b = b0; b < b1; b++) {
-        __m512i a[8][GW_NV];
-        for (int t = 0; t < MR; t++)
-            for (int j = 0; j < GW_NV; j++) a[t][j] = _mm512_setzero_si512();
-        const int32_t *w = wp + (b - b0) * 16 * GW_NV * 16, *x = xp + b * 16 * MR;
-#pragma GCC unroll 16
-        for (int p = 0; p < 16; p++) {
-            __m512i wv[GW_NV];
-            for (int j = 0; j < GW_NV; j++) wv[j] = _mm512_loadu_si512(w + (p * GW_NV + j) * 16);
+static inline gwf_t gwf_maskload(const float *p, gw_mask_t m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void gwf_maskstore(float *p, gw_mask_t m, gwf_t v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline gwi_t gwi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
 #if GW_EMB
-            for (int t = 0; t < MR; t++)
-                for (int j = 0; j < GW_NV; j++)
-                    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a[t][j]) : "v"(wv[j]), "m"(x[p * MR + t]));
-#else
-            for (int t = 0; t < MR; t++) {
-                const __m512i xb = _mm512_set1_epi32(x[p * MR + t]);
-                for (int j = 0; j < GW_NV; j++) a[t][j] = _mm512_dpwssd_epi32(a[t][j], wv[j], xb);
-            }
-#endif
-        }
-        __m512 s[GW_NV];
-        for (int j = 0; j < GW_NV; j++) s[j] = _mm512_loadu_ps(ws + ((b - b0) * GW_NV + j) * 16);
-        for (int t = 0; t < MR; t++) {
-            const __m512 d = _mm512_set1_ps(xs[b * MR + t]);
-            for (int j = 0; j < GW_NV; j++)
-                f[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][j]), _mm512_mul_ps(s[j], d), f[t][j]);
-        }
-    }
-    for (int t = 0; t < MR; t++)
-        for (int j = 0; j < GW_NV; j++) _mm512_mask_storeu_ps(out + (t0 + t) * R + r0 + 16 * j, mask[j], f[t][j]);
+typedef const int32_t *gw_x_t; /* the token's pair, broadcast inside vpdpwssd */
+static inline gw_x_t gw_bcast(const int32_t *x) { return x; }
+static inline gwi_t gw_dot(gwi_t a, gwi_t w, gw_x_t x) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(w), "m"(*x));
+    return a;
 }
+#else
+typedef __m512i gw_x_t;
+static inline gw_x_t gw_bcast(const int32_t *x) { return _mm512_set1_epi32(*x); }
+static inline gwi_t gw_dot(gwi_t a, gwi_t w, gw_x_t x) { return _mm512_dpwssd_epi32(a, w, x); }
+#endif
+/* f + float(a) x (weight scales s x the token's scale d) */
+static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(d)), f);
+}
+#define gwf_zero _mm512_setzero_ps
+#define gwi_zero _mm512_setzero_si512
+#define gwf_load _mm512_loadu_ps
 
 /* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first (its place in its group), and
  * one scale per block, every stride-th float of xs (NaN or inf in a block reaches its scale). */
@@ -1166,6 +1211,209 @@ static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, 
         _mm512_i32scatter_epi32(xp + b * 16 * stride, idx, _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), 4);
         xs[b * stride] = d;
     }
+}
+
+#elif defined(__AVX2__)
+/* The same GEMM on 256-bit vectors (x86 without AVX-512): 8 rows per vector, the int16 pair products summed by
+ * AVX-VNNI's vpdpwssd where the CPU has it, by vpmaddwd and vpaddd (the same exact int32 sums) otherwise; 16 vector
+ * registers hold a group of GW_MR tokens x GW_NV row vectors of int32 sums (the float sums go through L1). Every
+ * token's sum runs block by block in the same order whatever T is, as above. */
+#define GW_AVX2 1
+#ifndef GW_NV
+#define GW_NV 2 /* row vectors (8 rows each) per panel */
+#endif
+#ifndef GW_MR
+#define GW_MR 4 /* tokens per micro-kernel (at most 8) */
+#endif
+#ifndef GW_KB
+#define GW_KB 16 /* blocks of 32 per chunk: 16 x 16 pairs x GW_NV x 8 rows x 4 bytes = 16 KB of panel per chunk */
+#endif
+#define GW_ROWS (8 * GW_NV)
+#define GW_I8 8
+
+typedef struct {
+    __m128i tab; /* byte i: the signed value of nibble i (the Q8 table less its offset) */
+} gw_consts_t;
+
+static void gw_consts(const uint8_t *tab8, int K, gw_consts_t *k) {
+    int8_t tab[16];
+    for (int i = 0; i < 16; i++) tab[i] = (int8_t)((int)tab8[i] - K);
+    k->tab = _mm_loadu_si128((const __m128i *)tab);
+}
+
+/* 8 x 8 int32 transpose in registers: r[a] element e -> r[e] element a. */
+static inline void gw_transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* u[4i + j], 128-bit half h: column 4h + j of rows 4i..4i+3 */
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* Block b of rows [r, r + 8) (rows past R read as zero) -> its 16 vectors of int32 pairs at dst (one per pair,
+ * GW_NV vectors apart): each row's 32 values as int16 in order (a 4-bit row's nibbles through the table, even and
+ * odd interleaved; an int8 row sign-extended), then two 8 x 8 transposes. */
+static inline void gw_decode_block8(int kind, const uint8_t *packed, int64_t r, int64_t R, int64_t C, int64_t b,
+                                    const gw_consts_t *k, int32_t *dst) {
+    __m256i lo[8], hi[8]; /* row l: pairs 0-7 and 8-15 */
+    const __m128i m15 = _mm_set1_epi8(15);
+    for (int l = 0; l < 8; l++) {
+        if (r + l >= R) {
+            lo[l] = hi[l] = _mm256_setzero_si256();
+        } else if (kind == GW_I8) {
+            const int8_t *q = (const int8_t *)packed + (r + l) * C + b * 32;
+            lo[l] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+            hi[l] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        } else {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(packed + (r + l) * (C / 2) + b * 16));
+            const __m128i e = _mm_shuffle_epi8(k->tab, _mm_and_si128(v, m15));
+            const __m128i o = _mm_shuffle_epi8(k->tab, _mm_and_si128(_mm_srli_epi16(v, 4), m15));
+            lo[l] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(e, o));
+            hi[l] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(e, o));
+        }
+    }
+    gw_transpose8(lo);
+    gw_transpose8(hi);
+    for (int p = 0; p < 8; p++) {
+        _mm256_storeu_si256((__m256i *)(dst + p * GW_NV * 8), lo[p]);
+        _mm256_storeu_si256((__m256i *)(dst + (8 + p) * GW_NV * 8), hi[p]);
+    }
+}
+
+/* Blocks [b0, b1) of rows [r0, r0 + GW_ROWS) -> wp ([b - b0][pair][GW_NV][8] int32 pairs) and ws ([b - b0][GW_NV][8]
+ * float scales x value factor, 0 past R; an int8 row's own scale in every block's place). */
+static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
+                            int64_t b0, int64_t b1) {
+    const int64_t nb = C / 32;
+    for (int j = 0; j < GW_NV; j++) {
+        const int64_t r = r0 + 8 * j;
+        for (int64_t b = b0; b < b1; b++) {
+            gw_decode_block8(kind, packed, r, R, C, b, k, wp + ((b - b0) * 16 * GW_NV + j) * 8);
+            float *w = ws + ((b - b0) * GW_NV + j) * 8;
+            for (int l = 0; l < 8; l++)
+                w[l] = r + l >= R ? 0.0f
+                       : kind == GW_I8 ? ((const float *)scales)[r + l]
+                                       : scale_at(scales, kind, e8m0, (r + l) * nb + b) * mult;
+        }
+    }
+}
+
+/* The micro-kernel's vector steps: 8 rows a vector. */
+#define GW_LANES 8
+typedef __m256 gwf_t;
+typedef __m256i gwi_t;
+typedef __m256i gw_mask_t; /* a row vector's live rows: lanes of -1 */
+static inline gw_mask_t gw_mask_for(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left > 8 ? 8 : left < 0 ? 0 : left)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline gwf_t gwf_maskload(const float *p, gw_mask_t m) { return _mm256_maskload_ps(p, m); }
+static inline void gwf_maskstore(float *p, gw_mask_t m, gwf_t v) { _mm256_maskstore_ps(p, m, v); }
+static inline gwi_t gwi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+typedef __m256i gw_x_t;
+static inline gw_x_t gw_bcast(const int32_t *x) { return _mm256_set1_epi32(*x); }
+static inline gwi_t gw_dot(gwi_t a, gwi_t w, gw_x_t x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpwssd_avx_epi32(a, w, x);
+#else
+    return _mm256_add_epi32(a, _mm256_madd_epi16(w, x));
+#endif
+}
+static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(d)), f);
+}
+#define gwf_zero _mm256_setzero_ps
+#define gwi_zero _mm256_setzero_si256
+#define gwf_load _mm256_loadu_ps
+
+/* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first, and one scale per block, every
+ * stride-th float of xs: the AVX-512 quantizer's arithmetic (d = max|x| / 32767; NaN or inf in a block reaches its
+ * scale), one block at a time. */
+static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, int64_t C) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < C / 32; b++) {
+        const float *xb = x + b * 32;
+        __m256 m = _mm256_setzero_ps(), z = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            const __m256 v = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+            z = _mm256_add_ps(z, _mm256_sub_ps(v, v)); /* 0, or NaN for NaN and inf */
+        }
+        float mm[8], zz[8], amax = 0.0f, bad = 0.0f;
+        _mm256_storeu_ps(mm, m);
+        _mm256_storeu_ps(zz, z);
+        for (int i = 0; i < 8; i++) {
+            amax = mm[i] > amax ? mm[i] : amax;
+            bad += zz[i];
+        }
+        const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
+        const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        int32_t q[32];
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), vid));
+            _mm256_storeu_si256((__m256i *)(q + 8 * i), v);
+        }
+        for (int p = 0; p < 16; p++) {
+            const int32_t e = q[2 * p] > 32767 ? 32767 : q[2 * p] < -32768 ? -32768 : q[2 * p];
+            const int32_t o = q[2 * p + 1] > 32767 ? 32767 : q[2 * p + 1] < -32768 ? -32768 : q[2 * p + 1];
+            xp[(b * 16 + p) * stride] = (int32_t)((uint32_t)(uint16_t)e | ((uint32_t)(uint16_t)o << 16));
+        }
+        xs[b * stride] = d;
+    }
+}
+#endif
+
+#if defined(GW_VNNI) || defined(GW_AVX2)
+#define GW_VEC 1
+/* Token group g of T (ng = ceil(T / GW_MR) groups whose sizes differ by at most one) starts at token gw_start. */
+static inline int64_t gw_start(int64_t g, int64_t T) {
+    const int64_t ng = (T + GW_MR - 1) / GW_MR;
+    return g * (T / ng) + (g < T % ng ? g : T % ng);
+}
+
+/* The MR tokens of the group at t0 (xp: its int32 pairs [nb][16][MR], xs: its scales [nb][MR]) x the panel's rows,
+ * blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
+static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int32_t *xp,
+                                                          const float *xs, float *out, int64_t t0, const int MR,
+                                                          int64_t r0, const gw_mask_t *mask, int64_t b0, int64_t b1,
+                                                          int64_t R) {
+    gwf_t f[8][GW_NV]; /* MR <= 8 */
+    for (int t = 0; t < MR; t++)
+        for (int j = 0; j < GW_NV; j++)
+            f[t][j] = b0 == 0 ? gwf_zero() : gwf_maskload(out + (t0 + t) * R + r0 + GW_LANES * j, mask[j]);
+    for (int64_t b = b0; b < b1; b++) {
+        gwi_t a[8][GW_NV];
+        for (int t = 0; t < MR; t++)
+            for (int j = 0; j < GW_NV; j++) a[t][j] = gwi_zero();
+        const int32_t *w = wp + (b - b0) * 16 * GW_NV * GW_LANES, *x = xp + b * 16 * MR;
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            gwi_t wv[GW_NV];
+            for (int j = 0; j < GW_NV; j++) wv[j] = gwi_load(w + (p * GW_NV + j) * GW_LANES);
+            for (int t = 0; t < MR; t++) {
+                const gw_x_t xb = gw_bcast(x + p * MR + t);
+                for (int j = 0; j < GW_NV; j++) a[t][j] = gw_dot(a[t][j], wv[j], xb);
+            }
+        }
+        gwf_t sc[GW_NV];
+        for (int j = 0; j < GW_NV; j++) sc[j] = gwf_load(ws + ((b - b0) * GW_NV + j) * GW_LANES);
+        for (int t = 0; t < MR; t++)
+            for (int j = 0; j < GW_NV; j++) f[t][j] = gw_scale_add(f[t][j], a[t][j], sc[j], xs[b * MR + t]);
+    }
+    for (int t = 0; t < MR; t++)
+        for (int j = 0; j < GW_NV; j++) gwf_maskstore(out + (t0 + t) * R + r0 + GW_LANES * j, mask[j], f[t][j]);
 }
 
 /* Every token of x [T, C] into the group layout (see gw_tile): tokens of group g at xq + gw_start(g) C / 2, its
@@ -1235,11 +1483,8 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
                      const gw_consts_t *k, const int32_t *xq, const float *xs, int32_t *wp, float *ws, float *out,
                      int64_t r0, int64_t R, int64_t C, int64_t T) {
     const int64_t nb = C / 32, ng = (T + GW_MR - 1) / GW_MR;
-    __mmask16 mask[GW_NV];
-    for (int j = 0; j < GW_NV; j++) {
-        const int64_t left = R - r0 - 16 * j;
-        mask[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-    }
+    gw_mask_t mask[GW_NV];
+    for (int j = 0; j < GW_NV; j++) mask[j] = gw_mask_for(R - r0 - GW_LANES * j);
     for (int64_t b0 = 0; b0 < nb; b0 += GW_KB) {
         const int64_t b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
         gw_decode_chunk(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C, b0, b1);
@@ -1266,7 +1511,7 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
 }
 #endif
 
-#ifdef GW_VNNI
+#ifdef GW_VEC
 /* This thread's decoded-panel buffers (kept across calls, see gw_buffer); *rc = -1 when one could not grow. */
 static inline void gw_thread_buffers(float **ws, int32_t **wp, int *rc) {
     *ws = gw_buffer(6, GW_KB * GW_ROWS * sizeof(float));
@@ -1296,7 +1541,7 @@ static void gw_panels(int kind, const uint8_t *packed, const void *scales, const
 }
 #endif
 
-#ifdef GW_VNNI
+#ifdef GW_VEC
 /* y [T, R] = x [T, C] @ W^T through the GEMM for any kind it decodes (k: the 4-bit kinds' constants): x quantized,
  * then W's panels shared out, in one parallel region. Returns 0, or -1 when buffers could not be allocated. */
 static int gw_mm(int kind, const uint8_t *packed, const void *scales, const gw_consts_t *k, float mult,
@@ -1323,7 +1568,7 @@ static int gw_mm(int kind, const uint8_t *packed, const void *scales, const gw_c
  * vector code for it (the caller takes the tiled float path). */
 int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K, float mult,
                const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
-#ifdef GW_VNNI
+#ifdef GW_VEC
     gw_consts_t k;
     gw_consts(tab8, K, &k);
     return gw_mm(kind, packed, scales, &k, mult, e8m0, x, out, R, C, T, nthreads);
@@ -1340,7 +1585,7 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
  * Returns as df_q4gw_mm (-2 also where C is not whole blocks). */
 int df_i8gw_mm(const int8_t *q, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,
                int nthreads) {
-#ifdef GW_VNNI
+#ifdef GW_VEC
     if (C % 32) return -2;
     gw_consts_t k; /* unused by the int8 decode */
     memset(&k, 0, sizeof k);
@@ -1362,7 +1607,7 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 const void *us, const uint8_t *dp, const void *ds, const uint8_t *tab8, int K, float mult,
                 const float *e8m0, const float *x, const int64_t *rows, float *out, int64_t I, int64_t D, int64_t T,
                 int nthreads) {
-#ifdef GW_VNNI
+#ifdef GW_VEC
     const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS;
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t)); /* x's, then h's */
     float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
@@ -1425,7 +1670,7 @@ int df_ftz(int on, int nthreads) {
 
 /* 1 when df_q4gw_mm has its vector code in this build. */
 int df_q4gw_vnni(void) {
-#ifdef GW_VNNI
+#ifdef GW_VEC
     return 1;
 #else
     return 0;
@@ -1458,6 +1703,38 @@ double df_gw_peak(int nthreads, int64_t n) {
         clock_gettime(CLOCK_MONOTONIC, &t1);
         const double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
         const double g = (double)nthreads * (double)n * 16 * 64 / dt / 1e9 + (double)(sink & 0);
+        best = g > best ? g : best;
+    }
+    return best;
+#elif defined(GW_AVX2)
+    double best = 0.0;
+    for (int rep = 0; rep < 3; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int64_t sink = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : sink)
+        {
+            __m256i a[12], w = _mm256_set1_epi32(0x00030001), x = _mm256_set1_epi32(0x00020005);
+            for (int i = 0; i < 12; i++) a[i] = _mm256_set1_epi32(i);
+            for (int64_t k = 0; k < n; k++) {
+#pragma GCC unroll 12
+                for (int i = 0; i < 12; i++)
+#ifdef __AVXVNNI__
+                    a[i] = _mm256_dpwssd_avx_epi32(a[i], w, x);
+#else
+                    a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(w, x));
+#endif
+                __asm__ volatile("" : "+x"(w), "+x"(x));
+            }
+            int32_t v[8];
+            for (int i = 0; i < 12; i++) {
+                _mm256_storeu_si256((__m256i *)v, a[i]);
+                sink += v[0];
+            }
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        const double g = (double)nthreads * (double)n * 12 * 32 / dt / 1e9 + (double)(sink & 0);
         best = g > best ? g : best;
     }
     return best;
