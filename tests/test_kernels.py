@@ -207,14 +207,21 @@ def test_builds_without_avx512_match_reference(isa):
 
 
 def test_cpu_isa_choice(monkeypatch):
-    """DELTAFIN_CPU_ISA picks the build; an unknown name is refused with the names it knows."""
+    """DELTAFIN_CPU_ISA picks the build; an unknown name is refused with the names it knows, an x86 build off x86
+    with the fix."""
     import platform
 
     from deltafin.errors import UsageError
 
     monkeypatch.setenv("DELTAFIN_CPU_ISA", "portable")
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    assert native.isa_flags() == (native.ISA_FLAGS["portable"] if x86 else ())
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert native.isa_flags() == native.ISA_FLAGS["portable"]
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")  # the x86 builds are refused elsewhere
+    with pytest.raises(UsageError, match="DELTAFIN_CPU_ISA=portable: an x86 build, and this machine is arm64"):
+        native.isa_flags()
+    monkeypatch.setenv("DELTAFIN_CPU_ISA", "native")
+    assert native.isa_flags() == ()
+    monkeypatch.undo()
     monkeypatch.setenv("DELTAFIN_CPU_ISA", "avx9")
     with pytest.raises(UsageError, match="avx9.*native, avx2, avx2-novnni, portable"):
         native.isa_flags()

@@ -98,13 +98,18 @@ ISA_NAMES = {4: "avx512", 3: "avx2+avx-vnni", 2: "avx2", 0: "plain C"}  # df_isa
 
 
 def isa_flags() -> tuple[str, ...]:
-    """The compiler flags ``DELTAFIN_CPU_ISA`` asks for (x86 only; elsewhere and unset: none)."""
+    """The compiler flags ``DELTAFIN_CPU_ISA`` asks for (none when unset or ``native``; the others are x86's)."""
     name = os.environ.get("DELTAFIN_CPU_ISA", "native").strip().lower() or "native"
     if name not in ISA_FLAGS:
         from deltafin.errors import UsageError
 
         raise UsageError(f"DELTAFIN_CPU_ISA={name!r}: not a build this knows; use one of {', '.join(ISA_FLAGS)}")
-    return ISA_FLAGS[name] if platform.machine() in ("x86_64", "AMD64") else ()
+    if name != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        from deltafin.errors import UsageError
+
+        raise UsageError(f"DELTAFIN_CPU_ISA={name}: an x86 build, and this machine is {platform.machine()}; unset "
+                         "DELTAFIN_CPU_ISA (its kernels are built for this CPU)")
+    return ISA_FLAGS[name]
 
 
 def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
