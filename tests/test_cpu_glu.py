@@ -157,7 +157,7 @@ def test_fused_gemm_expert_matches_reference(fmt, name, I, D, gemm_build):  # no
     act, rel = ACTS[name]
     r = _expert(fmt, I, D, seed=I + D)
     lin = getattr(cpu, f"{r['gate'].format}_linear")
-    for T in (cpu.GEMM_TOKENS + 1, 17, 100, 257):  # just past the Q8 range; partial token groups; many
+    for T in (cpu.gemm_tokens() + 1, 17, 100, 257):  # just past the Q8 range; partial token groups; many
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)) * torch.rand(T, 1) * 4
         cpu.USED.discard(f"{r['gate'].format}_gemm_{name}")
         y = cpu.glu_expert(x, r["gate"], r["up"], r["down"], act)
@@ -195,7 +195,7 @@ def test_fused_gemm_expert_does_not_depend_on_the_batch(gemm_build):
     r = _expert("mxfp4", 96, 160, seed=4)
     x = torch.randn(61, 160, generator=torch.Generator().manual_seed(5))
     full = cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU)
-    for a, b in ((0, cpu.GEMM_TOKENS + 1), (7, 20), (20, 61)):
+    for a, b in ((0, cpu.gemm_tokens() + 1), (7, 20), (20, 61)):
         assert torch.equal(cpu.glu_expert(x[a:b], r["gate"], r["up"], r["down"], SITU), full[a:b])
 
 
@@ -250,7 +250,7 @@ def test_expert_on_rows_of_the_batch_is_the_gathered_expert(T):
     with kernels.fast():
         y = kernels.glu(x, r["gate"], r["up"], r["down"], SITU, rows=idx)
         assert y is None or torch.equal(y, kernels.glu(x[idx], r["gate"], r["up"], r["down"], SITU))
-    if cpu.gemm_enabled() and T > cpu.GEMM_TOKENS:
+    if cpu.gemm_enabled() and T > cpu.gemm_tokens():
         with pytest.raises(IndexError, match="outside x's 50 rows"):
             cpu.glu_expert(x, r["gate"], r["up"], r["down"], SITU, rows=torch.full((T,), 50))
     with pytest.raises(TypeError, match="rows: int64"):

@@ -133,7 +133,7 @@ def _check_gemm(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fmt: str = "m
 def _kernel(fmt: str, T: int, lib=None) -> str:
     """Which CPU kernel runs fmt at T tokens (of a width of whole blocks): gemm, q8, fused (the float loop) or
     tile."""
-    if T > cpu.GEMM_TOKENS and cpu.gemm_enabled(lib):
+    if T > cpu.gemm_tokens(lib, int8=fmt == "int8") and cpu.gemm_enabled(lib):
         return "gemm"
     if T > cpu.FUSED_TOKENS:
         return "tile"
@@ -206,6 +206,26 @@ def test_builds_without_avx512_match_reference(isa):
             _check_fmt("int8", cpu.int8_linear(x, q, sc, lib=lib), x, int8.dequantize(q, sc), fused=True, lib=lib)
 
 
+def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
+    """On an AVX2 build 4-bit matmuls take the Q8 loop up to GEMM_TOKENS_AVX2 tokens (it is faster there), int8 rows
+    the GEMM past GEMM_TOKENS as on AVX-512; the mxfp4 matmul takes the kernel that says."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 builds are x86's")
+    lib = native.library(native.ISA_FLAGS["avx2"])
+    if lib.df_isa() not in (2, 3) or not cpu.gemm_enabled(lib):
+        pytest.skip("no AVX2 on this CPU")
+    assert cpu.gemm_tokens(lib) == cpu.GEMM_TOKENS_AVX2 > cpu.GEMM_TOKENS == cpu.gemm_tokens(lib, int8=True)
+    if native.library().df_isa() == 4:
+        assert cpu.gemm_tokens() == cpu.GEMM_TOKENS
+    rec = _records(40, 64, seed=2)["mxfp4"]
+    for T, kernel in ((cpu.GEMM_TOKENS_AVX2, "mxfp4_q8"), (cpu.GEMM_TOKENS_AVX2 + 1, "mxfp4_gemm")):
+        cpu.USED.clear()
+        cpu.mxfp4_linear(torch.randn(T, 64), rec.data, rec.scale, lib=lib)
+        assert cpu.USED == {kernel}
+
+
 def test_cpu_isa_choice(monkeypatch):
     """DELTAFIN_CPU_ISA picks the build; an unknown name is refused with the names it knows, an x86 build off x86
     with the fix."""
@@ -240,7 +260,7 @@ def test_gemm_matches_reference(fmt, C, gemm_build):
         scale = rec.scale.float() if fmt.endswith("_f32") else rec.scale
         w = dequantize(rec)
         fn = getattr(cpu, f"{rec.format}_linear")
-        for T in (cpu.GEMM_TOKENS + 1, 17, 33, 100, 257):  # token counts around the six-token groups
+        for T in (cpu.gemm_tokens(int8=fmt == "int8") + 1, 17, 33, 100, 257):  # around the token groups
             x = torch.randn(T, C, generator=torch.Generator().manual_seed(T)) * torch.rand(T, 1) * 10
             cpu.USED.discard(f"{rec.format}_gemm")
             y = fn(x, rec.data, scale)
@@ -449,12 +469,13 @@ def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
     together cannot change a greedy choice."""
     rec = _records(37, 128, seed=9)[fmt]
     fn = getattr(cpu, f"{fmt}_linear")
-    small = cpu.GEMM_TOKENS if _kernel(fmt, cpu.GEMM_TOKENS + 1) == "gemm" else cpu.FUSED_TOKENS
+    few = cpu.gemm_tokens(int8=fmt == "int8")
+    small = few if _kernel(fmt, few + 1) == "gemm" else cpu.FUSED_TOKENS
     x = torch.randn(small, 128)
     many = fn(x, rec.data, rec.scale)
     for t in (0, small // 2, small - 1):
         assert torch.equal(fn(x[t : t + 1], rec.data, rec.scale)[0], many[t])
-    if small == cpu.GEMM_TOKENS:
+    if small == few:
         x = torch.randn(45, 128)
         many = fn(x, rec.data, rec.scale)
         for t in (0, 7, 30):
@@ -485,7 +506,7 @@ def test_fused_swiglu_matches_the_three_matmuls(fmt, I, D):
     d = _records(D, I, seed=D)[base]
     if fmt.endswith("f32"):
         g, u, d = (QTensor(r.format, r.shape, r.data, r.scale.float()) for r in (g, u, d))
-    most = cpu.GEMM_TOKENS if cpu.gemm_enabled() else cpu.FUSED_TOKENS  # the Q8 path's token range
+    most = cpu.gemm_tokens() if cpu.gemm_enabled() else cpu.FUSED_TOKENS  # the Q8 path's token range
     if not cpu.gemm_enabled():  # past it: the GEMM's fused expert where built (test_fused_gemm_expert_...)
         assert cpu.swiglu(torch.randn(most + 1, D), g, u, d) is None
     x = torch.randn(most, D, generator=torch.Generator().manual_seed(7))

@@ -6,8 +6,8 @@ more tokens without the GEMM below (a build without it, int8 widths that are not
 rows is decoded once into a small float32 buffer and multiplied by torch's matmul for all tokens. Accumulation is float32 whatever x's
 dtype; the result is float32 [T, out].
 
-4-bit weights of more than ``GEMM_TOKENS`` tokens take an int16 GEMM where the build has AVX-512 VNNI and VBMI
-(or AVX2, the same GEMM on 256-bit vectors, with AVX-VNNI's dot products where present):
+4-bit weights of more than ``GEMM_TOKENS`` tokens (``GEMM_TOKENS_AVX2`` on AVX2) take an int16 GEMM where the build has
+AVX-512 VNNI and VBMI (or AVX2, the same GEMM on 256-bit vectors, with AVX-VNNI's dot products where present):
 each token's row is quantized to int16 per block of 32 (d = max|x| / 32767, |x - d q| <= d (1/2 + 2^-7)), a panel
 of 32 weight rows is decoded once per call into exact small integers (16 blocks at a time, kept in L1), and
 vpdpwssd sums the blocks in int32 for up to six tokens at a time (groups of near-equal size); one float
@@ -60,6 +60,10 @@ FUSED_TOKENS = 16
 # one thread: 2.0 vs 2.5 ms for the Q8 loop at 6 tokens, 2.1 vs 3.1 at 8, 2.8 vs 4.0 at 16, but 1.7 vs 1.2 at 4;
 # 2.1-2.5x faster than the decoded tile at 64-128 tokens.
 GEMM_TOKENS = 5
+# On an AVX2 build the 4-bit Q8 loop stays ahead longer (K3 expert, 2 threads: 2.7 vs 3.3 ms at 6 tokens, 3.8 vs 4.5
+# at 8, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16); its int8 rows take the GEMM past GEMM_TOKENS like AVX-512's (6.2 vs 4.5
+# ms at 6 tokens on a 7168 x 7168 matrix). A prompt of Kimi K3 gives its experts ~9 tokens each.
+GEMM_TOKENS_AVX2 = 10
 TILE_BYTES = 8 << 20
 # Smaller matrices run on the calling thread: waking the others costs more. With idle OpenMP threads asleep
 # (OMP_WAIT_POLICY=PASSIVE; deltafin/__init__.py now lets them spin briefly first) a wake took ~100 us or
@@ -121,6 +125,7 @@ def _x32(x: torch.Tensor) -> torch.Tensor:
 
 
 _GW_BUILT: dict[int, bool] = {}  # per loaded library: whether the int16 GEMM has its vector code
+_FEW_TOKENS: dict[int, int] = {}  # per loaded library: gemm_tokens() of 4-bit weights
 
 
 def gemm_enabled(lib=None) -> bool:
@@ -133,6 +138,17 @@ def gemm_enabled(lib=None) -> bool:
     return _GW_BUILT[id(lib)]
 
 
+def gemm_tokens(lib=None, int8: bool = False) -> int:
+    """The most tokens a matmul takes its few-token loop for where the build has the int16 GEMM: GEMM_TOKENS, or for
+    4-bit weights on an AVX2 build GEMM_TOKENS_AVX2."""
+    if int8:
+        return GEMM_TOKENS
+    lib = lib or native.library()
+    if id(lib) not in _FEW_TOKENS:
+        _FEW_TOKENS[id(lib)] = GEMM_TOKENS_AVX2 if lib.df_isa() in (2, 3) else GEMM_TOKENS
+    return _FEW_TOKENS[id(lib)]
+
+
 def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         lib=None, fmt: str = "mxfp4") -> torch.Tensor:
     """Legend: T tokens, C inputs, R outputs; packed [R, C/2] bytes (element 2k low nibble of byte k)."""
@@ -142,7 +158,7 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     assert packed.shape[-1] * 2 == C and packed.dtype == torch.uint8 and packed.is_contiguous()
     nt = _threads(R, C, T)
     x = _x32(x)
-    if T > GEMM_TOKENS and gemm_enabled(lib):
+    if T > gemm_tokens(lib) and gemm_enabled(lib):
         USED.add(f"{fmt}_gemm")
         return _q4_quantized(lib.df_q4gw_mm, kind, x, packed, scales, nt,
                              f"GEMM buffers for [{T}, {C}] x [{R}, {C}]; set DELTAFIN_CPU_GEMM=0 to skip them")
@@ -233,7 +249,7 @@ def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: 
     T, D = x.shape if rows is None else (rows.shape[0], x.shape[1])
     fmt = getattr(gate, "format", None)
     lib = lib or native.library()
-    gemm = T > GEMM_TOKENS and gemm_enabled(lib)
+    gemm = T > gemm_tokens(lib) and gemm_enabled(lib)
     if (not gemm and (T > FUSED_TOKENS or not q8_enabled(lib))) or fmt not in ("mxfp4", "int4g32") or getattr(
             up, "format", None) != fmt or getattr(down, "format", None) != fmt:
         return None
