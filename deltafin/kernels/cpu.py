@@ -61,7 +61,7 @@ FUSED_TOKENS = 16
 # 2.1-2.5x faster than the decoded tile at 64-128 tokens.
 GEMM_TOKENS = 5
 # On an AVX2 build the 4-bit Q8 loop stays ahead longer (K3 expert, 2 threads: 2.7 vs 3.3 ms at 6 tokens, 3.8 vs 4.5
-# at 8, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16); its int8 rows take the GEMM past GEMM_TOKENS like AVX-512's (6.2 vs 4.5
+# at 8, 5.5 vs 4.5 at 11, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16); its int8 rows take the GEMM past GEMM_TOKENS like AVX-512's (6.2 vs 4.5
 # ms at 6 tokens on a 7168 x 7168 matrix). A prompt of Kimi K3 gives its experts ~9 tokens each.
 GEMM_TOKENS_AVX2 = 10
 TILE_BYTES = 8 << 20
