@@ -237,11 +237,13 @@ def test_cpu_isa_choice(monkeypatch):
     if platform.machine() in ("x86_64", "AMD64"):
         assert native.isa_flags() == native.ISA_FLAGS["portable"]
     monkeypatch.setattr(platform, "machine", lambda: "arm64")  # the x86 builds are refused elsewhere
+    monkeypatch.setattr(native, "_ISA_SEEN", {})
     with pytest.raises(UsageError, match="DELTAFIN_CPU_ISA=portable: an x86 build, and this machine is arm64"):
         native.isa_flags()
     monkeypatch.setenv("DELTAFIN_CPU_ISA", "native")
     assert native.isa_flags() == ()
     monkeypatch.undo()
+    monkeypatch.setattr(native, "_ISA_SEEN", {})
     monkeypatch.setenv("DELTAFIN_CPU_ISA", "avx9")
     with pytest.raises(UsageError, match="avx9.*native, avx2, avx2-novnni, portable"):
         native.isa_flags()

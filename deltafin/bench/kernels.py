@@ -300,8 +300,8 @@ def _print(r: dict) -> None:
               f"{mark}; plain torch {c['torch_GBps']:6.3f} GB/s = {c['torch_over_bandwidth']:.3f}{one}")
     print(f"worst one-token case: {r['worst_one_token_fraction']:.2f} of memory bandwidth (target >= {r['target']})")
     if r["device"] == "cpu" and not r["prefill"]:
-        print("prefill: this build has no int16 GEMM (AVX-512 VNNI and VBMI); many-token matmuls take the tiled "
-              "float path")
+        print("prefill: this build has no int16 GEMM (AVX-512 VNNI and VBMI, or AVX2); many-token matmuls take the "
+              "tiled float path")
     if r["prefill"]:
         print(f"prefill: int16 dot-product peak {r['int16_peak_GOPs']:.0f} GOP/s (the higher of before and after "
               f"the rows below, measured in this run); load average {r['load_average']:.1f}")

@@ -97,9 +97,20 @@ ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx2-novnni": ("-mno-avx5
 ISA_NAMES = {4: "avx512", 3: "avx2+avx-vnni", 2: "avx2", 0: "plain C"}  # df_isa()
 
 
+_ISA_SEEN: dict[str, tuple[str, ...]] = {}  # DELTAFIN_CPU_ISA's value -> its flags (library() runs per matmul)
+
+
 def isa_flags() -> tuple[str, ...]:
     """The compiler flags ``DELTAFIN_CPU_ISA`` asks for (none when unset or ``native``; the others are x86's)."""
-    name = os.environ.get("DELTAFIN_CPU_ISA", "native").strip().lower() or "native"
+    raw = os.environ.get("DELTAFIN_CPU_ISA", "")
+    flags = _ISA_SEEN.get(raw)
+    if flags is None:
+        flags = _ISA_SEEN[raw] = _isa_flags(raw)
+    return flags
+
+
+def _isa_flags(raw: str) -> tuple[str, ...]:
+    name = raw.strip().lower() or "native"
     if name not in ISA_FLAGS:
         from deltafin.errors import UsageError
 
