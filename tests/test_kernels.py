@@ -57,10 +57,13 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool) -> No
 
 
 Q8_SLACK = 0.5 + 2.0**-10
+# The Q8 path's two int8 terms: x = d2 (256 q1 + q2) with d2 = max|x| / (127 x 256), within d2 / 2, or within 1.5 d2
+# where the rest reaches 128 units and q2 is clamped to 127 (a tie of q1's rounding)
+Q8_LEVELS, Q8_TWO_SLACK = 127 * 256, 1.5 + 2.0**-10
 
 
-def _q8_bound(x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32, levels: int = 127
-              ) -> torch.Tensor:
+def _q8_bound(x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32, levels: int = 127,
+              slack: float = Q8_SLACK) -> torch.Tensor:
     T, C = x.shape
     nb = -(-C // block)  # int8 widths need not be whole blocks: the last block is the columns left
     xa = torch.nn.functional.pad(x.double().abs(), (0, nb * block - C))
@@ -68,14 +71,14 @@ def _q8_bound(x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int
     aw = w.double().abs()
     n = C // 32 + 8 if n is None else n
     g = n * U / (1 - n * U)
-    return (d * Q8_SLACK) @ aw.T + g * ((x.double().abs() + d * Q8_SLACK) @ aw.T)
+    return (d * slack) @ aw.T + g * ((x.double().abs() + d * slack) @ aw.T)
 
 
 def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, n: int | None = None, block: int = 32,
-              levels: int = 127) -> None:
+              levels: int = 127, slack: float = Q8_SLACK) -> None:
     ref = x.double() @ w.double().T
     err = (y.double() - ref).abs()
-    bound = _q8_bound(x, w, n, block, levels)
+    bound = _q8_bound(x, w, n, block, levels, slack)
     assert torch.all(err <= bound), f"max error {err.max():.3g}"
     # the bound is a real constraint: a few percent of sum |w x| (a wrong block or scale lands far outside it)
     assert torch.all(bound <= 0.05 * (x.double().abs() @ w.double().abs().T) + 1e-30)
@@ -84,6 +87,8 @@ def _check_q8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, n: int | None =
 def _check_fmt(fmt: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, fused: bool, lib=None) -> None:
     if fused and fmt == "int8" and cpu.i16_enabled(lib):
         _check_q8(y, x, w, int8_a16_roundings(x.shape[1]), block=128, levels=32767)
+    elif fused and cpu.q8_enabled(lib) and (lib or native.library()).df_q8_terms() == 2:
+        _check_q8(y, x, w, levels=Q8_LEVELS, slack=Q8_TWO_SLACK)
     elif fused and cpu.q8_enabled(lib):
         _check_q8(y, x, w)
     else:

@@ -365,28 +365,48 @@ static void i8_rows(const int8_t *q, const float *s, const float *x, float *out,
     }
 }
 
-/* Q8 path for 4-bit weights, one to a few tokens: each token's row is quantized once per call to int8 with one
- * float scale per block of 32 (d = max|x| / 127, q = round(x / d)), and the block dot products run in int8 x int8
- * -> int32 (exact), then float(sum) * weight scale * d accumulates in float32. The weight nibble n goes through a
- * table tab[n] = v + K, v the stored value as an integer (MXFP4: twice the E2M1 value, 0..12 with sign, K = 12;
+/* Q8 path for 4-bit weights, one to a few tokens: each token's row is quantized once per call to int8 per block of
+ * 32, in two terms where the build has AVX-512 VNNI (Q8_TERMS): q1 = round(x / d) with d = max|x| / 127, and the
+ * rest, x - d q1 (at most d / 2), as q2 = round((x - d q1) / (d / 256)) clamped to +-127, so x = (d / 256) (256 q1 +
+ * q2) within d / 256 (q1 alone, within d / 2, flipped 2 of a tiny Kimi K3's 16 greedy decode steps; the two terms
+ * flip none). The block dot products run in int8 x int8 -> int32 (exact), once per term, combined as 256 s1 + s2
+ * (exact: below 2^24), then float(sum) * weight scale * d / 256 accumulates in float32. The weight nibble n goes
+ * through a table tab[n] = v + K, v the stored value as an integer (MXFP4: twice the E2M1 value, 0..12 with sign, K = 12;
  * INT4: n - 8, K = 8), so the weight side is unsigned as VNNI's vpdpbusd wants, and K * sum(q) is taken off
  * once per token (it does not depend on the row). The factor that maps v back (0.5 for MXFP4) is folded into d.
  * Per token, a group of 4 blocks is laid out as one 512-bit vector of even columns and one of odd columns (the
- * low and high nibbles of the group's 64 packed bytes), corr holding -K * sum(q) for each int32 lane. */
+ * low and high nibbles of the group's 64 packed bytes) for q1, the same for q2 after them (Q8GB bytes a group),
+ * corr holding -K * (256 sum(q1) + sum(q2)) for each int32 lane. */
 #define QG 4 /* blocks per group */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_TERMS 2 /* the two int8 terms: VNNI on 512-bit vectors keeps the one-token expert at memory speed */
+#else
+#define Q8_TERMS 1 /* q1 alone (d = max|x| / 127, within d / 2): the second term's dot products took the AVX2
+                    * one-token expert from 0.57-0.61 to 0.38-0.43 of memory bandwidth */
+#endif
+#define Q8GB (64 * Q8_TERMS) /* bytes of xe (and of xo) per group and token: q1's 64, then q2's */
 #define XS (((q->G + 3) / 4) * 16) /* a token's xs stride: whole runs of 4 groups */
 
 typedef struct {
-    int8_t *xe, *xo; /* [T, G * 64] */
+    int8_t *xe, *xo; /* [T, G * Q8GB] */
     float *xs;       /* [T, XS] block scales times the value factor, 0 in padding */
     int32_t *corr;   /* [T, G * 16] */
     int64_t G;
 } q8x_t;
 
+#if Q8_TERMS == 2
+/* q2 of a value v with d, q1 = round(v / d) and id = 1 / d (0 where the block has no finite scale): the rest
+ * v - d q1 in units of d / 256, rounded, within +-127 */
+static inline int q8_rest(float v, float d, int q1, float id) {
+    const int r = (int)nearbyintf(fmaf(-d, (float)q1, v) * (id * 256.0f));
+    return r > 127 ? 127 : r < -127 ? -127 : r;
+}
+#endif
+
 static void q8_quantize(const float *x, int64_t T, int64_t C, int K, float mult, q8x_t *q) {
     const int64_t nb = C / 32, G = q->G;
-    memset(q->xe, 0, T * G * 64);
-    memset(q->xo, 0, T * G * 64);
+    memset(q->xe, 0, T * G * Q8GB);
+    memset(q->xo, 0, T * G * Q8GB);
     memset(q->xs, 0, T * XS * sizeof(float));
     memset(q->corr, 0, T * G * 16 * sizeof(int32_t));
     for (int64_t t = 0; t < T; t++)
@@ -398,16 +418,23 @@ static void q8_quantize(const float *x, int64_t T, int64_t C, int K, float mult,
                 amax = a > amax || a != a ? a : amax; /* NaN wins: it reaches the scale, hence the result */
             }
             const float d = amax / 127.0f, id = amax > 0.0f && amax <= 3.4e38f ? 127.0f / amax : 0.0f;
-            const int64_t g = b / QG, lane0 = (b % QG) * 4;
-            int8_t *pe = q->xe + t * G * 64 + g * 64 + (b % QG) * 16, *po = q->xo + t * G * 64 + g * 64 + (b % QG) * 16;
+            const int64_t g = b / QG, lane0 = (b % QG) * 4, at = t * G * Q8GB + g * Q8GB + (b % QG) * 16;
+            int8_t *pe = q->xe + at, *po = q->xo + at;
             int32_t *corr = q->corr + t * G * 16 + g * 16 + lane0;
             for (int j = 0; j < 16; j++) {
                 const int qe = (int)nearbyintf(xb[2 * j] * id), qo = (int)nearbyintf(xb[2 * j + 1] * id);
                 pe[j] = (int8_t)qe;
                 po[j] = (int8_t)qo;
+#if Q8_TERMS == 2
+                const int re = q8_rest(xb[2 * j], d, qe, id), ro = q8_rest(xb[2 * j + 1], d, qo, id);
+                pe[j + 64] = (int8_t)re;
+                po[j + 64] = (int8_t)ro;
+                corr[j / 4] -= K * (256 * (qe + qo) + re + ro);
+#else
                 corr[j / 4] -= K * (qe + qo);
+#endif
             }
-            q->xs[t * XS + b] = d * mult;
+            q->xs[t * XS + b] = (Q8_TERMS == 2 ? d * (1.0f / 256) : d) * mult;
         }
 }
 
@@ -440,9 +467,11 @@ static inline __m512 q8_wscale16(int kind, const void *scales, const float *e8m0
  * to acc. The same operations whatever the batch. */
 static inline __m512 q8_group(__m512i lo, __m512i hi, __m512 sc16, __m512i spread, const int8_t *xe,
                               const int8_t *xo, const int32_t *corr, __m512 acc) {
-    __m512i s = _mm512_loadu_si512(corr);
-    s = _mm512_dpbusd_epi32(s, lo, _mm512_loadu_si512(xe));
-    s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xo));
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xe)); /* q1's sums */
+    a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xo));
+    __m512i b = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr), lo, _mm512_loadu_si512(xe + 64)); /* q2's */
+    b = _mm512_dpbusd_epi32(b, hi, _mm512_loadu_si512(xo + 64));
+    const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(a, 8), b);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(spread, sc16), acc);
 }
 
@@ -541,7 +570,11 @@ static inline q8f_t q8_wscale_run(int kind, const void *scales, const float *e8m
 static inline void q8_unit_decode(const uint8_t *w, int n, const q8k_t *k, q8u_t *u) {
     const __m256i m15 = _mm256_set1_epi8(15);
     u->n = n;
-    for (int h = 0; h < 2 && 2 * h < n; h++) {
+    for (int h = 0; h < 2; h++) {
+        if (2 * h >= n) { /* a group of 1-2 blocks: half 1 is not read */
+            u->lo[h] = u->hi[h] = _mm256_setzero_si256();
+            continue;
+        }
         const __m128i b0 = _mm_loadu_si128((const __m128i *)(w + 32 * h));
         const __m128i b1 = 2 * h + 1 < n ? _mm_loadu_si128((const __m128i *)(w + 32 * h + 16)) : _mm_setzero_si128();
         const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
@@ -595,8 +628,8 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
                         q8u_t u;
                         if (PF && r + 4 + i < r1) _mm_prefetch((const char *)(packed + (r + 4 + i) * H + g * 64), _MM_HINT_T0);
                         q8_unit_decode(packed + (r + i) * H + g * 64, n, &k, &u);
-                        acc[i] = q8_unit_fma(acc[i], &u, sc[i], (int)(g - g0), &k, q->xe + g * 64, q->xo + g * 64,
-                                             q->corr + g * 16);
+                        acc[i] = q8_unit_fma(acc[i], &u, sc[i], (int)(g - g0), &k, q->xe + g * Q8GB,
+                                             q->xo + g * Q8GB, q->corr + g * 16);
                     }
                 }
             }
@@ -619,8 +652,8 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
                     for (int64_t t = 0; t < nt; t++) {
                         const int64_t v = t0 + t;
                         const q8f_t sc = q8f_mul(ws, q8f_load(q->xs + v * XS + g0 * QG));
-                        acc[t] = q8_unit_fma(acc[t], &u, sc, (int)(g - g0), &k, q->xe + v * G * 64 + g * 64,
-                                             q->xo + v * G * 64 + g * 64, q->corr + v * G * 16 + g * 16);
+                        acc[t] = q8_unit_fma(acc[t], &u, sc, (int)(g - g0), &k, q->xe + (v * G + g) * Q8GB,
+                                             q->xo + (v * G + g) * Q8GB, q->corr + v * G * 16 + g * 16);
                     }
                 }
             }
@@ -633,15 +666,17 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = packed + r * H;
         for (int64_t t = 0; t < T; t++) {
-            const int8_t *xe = q->xe + t * G * 64, *xo = q->xo + t * G * 64;
+            const int8_t *xe = q->xe + t * G * Q8GB, *xo = q->xo + t * G * Q8GB;
             float sum = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const int64_t off = (b / QG) * 64 + (b % QG) * 16;
-                int32_t s = 0;
+                const int64_t off = (b / QG) * Q8GB + (b % QG) * 16;
+                int32_t s1 = 0, s2 = 0;
                 for (int j = 0; j < 16; j++) {
                     const uint8_t p = row[b * 16 + j];
-                    s += v[p & 15] * xe[off + j] + v[p >> 4] * xo[off + j];
+                    s1 += v[p & 15] * xe[off + j] + v[p >> 4] * xo[off + j];
+                    if (Q8_TERMS == 2) s2 += v[p & 15] * xe[off + 64 + j] + v[p >> 4] * xo[off + 64 + j];
                 }
+                const int32_t s = Q8_TERMS == 2 ? 256 * s1 + s2 : s1;
                 sum += (float)s * (scale_at(scales, kind, e8m0, r * nb + b) * q->xs[t * XS + b]);
             }
             out[t * R + r] = sum;
@@ -835,8 +870,8 @@ int df_q4q8_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
                const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
     q8x_t q;
     q.G = (C / 32 + QG - 1) / QG;
-    q.xe = malloc(T * q.G * 64);
-    q.xo = malloc(T * q.G * 64);
+    q.xe = malloc(T * q.G * Q8GB);
+    q.xo = malloc(T * q.G * Q8GB);
     q.xs = malloc(T * (((q.G + 3) / 4) * 16) * sizeof(float));
     q.corr = malloc(T * q.G * 16 * sizeof(int32_t));
     int rc = -1;
@@ -854,8 +889,8 @@ int df_q4q8_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
 
 static int q8x_alloc(q8x_t *q, int64_t T, int64_t C) {
     q->G = (C / 32 + QG - 1) / QG;
-    q->xe = malloc(T * q->G * 64);
-    q->xo = malloc(T * q->G * 64);
+    q->xe = malloc(T * q->G * Q8GB);
+    q->xo = malloc(T * q->G * Q8GB);
     q->xs = malloc(T * (((q->G + 3) / 4) * 16) * sizeof(float));
     q->corr = malloc(T * q->G * 16 * sizeof(int32_t));
     return q->xe && q->xo && q->xs && q->corr;
@@ -980,6 +1015,9 @@ int df_isa(void) {
     return 0;
 #endif
 }
+
+/* The int8 terms of the Q8 path's activations in this build: 2 (x = d / 256 (256 q1 + q2)) or 1 (x = d q1). */
+int df_q8_terms(void) { return Q8_TERMS; }
 
 int df_simd_width(void) {
 #ifdef __AVX512F__
