@@ -35,9 +35,8 @@ scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extende
 (a third of the float loop's vector instructions per byte, so the trunk GEMVs keep pace with memory). Its
 rounding (|x - d q| <= d / 2) is 256 times finer than the 4-bit path's 8-bit activations, which changed greedy
 tokens of a tiny Kimi K3 when applied to its int8 trunk. Past GEMM_TOKENS (``int8_gemm``) int8 rows take the
-4-bit GEMM's code with the rows sign-extended to int16 in its decode, the block sums times the token's scales and
-the row's scale applied once at the end (8-10% over a scale product per block): the same int16 activations per
-block of 32, 2-3x the decoded tile and torch's matmul at 512 tokens on K3's trunk shapes.
+4-bit GEMM's code with the rows sign-extended to int16 in its decode and the row's scale in each block's place: the
+same int16 activations per block of 32, 2-3x the decoded tile and torch's matmul at 512 tokens on K3's trunk shapes.
 """
 
 from __future__ import annotations

@@ -1227,9 +1227,6 @@ static inline gwi_t gw_dot(gwi_t a, gwi_t w, gw_x_t x) { return _mm512_dpwssd_ep
 static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(d)), f);
 }
-/* f + float(a) x d (int8 rows: the row's scale applied once, at the end) */
-static inline gwf_t gw_add_d(gwf_t f, gwi_t a, float d) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(d), f); }
-#define gwf_mul _mm512_mul_ps
 #define gwf_zero _mm512_setzero_ps
 #define gwi_zero _mm512_setzero_si512
 #define gwf_load _mm512_loadu_ps
@@ -1374,8 +1371,6 @@ static inline gwi_t gw_dot(gwi_t a, gwi_t w, gw_x_t x) {
 static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, _mm256_set1_ps(d)), f);
 }
-static inline gwf_t gw_add_d(gwf_t f, gwi_t a, float d) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(d), f); }
-#define gwf_mul _mm256_mul_ps
 #define gwf_zero _mm256_setzero_ps
 #define gwi_zero _mm256_setzero_si256
 #define gwf_load _mm256_loadu_ps
@@ -1427,13 +1422,11 @@ static inline int64_t gw_start(int64_t g, int64_t T) {
 }
 
 /* The MR tokens of the group at t0 (xp: its int32 pairs [nb][16][MR], xs: its scales [nb][MR]) x the panel's rows,
- * blocks [b0, b1): accumulates into out (the first chunk starts at 0). rs: 0 for per-block weight scales (ws); for
- * int8 rows, whose one scale per row is the same in every block, 1: the blocks' sums times the token's scales only,
- * and 2 (the last chunk): those times the row's scale at the end, one multiply where a block had one each. */
+ * blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
 static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int32_t *xp,
                                                           const float *xs, float *out, int64_t t0, const int MR,
                                                           int64_t r0, const gw_mask_t *mask, int64_t b0, int64_t b1,
-                                                          int64_t R, int rs) {
+                                                          int64_t R) {
     gwf_t f[8][GW_NV]; /* MR <= 8 */
     for (int t = 0; t < MR; t++)
         for (int j = 0; j < GW_NV; j++)
@@ -1452,21 +1445,11 @@ static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, con
                 for (int j = 0; j < GW_NV; j++) a[t][j] = gw_dot(a[t][j], wv[j], xb);
             }
         }
-        if (rs) {
-            for (int t = 0; t < MR; t++)
-                for (int j = 0; j < GW_NV; j++) f[t][j] = gw_add_d(f[t][j], a[t][j], xs[b * MR + t]);
-        } else {
-            gwf_t sc[GW_NV];
-            for (int j = 0; j < GW_NV; j++) sc[j] = gwf_load(ws + ((b - b0) * GW_NV + j) * GW_LANES);
-            for (int t = 0; t < MR; t++)
-                for (int j = 0; j < GW_NV; j++) f[t][j] = gw_scale_add(f[t][j], a[t][j], sc[j], xs[b * MR + t]);
-        }
+        gwf_t sc[GW_NV];
+        for (int j = 0; j < GW_NV; j++) sc[j] = gwf_load(ws + ((b - b0) * GW_NV + j) * GW_LANES);
+        for (int t = 0; t < MR; t++)
+            for (int j = 0; j < GW_NV; j++) f[t][j] = gw_scale_add(f[t][j], a[t][j], sc[j], xs[b * MR + t]);
     }
-    if (rs == 2)
-        for (int j = 0; j < GW_NV; j++) {
-            const gwf_t sr = gwf_load(ws + j * GW_LANES);
-            for (int t = 0; t < MR; t++) f[t][j] = gwf_mul(f[t][j], sr);
-        }
     for (int t = 0; t < MR; t++)
         for (int j = 0; j < GW_NV; j++) gwf_maskstore(out + (t0 + t) * R + r0 + GW_LANES * j, mask[j], f[t][j]);
 }
@@ -1543,7 +1526,6 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
     for (int64_t b0 = 0; b0 < nb; b0 += GW_KB) {
         const int64_t b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
         gw_decode_chunk(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C, b0, b1);
-        const int rs = kind != GW_I8 ? 0 : b1 < nb ? 1 : 2;
         for (int64_t g = 0; g < ng; g++) {
             const int64_t t0 = gw_start(g, T);
             const int32_t *xp = xq + t0 * (C / 2);
@@ -1552,14 +1534,14 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
             gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * GW_ROWS, R, C, b1 < nb ? b1 : 0, g, ng);
 #endif
             switch (gw_start(g + 1, T) - t0) { /* GW_MR at most; the same arithmetic per token whatever the size */
-            case 1: gw_tile(wp, ws, xp, xsp, out, t0, 1, r0, mask, b0, b1, R, rs); break;
-            case 2: gw_tile(wp, ws, xp, xsp, out, t0, 2, r0, mask, b0, b1, R, rs); break;
-            case 3: gw_tile(wp, ws, xp, xsp, out, t0, 3, r0, mask, b0, b1, R, rs); break;
-            case 4: gw_tile(wp, ws, xp, xsp, out, t0, 4, r0, mask, b0, b1, R, rs); break;
-            case 5: gw_tile(wp, ws, xp, xsp, out, t0, 5 <= GW_MR ? 5 : 1, r0, mask, b0, b1, R, rs); break;
-            case 6: gw_tile(wp, ws, xp, xsp, out, t0, 6 <= GW_MR ? 6 : 1, r0, mask, b0, b1, R, rs); break;
-            case 7: gw_tile(wp, ws, xp, xsp, out, t0, 7 <= GW_MR ? 7 : 1, r0, mask, b0, b1, R, rs); break;
-            case 8: gw_tile(wp, ws, xp, xsp, out, t0, 8 <= GW_MR ? 8 : 1, r0, mask, b0, b1, R, rs); break;
+            case 1: gw_tile(wp, ws, xp, xsp, out, t0, 1, r0, mask, b0, b1, R); break;
+            case 2: gw_tile(wp, ws, xp, xsp, out, t0, 2, r0, mask, b0, b1, R); break;
+            case 3: gw_tile(wp, ws, xp, xsp, out, t0, 3, r0, mask, b0, b1, R); break;
+            case 4: gw_tile(wp, ws, xp, xsp, out, t0, 4, r0, mask, b0, b1, R); break;
+            case 5: gw_tile(wp, ws, xp, xsp, out, t0, 5 <= GW_MR ? 5 : 1, r0, mask, b0, b1, R); break;
+            case 6: gw_tile(wp, ws, xp, xsp, out, t0, 6 <= GW_MR ? 6 : 1, r0, mask, b0, b1, R); break;
+            case 7: gw_tile(wp, ws, xp, xsp, out, t0, 7 <= GW_MR ? 7 : 1, r0, mask, b0, b1, R); break;
+            case 8: gw_tile(wp, ws, xp, xsp, out, t0, 8 <= GW_MR ? 8 : 1, r0, mask, b0, b1, R); break;
             default: break;
             }
         }
@@ -1636,8 +1618,8 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
 }
 
 /* y [T, R] = x [T, C] @ W^T for int8 rows W = q [R, C] x s [R] (one float scale a row): df_q4gw_mm's GEMM with
- * the rows sign-extended to int16 in its decode (GW_I8), the row's scale applied once after the last block (gw_tile's
- * rs). C a multiple of 32. The int32 block sums are exact (|sum| <= 128 x 32767 x 32 < 2^31); their float conversion rounds past 2^24.
+ * the rows sign-extended to int16 in its decode (GW_I8) and the row's scale in every block's place. C a multiple of
+ * 32. The int32 block sums are exact (|sum| <= 128 x 32767 x 32 < 2^31); their float conversion rounds past 2^24.
  * Returns as df_q4gw_mm (-2 also where C is not whole blocks). */
 int df_i8gw_mm(const int8_t *q, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,
                int nthreads) {
