@@ -249,25 +249,28 @@ def test_engine_decodes_through_graphs_by_default(tmp_path, monkeypatch):
 def test_stacked_projections_are_views_and_keep_the_step(monkeypatch):
     """stack_decode_projections: every same-input group becomes one int8 record whose row views replace the
     originals (the other paths read the same numbers, prefill bit for bit), and a one-token step on the kernel
-    path (interpreter) through the stacked GEMVs gives the unstacked step's logits within the kernels' rounding
-    (split-K partial sums grouped by another width)."""
+    path (the GPU's where there is one, else Triton's interpreter on the CPU) through the stacked GEMVs gives the
+    unstacked step's logits within the kernels' rounding (split-K partial sums grouped by another width)."""
     from deltafin.quant import int8
     from deltafin.quant.record import QTensor
 
-    monkeypatch.setenv("DELTAFIN_KERNELS", "interpret")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":  # the interpreter runs the kernels on CPU tensors (TRITON_INTERPRET set at import above)
+        monkeypatch.setenv("DELTAFIN_KERNELS", "interpret")
     config = tiny_config(num_hidden_layers=3, mla_every=2)
     trunk, records = checkpoint_records(config)
     for n, t in trunk.items():  # the packed trunk's int8 projections
         if "_proj" in n and n.endswith(".weight") and len(t.shape) == 2:
             trunk[n] = QTensor("int8", t.shape, *int8.quantize(t.data.float()))
-    model = registry.build("kimi_k3", config["text_config"], trunk, "cpu", torch.bfloat16)
-    experts = ResidentExperts(records, "cpu")
+    model = registry.build("kimi_k3", config["text_config"], trunk, dev, torch.bfloat16)
+    experts = ResidentExperts(records, dev)
     before = {n: t.data.clone() for n, t in model.w.items() if getattr(t, "format", None) == "int8"}
     st = model.new_state(32)
+    prompt, tok = torch.tensor(PROMPT, device=dev), torch.tensor([7], device=dev)
     with torch.inference_mode():
-        (pre_a,) = forward_batch(model, [(torch.tensor(PROMPT), st)], experts)
+        (pre_a,) = forward_batch(model, [(prompt, st)], experts)
         one = copy.deepcopy(st)
-        (step_a,) = forward_batch(model, [(torch.tensor([7]), one)], experts)
+        (step_a,) = forward_batch(model, [(tok, one)], experts)
         model.stack_decode_projections()
         model.stack_decode_projections()  # idempotent
         groups = model._stacked
@@ -280,11 +283,11 @@ def test_stacked_projections_are_views_and_keep_the_step(monkeypatch):
         assert len(views) >= 2 * len(groups)
         for n in before:
             assert torch.equal(model.w[n].data, before[n]), n
-        (pre_b,) = forward_batch(model, [(torch.tensor(PROMPT), model.new_state(32))], experts)
+        (pre_b,) = forward_batch(model, [(prompt, model.new_state(32))], experts)
         assert torch.equal(pre_a, pre_b)
         used, inner = [], model._stacked_rows
         monkeypatch.setattr(model, "_stacked_rows", lambda key, x: used.append(key) or inner(key, x))
         assert len(groups) == 2 * model.num_layers  # attention and MLP input of every layer
-        (step_b,) = forward_batch(model, [(torch.tensor([7]), copy.deepcopy(st))], experts)
+        (step_b,) = forward_batch(model, [(tok, copy.deepcopy(st))], experts)
     assert set(used) == set(groups)  # every group ran stacked
     assert _rel(step_b, step_a) < 2e-2

@@ -135,14 +135,18 @@ def test_grouped_gemv_matches_reference(act, dtype):
         y = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64, decode=T % 2))
         assert y.dtype == dtype and y.shape == (T, D)
         assert _rel(y, ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
-        # the down kernel's own tile shape: each output row's sums are the same numbers
-        cfg = moe_gemv_config(BN=16, BK=64, decode=T % 2, BN_down=8)
+        # launch after launch the same numbers; the down kernel's own tile shape: the same sums up to their order
+        # (on a GPU the reduction over BK runs across threads laid out by the tile's shape)
+        cfg = moe_gemv_config(BN=16, BK=64, decode=T % 2)
         assert torch.equal(grouped_glu(x, ids, wts, slab, act, cfg=cfg), y)
+        y8 = grouped_glu(x, ids, wts, slab, act, cfg=moe_gemv_config(BN=16, BK=64, decode=T % 2, BN_down=8))
+        assert _rel(y8, y) < (1e-6 if dtype == torch.float32 else 1e-2)
     # the CUDA-graph runner's fixed layout: pair j alone at the head of padded block j, in routing order
     rows = torch.full((T * k, 16), -1, dtype=torch.int32)
     rows[:, 0] = torch.arange(T * k, dtype=torch.int32)
+    # (float32 activations take a float decode: the default on a GPU, packed fp16 pairs, is bf16's form)
     plan = MoePlan(rows.reshape(-1).to(DEV), ids.reshape(-1).to(torch.int32).to(DEV), T, k,
-                   moe_gemv_config(BN=16, BK=64))
+                   moe_gemv_config(BN=16, BK=64, decode=1 if dtype == torch.float32 else None))
     assert _rel(grouped_glu(x, None, wts, slab, act, plan=plan), ref) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
