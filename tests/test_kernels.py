@@ -29,6 +29,7 @@ rounds, and the reference's weights q x s are rounded to float32 once: n <= C/32
 from __future__ import annotations
 
 import os
+import platform
 
 import numpy as np
 import pytest
@@ -495,6 +496,36 @@ def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, capl
     monkeypatch.setattr(native, "_why", {})
     assert native.library() is None
     assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
+
+
+@pytest.mark.parametrize("refused", [("-march=native",), ("-march=native", "-mcpu=native")])
+def test_a_compiler_that_refuses_march_native_still_builds_the_kernels(refused, tmp_path, monkeypatch, caplog):
+    """clang before 15 on arm64 (Apple's among them) refuses -march=native: the kernels build with -mcpu=native, or
+    for the compiler's default target where it takes neither, say so in the log, and compute what the reference
+    does. Here a wrapper around the real compiler refuses the flags."""
+    cc = native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc"
+    tests = " ".join(f'[ "$a" = "{f}" ] && {{ echo "error: unsupported option \'{f}\'" >&2; exit 1; }};' for f in refused)
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do {tests} done\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DELTAFIN_CPU_ISA", raising=False)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why", {})
+    lib = native.library()
+    assert lib is not None, native.why()
+    used = "-mcpu=native" if len(refused) == 1 else "the compiler's default target"
+    assert f"CPU kernels built with {used}" in caplog.text and "unsupported option '-march=native'" in caplog.text
+    if len(refused) == 2 and platform.machine() in ("x86_64", "AMD64"):
+        assert lib.df_isa() == 0  # x86-64's baseline: the plain C loops
+    rec = _records(40, 96, seed=3)["mxfp4"]
+    x = torch.randn(3, 96)
+    ref = x.double() @ dequantize(rec).double().T
+    y = cpu.mxfp4_linear(x, rec.data, rec.scale, lib=lib)
+    assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32-f32"])

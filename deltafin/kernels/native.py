@@ -1,7 +1,8 @@
 """The compiled CPU kernels (``cpu_kernels.c``): built once per machine with the system C compiler, loaded
 with ctypes.
 
-The library is compiled for this CPU (``-march=native``, AVX-512 where present) on first use, about a second,
+The library is compiled for this CPU (``-march=native``, AVX-512 where present; ``-mcpu=native`` with a compiler
+that refuses that, as clang before 15 does on arm64, then the compiler's default target) on first use, about a second,
 and kept under ``$DELTAFIN_CACHE`` (default ``~/.cache/deltafin``) keyed by the source, the compiler and the
 CPU, so later processes load it at once. Without a C compiler the fast CPU path is off and the plain torch path
 runs (one warning says what to install). ``DELTAFIN_CPU_KERNELS=0`` turns the fast CPU path off.
@@ -26,7 +27,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+FLAGS = ("-O3", "-shared", "-fPIC")
+# this CPU's instruction set, first choice first: clang before 15 on arm64 (Apple's among them) refuses
+# -march=native and takes -mcpu=native; a compiler that takes neither builds for its default target (the plain C
+# loops on x86, NEON's baseline on arm64)
+ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
 INSTALL_HINT = ("install a C compiler for the fast CPU kernels (Debian/Ubuntu: apt install gcc; Fedora: dnf "
                 "install gcc; macOS: xcode-select --install), or set CC")
 
@@ -76,21 +81,27 @@ def _compiler() -> str | None:
 
 def _compile(cc: str, extra: tuple[str, ...], out: Path) -> str | None:
     """Build into a temp name beside ``out`` and rename (a concurrent build never leaves a half-written library).
-    OpenMP first, then without it (one thread, e.g. Apple clang without libomp). Returns an error or None."""
+    This CPU's instruction set by the first of ``ARCH_FLAGS`` the compiler takes; OpenMP first, then without it
+    (one thread, e.g. Apple clang without libomp). Returns the first attempt's error when none built, else None;
+    a build past the first arch flags is logged with what the compiler said of them."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    err = ""
-    for omp in (("-fopenmp",), ()):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        cmd = [cc, *FLAGS, *omp, *extra, str(SOURCE), "-o", tmp]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode == 0:
-            os.replace(tmp, out)
-            return None
-        os.unlink(tmp)
-        err = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]
-        err = f"{' '.join(cmd)}: {err[0]}"
-    return err
+    first = ""
+    for arch in ARCH_FLAGS:
+        for omp in (("-fopenmp",), ()):
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            cmd = [cc, *FLAGS, *arch, *omp, *extra, str(SOURCE), "-o", tmp]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode == 0:
+                os.replace(tmp, out)
+                if arch != ARCH_FLAGS[0]:
+                    log.warning("CPU kernels built with %s: %s", " ".join(arch) or "the compiler's default target",
+                                first)
+                return None
+            os.unlink(tmp)
+            err = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]
+            first = first or f"{' '.join(cmd)}: {err[0]}"
+    return first
 
 
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx2-novnni": ("-mno-avx512f", "-mno-avxvnni"),
@@ -139,7 +150,8 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
             why = f"no C compiler found; {INSTALL_HINT}"
         else:
             ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-            key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, ver, _cpu_id(), *FLAGS, *extra]).encode())
+            key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, ver, _cpu_id(), *FLAGS, *sum(ARCH_FLAGS, ()),
+                                            *extra]).encode())
             cache = Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache" / "deltafin")) / "kernels"
             path = cache / f"cpu_kernels-{key.hexdigest()[:16]}.so"
             try:
