@@ -58,8 +58,12 @@ from deltafin.quant.record import QTensor
 FUSED_TOKENS = 16
 # 4-bit matrices of more tokens take the int16 GEMM where it is built (AVX-512 VNNI + VBMI, or AVX2). On a K3 expert matrix,
 # one thread: 2.0 vs 2.5 ms for the Q8 loop at 6 tokens, 2.1 vs 3.1 at 8, 2.8 vs 4.0 at 16, but 1.7 vs 1.2 at 4;
-# 2.1-2.5x faster than the decoded tile at 64-128 tokens.
-GEMM_TOKENS = 5
+# 2.1-2.5x faster than the decoded tile at 64-128 tokens. Measured again after the Q8 loop took its second int8
+# term on AVX-512 (K3 expert matrices, medians, GEMM vs Q8): two threads 0.94 vs 0.91 ms at 3 tokens, 0.92 vs 1.16
+# at 4, 0.98 vs 1.53 at 5; one thread 1.91 vs 1.92 at 3, 1.84 vs 2.33 at 4, 2.01 vs 3.06 at 5. int8 rows alike
+# (7168 x 7168, GEMM vs the int16-activation loop): two threads 4.04 vs 4.04 ms at 3, 3.88 vs 4.31 at 4, 4.06 vs
+# 4.89 at 5; one thread 8.05 vs 7.93 at 3, 7.83 vs 8.82 at 4. Hence the GEMM from 4 tokens.
+GEMM_TOKENS = 3
 # On an AVX2 build the 4-bit Q8 loop stays ahead longer (K3 expert, 2 threads: 2.7 vs 3.3 ms at 6 tokens, 3.8 vs 4.5
 # at 8, 5.5 vs 4.5 at 11, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16); its int8 rows take the GEMM past GEMM_TOKENS like AVX-512's (6.2 vs 4.5
 # ms at 6 tokens on a 7168 x 7168 matrix). A prompt of Kimi K3 gives its experts ~9 tokens each.
@@ -316,7 +320,8 @@ def int8_gemm(T: int, C: int, lib=None) -> bool:
     """Whether int8 rows take the int16 GEMM at T tokens of width C: past GEMM_TOKENS, whole blocks of 32, where
     the build has it. On a K3 trunk matrix (7168 x 7168, two threads) it took 3.9 / 5.3 / 6.3 ms at 6 / 12 / 16 tokens
     against 7.0 / 8.9 / 11.6 for the int16-activation loop, and 128 ms at 512 tokens against 252 for the tile decoded
-    to float32 and torch's matmul; the loop stays ahead at one and two tokens (1.2 against 2.5 ms)."""
+    to float32 and torch's matmul; the loop stays ahead at one and two tokens (1.2 against 2.5 ms) and ties at
+    three (see GEMM_TOKENS)."""
     return T > GEMM_TOKENS and C % 32 == 0 and gemm_enabled(lib)
 
 
