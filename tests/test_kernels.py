@@ -214,7 +214,7 @@ def test_builds_without_avx512_match_reference(isa):
 
 def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
     """On an AVX2 build 4-bit matmuls take the Q8 loop up to GEMM_TOKENS_AVX2 tokens (it is faster there), int8 rows
-    the GEMM past GEMM_TOKENS as on AVX-512; the mxfp4 matmul takes the kernel that says."""
+    the GEMM past GEMM_TOKENS_INT8_AVX2 (sooner than on AVX-512); the matmuls take the kernels that say."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -222,9 +222,15 @@ def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
     lib = native.library(native.ISA_FLAGS["avx2"])
     if lib.df_isa() not in (2, 3) or not cpu.gemm_enabled(lib):
         pytest.skip("no AVX2 on this CPU")
-    assert cpu.gemm_tokens(lib) == cpu.GEMM_TOKENS_AVX2 > cpu.GEMM_TOKENS == cpu.gemm_tokens(lib, int8=True)
+    assert cpu.gemm_tokens(lib) == cpu.GEMM_TOKENS_AVX2 > cpu.GEMM_TOKENS
+    assert cpu.gemm_tokens(lib, int8=True) == cpu.GEMM_TOKENS_INT8_AVX2 < cpu.GEMM_TOKENS
     if native.library().df_isa() == 4:
-        assert cpu.gemm_tokens() == cpu.GEMM_TOKENS
+        assert cpu.gemm_tokens() == cpu.gemm_tokens(int8=True) == cpu.GEMM_TOKENS
+    q, s = _records(40, 64, seed=2)["int8"].data, _records(40, 64, seed=2)["int8"].scale
+    for T, kernel in ((cpu.GEMM_TOKENS_INT8_AVX2, "int8_a16"), (cpu.GEMM_TOKENS_INT8_AVX2 + 1, "int8_gemm")):
+        cpu.USED.clear()
+        cpu.int8_linear(torch.randn(T, 64), q, s, lib=lib)
+        assert cpu.USED == {kernel}
     rec = _records(40, 64, seed=2)["mxfp4"]
     for T, kernel in ((cpu.GEMM_TOKENS_AVX2, "mxfp4_q8"), (cpu.GEMM_TOKENS_AVX2 + 1, "mxfp4_gemm")):
         cpu.USED.clear()

@@ -68,6 +68,10 @@ GEMM_TOKENS = 3
 # at 8, 5.5 vs 4.5 at 11, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16); its int8 rows take the GEMM past GEMM_TOKENS like AVX-512's (6.2 vs 4.5
 # ms at 6 tokens on a 7168 x 7168 matrix). A prompt of Kimi K3 gives its experts ~9 tokens each.
 GEMM_TOKENS_AVX2 = 10
+# ... and int8 rows take it from 3 tokens there (7168 x 7168, two threads, medians, GEMM vs the int16-activation
+# loop: with AVX-VNNI 3.50 vs 2.80 ms at 1 token, 3.92 vs 4.50 at 2, 4.19 vs 5.95 at 3; AVX2 alone 4.66 vs 4.89 at
+# 2, 5.64 vs 6.00 at 3, 6.61 vs 7.19 at 4): two tokens stay on the loop, where the fastest calls of each tie.
+GEMM_TOKENS_INT8_AVX2 = 2
 TILE_BYTES = 8 << 20
 # Smaller matrices run on the calling thread: waking the others costs more. With idle OpenMP threads asleep
 # (OMP_WAIT_POLICY=PASSIVE; deltafin/__init__.py now lets them spin briefly first) a wake took ~100 us or
@@ -129,7 +133,7 @@ def _x32(x: torch.Tensor) -> torch.Tensor:
 
 
 _GW_BUILT: dict[int, bool] = {}  # per loaded library: whether the int16 GEMM has its vector code
-_FEW_TOKENS: dict[int, int] = {}  # per loaded library: gemm_tokens() of 4-bit weights
+_FEW_TOKENS: dict[int, tuple[int, int]] = {}  # per loaded library: gemm_tokens() of 4-bit weights, of int8 rows
 
 
 def gemm_enabled(lib=None) -> bool:
@@ -143,14 +147,14 @@ def gemm_enabled(lib=None) -> bool:
 
 
 def gemm_tokens(lib=None, int8: bool = False) -> int:
-    """The most tokens a matmul takes its few-token loop for where the build has the int16 GEMM: GEMM_TOKENS, or for
-    4-bit weights on an AVX2 build GEMM_TOKENS_AVX2."""
-    if int8:
-        return GEMM_TOKENS
+    """The most tokens a matmul takes its few-token loop for where the build has the int16 GEMM: GEMM_TOKENS, or on an
+    AVX2 build GEMM_TOKENS_AVX2 for 4-bit weights and GEMM_TOKENS_INT8_AVX2 for int8 rows."""
     lib = lib or native.library()
     if id(lib) not in _FEW_TOKENS:
-        _FEW_TOKENS[id(lib)] = GEMM_TOKENS_AVX2 if lib.df_isa() in (2, 3) else GEMM_TOKENS
-    return _FEW_TOKENS[id(lib)]
+        avx2 = lib.df_isa() in (2, 3)
+        _FEW_TOKENS[id(lib)] = (GEMM_TOKENS_AVX2 if avx2 else GEMM_TOKENS,
+                                GEMM_TOKENS_INT8_AVX2 if avx2 else GEMM_TOKENS)
+    return _FEW_TOKENS[id(lib)][int8]
 
 
 def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -317,12 +321,12 @@ def denormals_flushed(lib=None) -> Iterator[None]:
 
 
 def int8_gemm(T: int, C: int, lib=None) -> bool:
-    """Whether int8 rows take the int16 GEMM at T tokens of width C: past GEMM_TOKENS, whole blocks of 32, where
+    """Whether int8 rows take the int16 GEMM at T tokens of width C: past gemm_tokens(int8=True), whole blocks of 32, where
     the build has it. On a K3 trunk matrix (7168 x 7168, two threads) it took 3.9 / 5.3 / 6.3 ms at 6 / 12 / 16 tokens
     against 7.0 / 8.9 / 11.6 for the int16-activation loop, and 128 ms at 512 tokens against 252 for the tile decoded
     to float32 and torch's matmul; the loop stays ahead at one and two tokens (1.2 against 2.5 ms) and ties at
     three (see GEMM_TOKENS)."""
-    return T > GEMM_TOKENS and C % 32 == 0 and gemm_enabled(lib)
+    return C % 32 == 0 and gemm_enabled(lib) and T > gemm_tokens(lib, int8=True)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> torch.Tensor:
