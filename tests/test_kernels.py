@@ -189,8 +189,6 @@ def test_builds_without_avx512_match_reference(isa):
     """What machines without AVX-512 compile (AVX2 with and without AVX-VNNI, and the plain C loops) gives answers
     within the same bounds: partial groups of 4 blocks and runs of 8 scales (96 and 640 columns), row counts not a
     multiple of the four rows a one-token call takes together, int8 widths that are not whole steps of 16."""
-    import platform
-
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the plain C build is the default build off x86")
     lib = native.library(native.ISA_FLAGS[isa])
@@ -215,8 +213,6 @@ def test_builds_without_avx512_match_reference(isa):
 def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
     """On an AVX2 build 4-bit matmuls take the Q8 loop up to GEMM_TOKENS_AVX2 tokens (it is faster there), int8 rows
     the GEMM past GEMM_TOKENS_INT8_AVX2 (sooner than on AVX-512); the matmuls take the kernels that say."""
-    import platform
-
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the AVX2 builds are x86's")
     lib = native.library(native.ISA_FLAGS["avx2"])
@@ -226,12 +222,12 @@ def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
     assert cpu.gemm_tokens(lib, int8=True) == cpu.GEMM_TOKENS_INT8_AVX2 < cpu.GEMM_TOKENS
     if native.library().df_isa() == 4:
         assert cpu.gemm_tokens() == cpu.gemm_tokens(int8=True) == cpu.GEMM_TOKENS
-    q, s = _records(40, 64, seed=2)["int8"].data, _records(40, 64, seed=2)["int8"].scale
+    recs = _records(40, 64, seed=2)
     for T, kernel in ((cpu.GEMM_TOKENS_INT8_AVX2, "int8_a16"), (cpu.GEMM_TOKENS_INT8_AVX2 + 1, "int8_gemm")):
         cpu.USED.clear()
-        cpu.int8_linear(torch.randn(T, 64), q, s, lib=lib)
+        cpu.int8_linear(torch.randn(T, 64), recs["int8"].data, recs["int8"].scale, lib=lib)
         assert cpu.USED == {kernel}
-    rec = _records(40, 64, seed=2)["mxfp4"]
+    rec = recs["mxfp4"]
     for T, kernel in ((cpu.GEMM_TOKENS_AVX2, "mxfp4_q8"), (cpu.GEMM_TOKENS_AVX2 + 1, "mxfp4_gemm")):
         cpu.USED.clear()
         cpu.mxfp4_linear(torch.randn(T, 64), rec.data, rec.scale, lib=lib)
@@ -241,8 +237,6 @@ def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
 def test_cpu_isa_choice(monkeypatch):
     """DELTAFIN_CPU_ISA picks the build; an unknown name is refused with the names it knows, an x86 build off x86
     with the fix."""
-    import platform
-
     from deltafin.errors import UsageError
 
     monkeypatch.setenv("DELTAFIN_CPU_ISA", "portable")
@@ -409,7 +403,6 @@ def test_bench_kernels_on_a_build_without_avx512(monkeypatch, capsys):
     """`bench kernels --isa portable` (or avx2) measures the kernels other x86 machines build, says which, and leaves
     out the prefill rows of the int16 GEMM that such a build does not have."""
     import argparse
-    import platform
 
     from deltafin.bench import kernels as bk
 
@@ -635,8 +628,6 @@ def test_rows_split_over_threads_give_the_one_thread_results(monkeypatch):
 def test_denormals_flushed_inside_the_block_and_back_after():
     """The CPU fast path's block flushes denormals (FTZ/DAZ) in this thread and torch's compute threads, and puts
     the setting back after it; the exact path keeps IEEE arithmetic."""
-    import platform
-
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("FTZ/DAZ are x86 control bits")
     tiny = torch.full((1 << 20,), 1e-39)  # a denormal float32, in a tensor large enough to spread over threads

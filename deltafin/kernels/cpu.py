@@ -34,8 +34,8 @@ int8 rows up to ``FUSED_TOKENS`` tokens take int16 activations on the same switc
 scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extended into VNNI's int16 dot product
 (a third of the float loop's vector instructions per byte, so the trunk GEMVs keep pace with memory). Its
 rounding (|x - d q| <= d / 2) is 256 times finer than the 4-bit path's 8-bit activations, which changed greedy
-tokens of a tiny Kimi K3 when applied to its int8 trunk. Past GEMM_TOKENS (``int8_gemm``) int8 rows take the
-4-bit GEMM's code with the rows sign-extended to int16 in its decode and the row's scale in each block's place: the
+tokens of a tiny Kimi K3 when applied to its int8 trunk. Past GEMM_TOKENS (``GEMM_TOKENS_INT8_AVX2`` on AVX2;
+``int8_gemm``) int8 rows take the 4-bit GEMM's code with the rows sign-extended to int16 in its decode and the row's scale in each block's place: the
 same int16 activations per block of 32, 2-3x the decoded tile and torch's matmul at 512 tokens on K3's trunk shapes.
 """
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -65,10 +66,9 @@ FUSED_TOKENS = 16
 # 4.89 at 5; one thread 8.05 vs 7.93 at 3, 7.83 vs 8.82 at 4. Hence the GEMM from 4 tokens.
 GEMM_TOKENS = 3
 # On an AVX2 build the 4-bit Q8 loop stays ahead longer (K3 expert, 2 threads: 2.7 vs 3.3 ms at 6 tokens, 3.8 vs 4.5
-# at 8, 5.5 vs 4.5 at 11, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16); its int8 rows take the GEMM past GEMM_TOKENS like AVX-512's (6.2 vs 4.5
-# ms at 6 tokens on a 7168 x 7168 matrix). A prompt of Kimi K3 gives its experts ~9 tokens each.
+# at 8, 5.5 vs 4.5 at 11, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16). A prompt of Kimi K3 gives its experts ~9 tokens each.
 GEMM_TOKENS_AVX2 = 10
-# ... and int8 rows take it from 3 tokens there (7168 x 7168, two threads, medians, GEMM vs the int16-activation
+# Its int8 rows take the GEMM from 3 tokens (7168 x 7168, two threads, medians, GEMM vs the int16-activation
 # loop: with AVX-VNNI 3.50 vs 2.80 ms at 1 token, 3.92 vs 4.50 at 2, 4.19 vs 5.95 at 3; AVX2 alone 4.66 vs 4.89 at
 # 2, 5.64 vs 6.00 at 3, 6.61 vs 7.19 at 4): two tokens stay on the loop, where the fastest calls of each tie.
 GEMM_TOKENS_INT8_AVX2 = 2
@@ -99,7 +99,30 @@ def _threads(R: int, C: int, T: int) -> int:
 
 
 USED: set[str] = set()  # kernel variants run so far ("mxfp4_q8", "int8_linear", ...), for the stats line
-_Q8_BUILT: dict[object, bool] = {}  # per loaded library: vectorised Q8 (VNNI), or the portable build
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Build:
+    """What a loaded library has, asked once (the matmuls consult it on every call)."""
+
+    q8: bool  # the Q8 path vectorised (VNNI), or the portable build
+    a16: bool  # int16 activations for int8 rows vectorised, or the portable build
+    gemm: bool  # the int16 GEMM's vector code
+    few_4bit: int  # gemm_tokens() of 4-bit weights
+    few_int8: int  # and of int8 rows
+
+
+# keyed by the library object, not its id: an id can come back once a library (a test's own build) is freed
+_BUILDS: dict[ctypes.CDLL, _Build] = {}
+
+
+def _build(lib=None) -> _Build:
+    lib = lib or native.library()
+    b = _BUILDS.get(lib)
+    if b is None:
+        plain, avx2 = lib.df_simd_width() == 1, lib.df_isa() in (2, 3)
+        b = _BUILDS[lib] = _Build(bool(lib.df_q8_vnni()) or plain, bool(lib.df_a16_vnni()) or plain,
+                                  bool(lib.df_q4gw_vnni()), GEMM_TOKENS_AVX2 if avx2 else GEMM_TOKENS,
+                                  GEMM_TOKENS_INT8_AVX2 if avx2 else GEMM_TOKENS)
+    return b
 
 
 def isa(lib=None) -> str:
@@ -113,48 +136,30 @@ def q8_enabled(lib=None) -> bool:
     """Whether 4-bit matmuls of up to FUSED_TOKENS tokens take the Q8 path (see the module docstring)."""
     if os.environ.get("DELTAFIN_CPU_Q8", "1") == "0":
         return False
-    lib = lib or native.library()
-    if id(lib) not in _Q8_BUILT:  # asked once per library: this runs on every matmul
-        _Q8_BUILT[id(lib)] = bool(lib.df_q8_vnni()) or lib.df_simd_width() == 1
-    return _Q8_BUILT[id(lib)]
+    return _build(lib).q8
 
 
 def i16_enabled(lib=None) -> bool:
     """Whether int8 matmuls of up to FUSED_TOKENS tokens take int16 activations (see the module docstring)."""
-    lib = lib or native.library()
-    key = ("a16", id(lib))
-    if key not in _Q8_BUILT:
-        _Q8_BUILT[key] = bool(lib.df_a16_vnni()) or lib.df_simd_width() == 1
-    return _Q8_BUILT[key] and os.environ.get("DELTAFIN_CPU_Q8", "1") != "0"
+    return _build(lib).a16 and os.environ.get("DELTAFIN_CPU_Q8", "1") != "0"
 
 
 def _x32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).contiguous()
 
 
-_GW_BUILT: dict[int, bool] = {}  # per loaded library: whether the int16 GEMM has its vector code
-_FEW_TOKENS: dict[int, tuple[int, int]] = {}  # per loaded library: gemm_tokens() of 4-bit weights, of int8 rows
-
-
 def gemm_enabled(lib=None) -> bool:
     """Whether 4-bit matmuls of more than GEMM_TOKENS tokens take the int16 GEMM (AVX-512 VNNI + VBMI or AVX2 builds)."""
     if os.environ.get("DELTAFIN_CPU_GEMM", "1") == "0":
         return False
-    lib = lib or native.library()
-    if id(lib) not in _GW_BUILT:
-        _GW_BUILT[id(lib)] = bool(lib.df_q4gw_vnni())
-    return _GW_BUILT[id(lib)]
+    return _build(lib).gemm
 
 
 def gemm_tokens(lib=None, int8: bool = False) -> int:
     """The most tokens a matmul takes its few-token loop for where the build has the int16 GEMM: GEMM_TOKENS, or on an
     AVX2 build GEMM_TOKENS_AVX2 for 4-bit weights and GEMM_TOKENS_INT8_AVX2 for int8 rows."""
-    lib = lib or native.library()
-    if id(lib) not in _FEW_TOKENS:
-        avx2 = lib.df_isa() in (2, 3)
-        _FEW_TOKENS[id(lib)] = (GEMM_TOKENS_AVX2 if avx2 else GEMM_TOKENS,
-                                GEMM_TOKENS_INT8_AVX2 if avx2 else GEMM_TOKENS)
-    return _FEW_TOKENS[id(lib)][int8]
+    b = _build(lib)
+    return b.few_int8 if int8 else b.few_4bit
 
 
 def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
