@@ -307,6 +307,9 @@ def test_bench_prefill_reports_reads_math_and_their_limits(tmp_path, capsys):
         assert rec["math_over_floor"] == pytest.approx(rec["math_s"] / rec["math_floor_s"])
         assert "at the int16 dot-product peak measured around the run" in line
     assert rec["reserved_buffers"] > 0 and "Read buffers mapped at open, outside the timing" in line
+    # 32 routes over at most 8 touched experts; Kimi K3's 16 tokens touch ~224 of its 896 experts, 1.14 tokens each
+    assert 4 <= rec["tokens_per_expert"] <= 32 and rec["k3_tokens_per_expert"] == pytest.approx(1.141, abs=1e-3)
+    assert f"{rec['tokens_per_expert']:.1f} tokens per touched expert (Kimi K3 at this prompt length: 1.1)" in line
 
 
 def test_a_late_piece_of_a_striped_expert_is_retried_then_reported(k3, tmp_path):
