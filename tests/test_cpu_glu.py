@@ -289,3 +289,55 @@ def test_expert_major_layer_runs_each_expert_on_its_rows():
         for e, (r, y) in seen.items():
             assert r == rows[e].tolist() and torch.equal(y, situ_glu_expert(x[rows[e]], experts[e]))
     assert expert_major_layer(src, 4, routes, x, True, fn) == (3, 0.0)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx2-novnni"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32"])
+def test_small_experts_in_one_call_are_each_expert_alone(isa, fmt, two_threads):
+    """glu_experts (a decode step's small experts shared out whole over the threads) gives each expert's glu_expert
+    result bit for bit, in every build with the Q8 path, for 1 and 3 tokens, an odd count of experts and both
+    activations; each result is its own expert's (the experts differ)."""
+    import platform
+
+    flags = native.ISA_FLAGS[isa] if platform.machine() in ("x86_64", "AMD64") else ()
+    lib = native.library(flags)
+    if not cpu.q8_enabled(lib):
+        pytest.skip("no Q8 path in this build")
+    experts = [_expert(fmt, 64, 96, seed=20 + 3 * e) for e in range(5)]
+    recs = [(r["gate"], r["up"], r["down"]) for r in experts]
+    for T, act in ((1, SITU), (3, ("silu",))):
+        x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T))
+        ys = cpu.glu_experts(x, recs, act, lib=lib)
+        one = [cpu.glu_expert(x, *r, act, lib=lib) for r in recs]
+        assert ys is not None and len(ys) == 5 and all(torch.equal(a, b) for a, b in zip(ys, one, strict=True))
+        assert all(not torch.equal(one[0], y) for y in one[1:])
+
+
+def test_small_experts_in_one_call_only_where_it_applies(two_threads):
+    """None (the caller runs the experts one by one) for one expert, experts large enough to split by rows, shapes
+    or formats that differ, a single thread, and past the Q8 path's tokens; kernels.glu_many only on the fast path."""
+    small = [(r["gate"], r["up"], r["down"]) for r in (_expert("mxfp4", 32, 64, seed=s) for s in (1, 4))]
+    x = torch.randn(1, 64)
+    assert cpu.glu_experts(x, small[:1]) is None
+    big = _expert("mxfp4", 2048, 2048, seed=7)  # 4M weights: split by rows over the threads instead
+    assert cpu.glu_experts(x.new_zeros(1, 2048), [(big["gate"], big["up"], big["down"])] * 2) is None
+    assert cpu.glu_experts(x, [small[0], tuple(_expert("int4g32", 32, 64, seed=2).values())]) is None
+    assert cpu.glu_experts(x, [small[0], tuple(_expert("mxfp4", 64, 64, seed=2).values())]) is None
+    assert cpu.glu_experts(torch.randn(cpu.FUSED_TOKENS + 1, 64), small) is None
+    torch.set_num_threads(1)
+    assert cpu.glu_experts(x, small) is None
+    torch.set_num_threads(2)
+    tensors = [dict(zip(("gate", "up", "down"), r, strict=True)) for r in small]
+    assert kernels.glu_many(x, tensors) is None  # the exact path
+    with kernels.fast():
+        ys = kernels.glu_many(x, tensors)
+        assert ys is not None and all(torch.equal(y, cpu.glu_expert(x, *r)) for y, r in zip(ys, small, strict=True))
+        assert kernels.glu_many(x, [{"gate_up": small[0][0], "down": small[0][2]}] * 2) is None  # gpt-oss's roles

@@ -127,6 +127,21 @@ def glu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tenso
     return y if y is None or y.dtype == x.dtype else y.to(x.dtype)
 
 
+def glu_many(x: torch.Tensor, experts: list, act: tuple = ("silu",)) -> list[torch.Tensor] | None:
+    """[glu(x, t["gate"], t["up"], t["down"], act) for t in experts] (expert tensors by role) in one call where the
+    fast path has one (the CPU backend's small 4-bit experts, shared out whole over the threads), bit for bit;
+    None where the caller runs them one at a time."""
+    if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    fn = getattr(backend("cpu"), "glu_experts", None)
+    try:
+        recs = [(t["gate"], t["up"], t["down"]) for t in experts]
+    except KeyError:  # other roles (gpt-oss's fused gate_up): not a plain gated expert
+        return None
+    ys = None if fn is None else fn(x, recs, act)
+    return ys if ys is None else [y if y.dtype == x.dtype else y.to(x.dtype) for y in ys]
+
+
 def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor,
            down: QTensor | torch.Tensor) -> torch.Tensor | None:
     """down(silu(gate x) * up x): ``glu`` with SwiGLU."""

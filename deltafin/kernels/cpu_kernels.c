@@ -932,6 +932,46 @@ int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
     return rc;
 }
 
+/* n gated 4-bit experts of the same shape and format on the same tokens x [T, D] (a decode step's routed experts
+ * of one layer): out[e] = df_q4q8_glu's result for expert e (gp[e], gs[e], ...), bit for bit. x is quantized once;
+ * the experts are shared out over the threads, each expert run whole on one thread. For experts too small to
+ * split by rows (waking a second thread for one costs more than its half), so the layer's experts together
+ * keep every core busy. Returns 0, or -1 when buffers could not be allocated. */
+int df_q4q8_glu_many(int n, int act, float beta, float lbeta, int kind, const uint8_t *const *gp,
+                     const void *const *gs, const uint8_t *const *up, const void *const *us, const uint8_t *const *dp,
+                     const void *const *ds, const uint8_t *tab8, int K, float mult, const float *e8m0, const float *x,
+                     float *const *out, int64_t I, int64_t D, int64_t T, int nthreads) {
+    q8x_t qx = {0};
+    int rc = q8x_alloc(&qx, T, D) ? 0 : -1;
+    if (rc == 0) {
+        q8_quantize(x, T, D, K, mult, &qx);
+#pragma omp parallel num_threads(nthreads)
+        {
+            q8x_t qh = {0};
+            float *g = malloc(T * I * sizeof(float)), *u = malloc(T * I * sizeof(float));
+            const int ok = g && u && q8x_alloc(&qh, T, I);
+            if (!ok) {
+#pragma omp atomic write
+                rc = -1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int e = 0; e < n; e++) {
+                if (!ok) continue;
+                q8_rows(kind, gp[e], gs[e], tab8, K, e8m0, &qx, g, 0, I, I, D, T);
+                q8_rows(kind, up[e], us[e], tab8, K, e8m0, &qx, u, 0, I, I, D, T);
+                glu_span(act, beta, lbeta, g, u, g, T * I);
+                q8_quantize(g, T, I, K, mult, &qh);
+                q8_rows(kind, dp[e], ds[e], tab8, K, e8m0, &qh, out[e], 0, D, D, I, T);
+            }
+            q8x_free(&qh);
+            free(g);
+            free(u);
+        }
+    }
+    q8x_free(&qx);
+    return rc;
+}
+
 /* int8 rows x int16 activations (see i8a16_rows): x float32 [T, C]. Returns 0, or -1 when the activation
  * buffers could not be allocated. */
 int df_i8a16_mm(const int8_t *w, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,

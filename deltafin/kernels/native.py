@@ -43,6 +43,8 @@ _SIGNATURES = {
     "df_q4q8_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_i8a16_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4q8_glu": [_INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "df_q4q8_glu_many": [_INT, _INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _I64, _I64, _I64,
+                         _INT],
     "df_q4gw_glu": [_INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _P, _I64, _I64, _I64,
                     _INT],
     "df_glu_act": [_INT, _F, _F, _P, _P, _P, _I64],
@@ -168,7 +170,7 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
                 lib.df_gw_peak.restype = ctypes.c_double
                 lib.df_simd_width.restype = lib.df_isa.restype = lib.df_q8_terms.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = _INT
-                lib.df_i8a16_multi.restype = lib.df_q4gw_glu.restype = _INT
+                lib.df_i8a16_multi.restype = lib.df_q4gw_glu.restype = lib.df_q4q8_glu_many.restype = _INT
                 lib.df_glu_act.restype = None
         if lib is None:
             log.warning("fast CPU kernels off, the plain torch path runs: %s", why)

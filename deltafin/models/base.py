@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from deltafin.kernels import cuda as kc
-from deltafin.kernels import matmul, matmul_many
+from deltafin.kernels import glu_many, matmul, matmul_many
 from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
@@ -42,6 +42,11 @@ class ExpertSource(Protocol):
         """Yield (expert id, tensors) once for every requested id, in arrival order."""
         ...
 
+    # Optional: fetch_groups(layer, expert_ids) yields lists of (expert id, tensors), every requested id once, where
+    # each list's tensors stay valid until the next list is asked for (fetch may reuse an expert's memory as soon
+    # as the next one is asked for): the experts already in memory come as one list, which a decode step then
+    # runs in one call over all cores (moe_dispatch).
+
 
 class ResidentExperts:
     """All experts in memory (tests, tiny models, the all-resident reference path)."""
@@ -52,6 +57,9 @@ class ResidentExperts:
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, ExpertTensors]]:
         for e in expert_ids:
             yield e, self.experts[(layer, e)]
+
+    def fetch_groups(self, layer: int, expert_ids: Sequence[int]) -> Iterator[list[tuple[int, ExpertTensors]]]:
+        yield [(e, self.experts[(layer, e)]) for e in expert_ids]
 
 
 def linear(x: torch.Tensor, w: QTensor | torch.Tensor, bias: QTensor | torch.Tensor | None = None) -> torch.Tensor:
@@ -186,7 +194,10 @@ def moe_dispatch(
     wanted = unique_ids(ids_host)
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
-    fetched = experts.fetch(layer, wanted)
+    # One token on the CPU: the experts a source holds in memory come as one group, run together (glu_many)
+    grouped = T == 1 and glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
+    groups = experts.fetch_groups(layer, wanted) if grouped else None
+    fetched = (item for group in groups for item in group) if grouped else experts.fetch(layer, wanted)
     if glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine"):
         from deltafin.kernels import cuda as kc
 
@@ -203,11 +214,13 @@ def moe_dispatch(
     slot_of = {e: s for s, e in enumerate(row)} if T == 1 and len(set(row)) == k else None
     if slot_of is not None:
         out = x.new_zeros(T, k, D)  # [T, k, D]
-        for eid, tensors in fetched:
-            s = slot_of[eid]
-            y = expert_fn(x, tensors)  # [1, D]
-            out[0, s] = y[0] * weights[0, s].to(y.dtype)
-            seen += 1
+        for group in groups if grouped else ([item] for item in fetched):
+            ys = glu_many(x, [t for _, t in group], glu) if len(group) > 1 else None  # each expert_fn's result
+            for i, (eid, tensors) in enumerate(group):
+                s = slot_of[eid]
+                y = expert_fn(x, tensors) if ys is None else ys[i]  # [1, D]
+                out[0, s] = y[0] * weights[0, s].to(y.dtype)
+                seen += 1
     else:
         # Many tokens: every expert's (token, slot) places from one stable sort of the ids (token order within an
         # expert, as a scan of the ids gives them), and the slot buffer written place by place. Every place is

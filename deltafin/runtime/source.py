@@ -143,6 +143,15 @@ class StreamingExperts:
         return all(r.direct for r in self.readers)
 
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, ExpertTensors]]:
+        return self._fetch(layer, expert_ids, False)
+
+    def fetch_groups(self, layer: int, expert_ids: Sequence[int]) -> Iterator[list[tuple[int, ExpertTensors]]]:
+        """``fetch`` in groups (see ``models.base.ExpertSource``): the cached experts first, as one list (the cache
+        keeps them: nothing is put in it, and so nothing evicted, before the next list is asked for), then each
+        expert read from a drive alone (its buffer goes back to the reads once the next list is asked for)."""
+        return self._fetch(layer, expert_ids, True)
+
+    def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool) -> Iterator:
         for log in (self.record, self.routes):
             if log is not None:
                 log.append((layer, list(expert_ids)))
@@ -156,13 +165,19 @@ class StreamingExperts:
         reads = LayerReads(self, layer, misses) if misses else None
         if self.slab is not None:
             self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
-        for e, tensors in hits:  # cached experts are computed while the misses are read
-            yield from self._timed(e, tensors)
+        if grouped and hits:  # cached experts are computed while the misses are read
+            t0 = time.perf_counter()
+            yield hits
+            self.stats.expert_math_s += time.perf_counter() - t0
+        elif hits:
+            for e, tensors in hits:
+                yield from self._timed(e, tensors)
         for _ in misses:
             t0 = time.perf_counter()
             landed = reads.next()
             self.stats.io_wait_s += time.perf_counter() - t0
-            yield from self._deliver(layer, *landed)
+            for item in self._deliver(layer, *landed):
+                yield [item] if grouped else item
 
     def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
                  ) -> Iterator[tuple[int, ExpertTensors]]:
