@@ -303,8 +303,8 @@ def two_threads():
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32_f32"])
 def test_small_experts_in_one_call_are_each_expert_alone(isa, fmt, two_threads):
     """glu_experts (a decode step's small experts shared out whole over the threads) gives each expert's glu_expert
-    result bit for bit, in every build with the Q8 path, for 1 and 3 tokens, an odd count of experts and both
-    activations; each result is its own expert's (the experts differ)."""
+    result bit for bit, in every build with the Q8 path: one token shared by all, and each expert on its own 1-3
+    tokens (a batch's sequences), an odd count of experts, both activations; each result is its own expert's."""
     import platform
 
     flags = native.ISA_FLAGS[isa] if platform.machine() in ("x86_64", "AMD64") else ()
@@ -313,31 +313,44 @@ def test_small_experts_in_one_call_are_each_expert_alone(isa, fmt, two_threads):
         pytest.skip("no Q8 path in this build")
     experts = [_expert(fmt, 64, 96, seed=20 + 3 * e) for e in range(5)]
     recs = [(r["gate"], r["up"], r["down"]) for r in experts]
-    for T, act in ((1, SITU), (3, ("silu",))):
-        x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T))
-        ys = cpu.glu_experts(x, recs, act, lib=lib)
-        one = [cpu.glu_expert(x, *r, act, lib=lib) for r in recs]
-        assert ys is not None and len(ys) == 5 and all(torch.equal(a, b) for a, b in zip(ys, one, strict=True))
-        assert all(not torch.equal(one[0], y) for y in one[1:])
+    gen = torch.Generator().manual_seed(1)
+    one_token = [torch.randn(1, 96, generator=gen)] * 5
+    own = [torch.randn(1 + e % 3, 96, generator=gen) for e in range(5)]
+    for xs, act in ((one_token, SITU), (own, ("silu",))):
+        ys = cpu.glu_experts(xs, recs, act, lib=lib)
+        alone = [cpu.glu_expert(x, *r, act, lib=lib) for x, r in zip(xs, recs, strict=True)]
+        assert ys is not None and len(ys) == 5 and all(torch.equal(a, b) for a, b in zip(ys, alone, strict=True))
+    assert all(not torch.equal(alone[0][:1], y[:1]) for y in alone[1:])
 
 
 def test_small_experts_in_one_call_only_where_it_applies(two_threads):
-    """None (the caller runs the experts one by one) for one expert, experts large enough to split by rows, shapes
-    or formats that differ, a single thread, and past the Q8 path's tokens; kernels.glu_many only on the fast path."""
+    """Experts the call cannot take (another shape or format than the first's, past the Q8 path's tokens, large
+    enough to split by rows) are None in its list; None instead of a list where fewer than two remain, or with one
+    thread. kernels.glu_many: only on the fast path, each expert on its rows of x, gathering only the experts it
+    runs; not for other roles than gate/up/down."""
     small = [(r["gate"], r["up"], r["down"]) for r in (_expert("mxfp4", 32, 64, seed=s) for s in (1, 4))]
     x = torch.randn(1, 64)
-    assert cpu.glu_experts(x, small[:1]) is None
+    few = cpu.glu_many_tokens()
+    assert cpu.glu_experts([x], small[:1]) is None
+    odd = [tuple(_expert("int4g32", 32, 64, seed=2).values()), tuple(_expert("mxfp4", 64, 64, seed=3).values())]
+    ys = cpu.glu_experts([x] * 4, small + odd)
+    assert ys[2] is None and ys[3] is None and all(torch.equal(ys[i], cpu.glu_expert(x, *small[i])) for i in (0, 1))
+    ys = cpu.glu_experts([x, torch.randn(few + 1, 64), x], [small[0], small[1], small[1]])
+    assert ys[1] is None and torch.equal(ys[2], cpu.glu_expert(x, *small[1]))
+    assert cpu.glu_experts([x, torch.randn(few + 1, 64)], small) is None
     big = _expert("mxfp4", 2048, 2048, seed=7)  # 4M weights: split by rows over the threads instead
-    assert cpu.glu_experts(x.new_zeros(1, 2048), [(big["gate"], big["up"], big["down"])] * 2) is None
-    assert cpu.glu_experts(x, [small[0], tuple(_expert("int4g32", 32, 64, seed=2).values())]) is None
-    assert cpu.glu_experts(x, [small[0], tuple(_expert("mxfp4", 64, 64, seed=2).values())]) is None
-    assert cpu.glu_experts(torch.randn(cpu.FUSED_TOKENS + 1, 64), small) is None
+    assert cpu.glu_experts([x.new_zeros(1, 2048)] * 2, [(big["gate"], big["up"], big["down"])] * 2) is None
     torch.set_num_threads(1)
-    assert cpu.glu_experts(x, small) is None
+    assert cpu.glu_experts([x, x], small) is None
     torch.set_num_threads(2)
     tensors = [dict(zip(("gate", "up", "down"), r, strict=True)) for r in small]
-    assert kernels.glu_many(x, tensors) is None  # the exact path
+    rows = torch.randn(5, 64)
+    toks = [torch.tensor([0, 3]), torch.tensor([4])]
+    assert kernels.glu_many(rows, toks, tensors) is None  # the exact path
     with kernels.fast():
-        ys = kernels.glu_many(x, tensors)
-        assert ys is not None and all(torch.equal(y, cpu.glu_expert(x, *r)) for y, r in zip(ys, small, strict=True))
-        assert kernels.glu_many(x, [{"gate_up": small[0][0], "down": small[0][2]}] * 2) is None  # gpt-oss's roles
+        ys = kernels.glu_many(rows, toks, tensors)
+        assert ys is not None and all(torch.equal(y, cpu.glu_expert(rows[t], *r))
+                                      for y, t, r in zip(ys, toks, small, strict=True))
+        ys = kernels.glu_many(x, [None, None], tensors)
+        assert all(torch.equal(y, cpu.glu_expert(x, *r)) for y, r in zip(ys, small, strict=True))
+        assert kernels.glu_many(x, [None, None], [{"gate_up": small[0][0], "down": small[0][2]}] * 2) is None

@@ -127,19 +127,32 @@ def glu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tenso
     return y if y is None or y.dtype == x.dtype else y.to(x.dtype)
 
 
-def glu_many(x: torch.Tensor, experts: list, act: tuple = ("silu",)) -> list[torch.Tensor] | None:
-    """[glu(x, t["gate"], t["up"], t["down"], act) for t in experts] (expert tensors by role) in one call where the
-    fast path has one (the CPU backend's small 4-bit experts, shared out whole over the threads), bit for bit;
-    None where the caller runs them one at a time."""
-    if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2:
+def glu_many(x: torch.Tensor, toks: list[torch.Tensor | None], experts: list, act: tuple = ("silu",)
+             ) -> list[torch.Tensor | None] | None:
+    """[glu(x if tok is None else x[tok], t["gate"], t["up"], t["down"], act) for tok, t in zip(toks, experts)]
+    (expert tensors by role; each expert on its rows of x, or all of it) in one call where the fast path has one:
+    the CPU backend's small 4-bit experts on few tokens, shared out whole over the threads, bit for bit. An expert
+    it leaves out is None in the list (only those it runs are gathered), and None instead of a list means the
+    caller runs them all one at a time."""
+    if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2 or len(experts) < 2:
         return None
-    fn = getattr(backend("cpu"), "glu_experts", None)
+    be = backend("cpu")
+    fn, few = getattr(be, "glu_experts", None), getattr(be, "glu_many_tokens", None)
+    if fn is None or few is None:
+        return None
+    limit = few()
+    pick = [i for i, tok in enumerate(toks) if (x.shape[0] if tok is None else tok.numel()) <= limit]
     try:
-        recs = [(t["gate"], t["up"], t["down"]) for t in experts]
+        recs = [(experts[i]["gate"], experts[i]["up"], experts[i]["down"]) for i in pick]
     except KeyError:  # other roles (gpt-oss's fused gate_up): not a plain gated expert
         return None
-    ys = None if fn is None else fn(x, recs, act)
-    return ys if ys is None else [y if y.dtype == x.dtype else y.to(x.dtype) for y in ys]
+    ys = fn([x if toks[i] is None else x[toks[i]] for i in pick], recs, act) if len(pick) > 1 else None
+    if ys is None:
+        return None
+    out: list[torch.Tensor | None] = [None] * len(experts)
+    for i, y in zip(pick, ys, strict=True):
+        out[i] = y if y is None or y.dtype == x.dtype else y.to(x.dtype)
+    return out
 
 
 def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor,

@@ -300,45 +300,59 @@ def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: 
     return out
 
 
-def glu_experts(x: torch.Tensor, experts: list[tuple[QTensor, QTensor, QTensor]], act: tuple = ("silu",),
-                lib=None) -> list[torch.Tensor] | None:
-    """[glu_expert(x, gate, up, down, act) for (gate, up, down) in experts], bit for bit, in one compiled call: a
-    decode step's routed experts of one layer, each too small to split over the threads by rows (waking a second
-    thread for one expert costs more than its half: see SERIAL_ELEMENTS), shared out whole over the threads so that
-    every core works. None where that does not apply (one expert, experts large enough to split, shapes or formats
-    that differ, more than FUSED_TOKENS tokens, the GEMM's token counts, no Q8 path): the caller runs them one by
-    one. Qwen3-MoE's 768 x 2048 MXFP4 experts, 8 a layer, on the 2-core VM: 0.17-0.27 ms an expert against
-    0.37-0.40 one at a time (each on one thread)."""
-    T, D = x.shape
-    n = len(experts)
+def glu_many_tokens(lib=None) -> int:
+    """The most tokens an expert may have to run in glu_experts' call: the Q8 path's (the GEMM takes more)."""
+    return min(FUSED_TOKENS, gemm_tokens(lib)) if gemm_enabled(lib) else FUSED_TOKENS
+
+
+def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QTensor]], act: tuple = ("silu",),
+                lib=None) -> list[torch.Tensor | None] | None:
+    """[glu_expert(x, gate, up, down, act) for x, (gate, up, down) in zip(xs, experts)], bit for bit, in one compiled
+    call: a decode step's routed experts of one layer (each on its own tokens x: the same token for all, or each
+    sequence's in a batch), each too small to split over the threads by rows (waking a second thread for one expert
+    costs more than its half: see SERIAL_ELEMENTS), shared out whole over the threads so that every core works.
+    The experts this does not apply to (large enough to split, past the Q8 path's tokens, another shape or format
+    than the first one's) are None in the list, for the caller to run alone; None instead of a list where fewer than
+    two remain, or with one thread, or no Q8 path. Qwen3-MoE's 768 x 2048 MXFP4 experts, 8 a layer, on the 2-core
+    VM: 0.17-0.27 ms an expert against 0.37-0.40 one at a time (each on one thread)."""
     lib = lib or native.library()
-    if n < 2 or T > FUSED_TOKENS or T > gemm_tokens(lib) and gemm_enabled(lib) or not q8_enabled(lib):
+    if len(experts) < 2 or torch.get_num_threads() < 2 or not q8_enabled(lib):
         return None
     gate = experts[0][0]
-    fmt, I = getattr(gate, "format", None), gate.shape[0]  # noqa: E741
-    if fmt not in ("mxfp4", "int4g32") or _threads(I, D, T) > 1 or torch.get_num_threads() < 2 or D % 32 or I % 32:
+    fmt, (I, D) = getattr(gate, "format", None), tuple(gate.shape)  # noqa: E741
+    if fmt not in ("mxfp4", "int4g32") or D % 32 or I % 32:
         return None
-    sdt = gate.scale.dtype
-    for g, u, d in experts:
-        if any(getattr(t, "format", None) != fmt or t.scale.dtype != sdt for t in (g, u, d)) or tuple(
-                g.shape) != (I, D) or tuple(u.shape) != (I, D) or tuple(d.shape) != (D, I):
-            return None
+    sdt, few = gate.scale.dtype, glu_many_tokens(lib)
+    pick = [i for i, ((g, u, d), x) in enumerate(zip(experts, xs, strict=True))
+            if 0 < x.shape[0] <= few and tuple(x.shape[1:]) == (D,) and _threads(I, D, x.shape[0]) == 1
+            and all(getattr(t, "format", None) == fmt and t.scale.dtype == sdt for t in (g, u, d))
+            and tuple(g.shape) == (I, D) and tuple(u.shape) == (I, D) and tuple(d.shape) == (D, I)]
+    if len(pick) < 2:
+        return None
     kind = 0 if fmt == "mxfp4" else 1 if sdt == torch.bfloat16 else 2
     parts = []  # per expert: gate, gate scales, up, up scales, down, down scales
-    for recs in experts:
-        for w in recs:
+    for i in pick:
+        for w in experts[i]:
             data = w.data if fmt == "mxfp4" else w.data.view(torch.uint8)  # int4g32: int32 words read as bytes
             parts += [data.contiguous(), (w.scale.float() if kind == 2 else w.scale).contiguous()]
+    n = len(pick)
     ptrs = [(ctypes.c_void_p * n)(*[parts[6 * e + j].data_ptr() for e in range(n)]) for j in range(6)]
-    outs = [torch.empty(T, D, dtype=torch.float32) for _ in range(n)]
-    out_ptrs = (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs])
+    x32 = {}  # each distinct input once (a decode step's experts share one token)
+    for i in pick:
+        x32.setdefault(id(xs[i]), _x32(xs[i]))
+    ins = [x32[id(xs[i])] for i in pick]
+    outs = [torch.empty(x.shape[0], D, dtype=torch.float32) for x in ins]
     tab, k, mult = _Q8[kind]
-    x = _x32(x)
     USED.add(f"{fmt}_q8_{act[0]}_many")
-    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *ptrs, tab.data_ptr(), k, mult, _E8M0.data_ptr(), x.data_ptr(),
-                            out_ptrs, I, D, T, torch.get_num_threads()):
-        raise MemoryError(f"q8 activation buffers for experts [{T}, {D}]; set DELTAFIN_CPU_Q8=0 to skip them")
-    return outs
+    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *ptrs, tab.data_ptr(), k, mult, _E8M0.data_ptr(),
+                            (ctypes.c_void_p * n)(*[x.data_ptr() for x in ins]),
+                            (ctypes.c_int64 * n)(*[x.shape[0] for x in ins]),
+                            (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]), I, D, torch.get_num_threads()):
+        raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
+    ys: list[torch.Tensor | None] = [None] * len(experts)
+    for i, y in zip(pick, outs, strict=True):
+        ys[i] = y
+    return ys
 
 
 def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:

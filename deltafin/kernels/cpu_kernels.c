@@ -932,43 +932,49 @@ int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
     return rc;
 }
 
-/* n gated 4-bit experts of the same shape and format on the same tokens x [T, D] (a decode step's routed experts
- * of one layer): out[e] = df_q4q8_glu's result for expert e (gp[e], gs[e], ...), bit for bit. x is quantized once;
- * the experts are shared out over the threads, each expert run whole on one thread. For experts too small to
- * split by rows (waking a second thread for one costs more than its half), so the layer's experts together
- * keep every core busy. Returns 0, or -1 when buffers could not be allocated. */
+/* n gated 4-bit experts of the same shape and format, expert e on its own tokens x[e] [T[e], D] (a decode step's
+ * routed experts of one layer: the same token for all, or each sequence's tokens in a batch): out[e] [T[e], D] =
+ * df_q4q8_glu's result for expert e (gp[e], gs[e], ...) on x[e], bit for bit. The experts are shared out over the
+ * threads, each run whole on one thread (its x quantized there, once for a run of experts on the same x). For
+ * experts too small to split by rows (waking a second thread for one costs more than its half), so the layer's
+ * experts together keep every core busy. Returns 0, or -1 when buffers could not be allocated. */
 int df_q4q8_glu_many(int n, int act, float beta, float lbeta, int kind, const uint8_t *const *gp,
                      const void *const *gs, const uint8_t *const *up, const void *const *us, const uint8_t *const *dp,
-                     const void *const *ds, const uint8_t *tab8, int K, float mult, const float *e8m0, const float *x,
-                     float *const *out, int64_t I, int64_t D, int64_t T, int nthreads) {
-    q8x_t qx = {0};
-    int rc = q8x_alloc(&qx, T, D) ? 0 : -1;
-    if (rc == 0) {
-        q8_quantize(x, T, D, K, mult, &qx);
+                     const void *const *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
+                     const float *const *x, const int64_t *T, float *const *out, int64_t I, int64_t D, int nthreads) {
+    int64_t Tmax = 0;
+    for (int e = 0; e < n; e++) Tmax = T[e] > Tmax ? T[e] : Tmax;
+    int rc = 0;
 #pragma omp parallel num_threads(nthreads)
-        {
-            q8x_t qh = {0};
-            float *g = malloc(T * I * sizeof(float)), *u = malloc(T * I * sizeof(float));
-            const int ok = g && u && q8x_alloc(&qh, T, I);
-            if (!ok) {
+    {
+        q8x_t qx = {0}, qh = {0};
+        float *g = malloc(Tmax * I * sizeof(float)), *u = malloc(Tmax * I * sizeof(float));
+        const int ok = g && u && q8x_alloc(&qx, Tmax, D) && q8x_alloc(&qh, Tmax, I);
+        if (!ok) {
 #pragma omp atomic write
-                rc = -1;
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int e = 0; e < n; e++) {
-                if (!ok) continue;
-                q8_rows(kind, gp[e], gs[e], tab8, K, e8m0, &qx, g, 0, I, I, D, T);
-                q8_rows(kind, up[e], us[e], tab8, K, e8m0, &qx, u, 0, I, I, D, T);
-                glu_span(act, beta, lbeta, g, u, g, T * I);
-                q8_quantize(g, T, I, K, mult, &qh);
-                q8_rows(kind, dp[e], ds[e], tab8, K, e8m0, &qh, out[e], 0, D, D, I, T);
-            }
-            q8x_free(&qh);
-            free(g);
-            free(u);
+            rc = -1;
         }
+        const float *last = NULL; /* the x whose quantization qx holds */
+        int64_t lastT = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int e = 0; e < n; e++) {
+            if (!ok) continue;
+            const int64_t t = T[e];
+            if (x[e] != last || t != lastT) {
+                q8_quantize(x[e], t, D, K, mult, &qx);
+                last = x[e], lastT = t;
+            }
+            q8_rows(kind, gp[e], gs[e], tab8, K, e8m0, &qx, g, 0, I, I, D, t);
+            q8_rows(kind, up[e], us[e], tab8, K, e8m0, &qx, u, 0, I, I, D, t);
+            glu_span(act, beta, lbeta, g, u, g, t * I);
+            q8_quantize(g, t, I, K, mult, &qh);
+            q8_rows(kind, dp[e], ds[e], tab8, K, e8m0, &qh, out[e], 0, D, D, I, t);
+        }
+        q8x_free(&qx);
+        q8x_free(&qh);
+        free(g);
+        free(u);
     }
-    q8x_free(&qx);
     return rc;
 }
 

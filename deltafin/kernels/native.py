@@ -43,7 +43,7 @@ _SIGNATURES = {
     "df_q4q8_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_i8a16_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4q8_glu": [_INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _I64, _I64, _I64, _INT],
-    "df_q4q8_glu_many": [_INT, _INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _I64, _I64, _I64,
+    "df_q4q8_glu_many": [_INT, _INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _P, _I64, _I64,
                          _INT],
     "df_q4gw_glu": [_INT, _F, _F, _INT, _P, _P, _P, _P, _P, _P, _P, _INT, _F, _P, _P, _P, _P, _I64, _I64, _I64,
                     _INT],

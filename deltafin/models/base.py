@@ -194,10 +194,10 @@ def moe_dispatch(
     wanted = unique_ids(ids_host)
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
-    # One token on the CPU: the experts a source holds in memory come as one group, run together (glu_many)
-    grouped = T == 1 and glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
+    # On the CPU the experts a source holds in memory come as one group, whose small ones run together (glu_many)
+    grouped = glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
     groups = experts.fetch_groups(layer, wanted) if grouped else None
-    fetched = (item for group in groups for item in group) if grouped else experts.fetch(layer, wanted)
+    fetched = None if grouped else experts.fetch(layer, wanted)
     if glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine"):
         from deltafin.kernels import cuda as kc
 
@@ -215,10 +215,10 @@ def moe_dispatch(
     if slot_of is not None:
         out = x.new_zeros(T, k, D)  # [T, k, D]
         for group in groups if grouped else ([item] for item in fetched):
-            ys = glu_many(x, [t for _, t in group], glu) if len(group) > 1 else None  # each expert_fn's result
-            for i, (eid, tensors) in enumerate(group):
+            ys = glu_many(x, [None] * len(group), [t for _, t in group], glu)
+            for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
                 s = slot_of[eid]
-                y = expert_fn(x, tensors) if ys is None else ys[i]  # [1, D]
+                y = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
                 out[0, s] = y[0] * weights[0, s].to(y.dtype)
                 seen += 1
     else:
@@ -236,12 +236,14 @@ def moe_dispatch(
         tok_of, w_flat = order // k, weights.reshape(-1)
         reuse = x.device.type == "cpu" and not hasattr(experts, "combine")
         out = _slot_buffer(T * k, D, x) if reuse else x.new_zeros(T * k, D)  # [T k, D], row t k + s
-        for eid, tensors in fetched:
-            a, b = span[eid]
-            place, tok = order[a:b], tok_of[a:b]
-            y = expert_fn(x[tok], tensors)  # [n, D]
-            out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
-            seen += 1
+        for group in groups if grouped else ([item] for item in fetched):
+            toks = [tok_of[slice(*span[eid])] for eid, _ in group]
+            ys = glu_many(x, toks, [t for _, t in group], glu)
+            for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
+                place = order[slice(*span[eid])]
+                y = expert_fn(x[toks[i]], tensors) if ys is None or ys[i] is None else ys[i]  # [n, D]
+                out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
+                seen += 1
         out = out.view(T, k, D)
     assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {layer}"
     if hasattr(experts, "combine"):
