@@ -194,19 +194,18 @@ def moe_dispatch(
     wanted = unique_ids(ids_host)
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
-    # On the CPU the experts a source holds in memory come as one group, whose small ones run together (glu_many)
-    grouped = glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
+    kernel_path = glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine") and kc.enabled(x)
+    # Elsewhere on the CPU the experts a source holds in memory come as one group, whose small ones run together
+    # (glu_many)
+    grouped = not kernel_path and glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
     groups = experts.fetch_groups(layer, wanted) if grouped else None
     fetched = None if grouped else experts.fetch(layer, wanted)
-    if glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine"):
-        from deltafin.kernels import cuda as kc
-
-        if kc.enabled(x):
-            got = list(fetched)
-            assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
-            if all(kc.grouped_eligible(x, t) for _, t in got):
-                return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
-            fetched = iter(got)
+    if kernel_path:
+        got = list(fetched)
+        assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
+        if all(kc.grouped_eligible(x, t) for _, t in got):
+            return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
+        fetched = iter(got)
     seen = 0
     # One token (decode): each expert's slot is read off the host ids, with no per-expert index tensors; the
     # same products land in the same slots as below.
