@@ -324,9 +324,9 @@ def test_small_experts_in_one_call_are_each_expert_alone(isa, fmt, two_threads):
 
 
 def test_small_experts_in_one_call_only_where_it_applies(two_threads):
-    """Experts the call cannot take (another shape or format than the first's, past the Q8 path's tokens, large
-    enough to split by rows) are None in its list; None instead of a list where fewer than two remain, or with one
-    thread. kernels.glu_many: only on the fast path, each expert on its rows of x, gathering only the experts it
+    """Experts the call cannot take (another shape or format than the first's, past the Q8 path's tokens) are None in
+    its list; None instead of a list where fewer than two remain, or with one thread; experts large enough for a call
+    of their own to split them by rows give that call's result too. kernels.glu_many: only on the fast path, each expert on its rows of x, gathering only the experts it
     runs; not for other roles than gate/up/down."""
     small = [(r["gate"], r["up"], r["down"]) for r in (_expert("mxfp4", 32, 64, seed=s) for s in (1, 4))]
     x = torch.randn(1, 64)
@@ -338,8 +338,12 @@ def test_small_experts_in_one_call_only_where_it_applies(two_threads):
     ys = cpu.glu_experts([x, torch.randn(few + 1, 64), x], [small[0], small[1], small[1]])
     assert ys[1] is None and torch.equal(ys[2], cpu.glu_expert(x, *small[1]))
     assert cpu.glu_experts([x, torch.randn(few + 1, 64)], small) is None
-    big = _expert("mxfp4", 2048, 2048, seed=7)  # 4M weights: split by rows over the threads instead
-    assert cpu.glu_experts([x.new_zeros(1, 2048)] * 2, [(big["gate"], big["up"], big["down"])] * 2) is None
+    # 4M weights a matrix: a call of its own splits the rows over the threads, and so does the group call
+    big = [_expert("mxfp4", 2048, 2048, seed=s) for s in (7, 8)]
+    assert cpu._threads(2048, 2048, 1) == 2
+    xb = torch.randn(1, 2048)
+    ys = cpu.glu_experts([xb, xb], [(b["gate"], b["up"], b["down"]) for b in big])
+    assert all(torch.equal(y, cpu.glu_expert(xb, b["gate"], b["up"], b["down"])) for y, b in zip(ys, big, strict=True))
     torch.set_num_threads(1)
     assert cpu.glu_experts([x, x], small) is None
     torch.set_num_threads(2)

@@ -131,7 +131,7 @@ def glu_many(x: torch.Tensor, toks: list[torch.Tensor | None], experts: list, ac
              ) -> list[torch.Tensor | None] | None:
     """[glu(x if tok is None else x[tok], t["gate"], t["up"], t["down"], act) for tok, t in zip(toks, experts)]
     (expert tensors by role; each expert on its rows of x, or all of it) in one call where the fast path has one:
-    the CPU backend's small 4-bit experts on few tokens, shared out whole over the threads, bit for bit. An expert
+    the CPU backend's 4-bit experts on few tokens, their rows shared out over the threads, bit for bit. An expert
     it leaves out is None in the list (only those it runs are gathered), and None instead of a list means the
     caller runs them all one at a time."""
     if not _FAST.get() or x.device.type != "cpu" or x.dim() != 2 or len(experts) < 2:

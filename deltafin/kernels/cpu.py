@@ -308,13 +308,15 @@ def glu_many_tokens(lib=None) -> int:
 def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QTensor]], act: tuple = ("silu",),
                 lib=None) -> list[torch.Tensor | None] | None:
     """[glu_expert(x, gate, up, down, act) for x, (gate, up, down) in zip(xs, experts)], bit for bit, in one compiled
-    call: a decode step's routed experts of one layer (each on its own tokens x: the same token for all, or each
-    sequence's in a batch), each too small to split over the threads by rows (waking a second thread for one expert
-    costs more than its half: see SERIAL_ELEMENTS), shared out whole over the threads so that every core works.
-    The experts this does not apply to (large enough to split, past the Q8 path's tokens, another shape or format
-    than the first one's) are None in the list, for the caller to run alone; None instead of a list where fewer than
-    two remain, or with one thread, or no Q8 path. Qwen3-MoE's 768 x 2048 MXFP4 experts, 8 a layer, on the 2-core
-    VM: 0.17-0.27 ms an expert against 0.37-0.40 one at a time (each on one thread)."""
+    call (``df_q4q8_glu_many``): a decode step's routed experts of one layer, each on its own tokens x (the same token
+    for all, or each sequence's in a batch), their rows shared out over the threads in one parallel region. Experts
+    too small to split by rows (under SERIAL_ELEMENTS a call of their own runs on one thread, the others idle) keep
+    every core busy together, and larger ones pay three barriers a layer instead of three an expert. The experts it
+    does not take (past the Q8 path's tokens, another shape or format than the first one's) are None in the list,
+    for the caller to run alone; None instead of a list where fewer than two remain, or with one thread, or no Q8
+    path. On the 2-core VM: Qwen3-MoE's 768 x 2048 MXFP4 experts, 8 a layer, 0.17-0.26 ms an expert against
+    0.37-0.44 one at a time (each on one thread); Kimi K3's (17.5 MB), 16 a layer, 1.05-1.20 ms against 1.25-1.35
+    (each split over both threads)."""
     lib = lib or native.library()
     if len(experts) < 2 or torch.get_num_threads() < 2 or not q8_enabled(lib):
         return None
@@ -324,7 +326,7 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
         return None
     sdt, few = gate.scale.dtype, glu_many_tokens(lib)
     pick = [i for i, ((g, u, d), x) in enumerate(zip(experts, xs, strict=True))
-            if 0 < x.shape[0] <= few and tuple(x.shape[1:]) == (D,) and _threads(I, D, x.shape[0]) == 1
+            if 0 < x.shape[0] <= few and tuple(x.shape[1:]) == (D,)
             and all(getattr(t, "format", None) == fmt and t.scale.dtype == sdt for t in (g, u, d))
             and tuple(g.shape) == (I, D) and tuple(u.shape) == (I, D) and tuple(d.shape) == (D, I)]
     if len(pick) < 2:

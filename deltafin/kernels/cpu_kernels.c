@@ -934,47 +934,83 @@ int df_q4q8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
 
 /* n gated 4-bit experts of the same shape and format, expert e on its own tokens x[e] [T[e], D] (a decode step's
  * routed experts of one layer: the same token for all, or each sequence's tokens in a batch): out[e] [T[e], D] =
- * df_q4q8_glu's result for expert e (gp[e], gs[e], ...) on x[e], bit for bit. The experts are shared out over the
- * threads, each run whole on one thread (its x quantized there, once for a run of experts on the same x). For
- * experts too small to split by rows (waking a second thread for one costs more than its half), so the layer's
- * experts together keep every core busy. Returns 0, or -1 when buffers could not be allocated. */
+ * df_q4q8_glu's result for expert e (gp[e], gs[e], ...) on x[e], bit for bit (rows are independent, so where they
+ * run does not matter). One parallel region for the layer: each distinct x quantized once; then every expert's
+ * gate and up rows, in pieces shared out over the threads; each expert's activation and its quantization; then
+ * every expert's down rows: three barriers a layer where a call per expert had three per expert, and small
+ * experts (which a call of their own runs on one thread: waking a second costs more than its half) keep every
+ * core busy together. Returns 0, or -1 when buffers could not be allocated. */
 int df_q4q8_glu_many(int n, int act, float beta, float lbeta, int kind, const uint8_t *const *gp,
                      const void *const *gs, const uint8_t *const *up, const void *const *us, const uint8_t *const *dp,
                      const void *const *ds, const uint8_t *tab8, int K, float mult, const float *e8m0,
                      const float *const *x, const int64_t *T, float *const *out, int64_t I, int64_t D, int nthreads) {
-    int64_t Tmax = 0;
-    for (int e = 0; e < n; e++) Tmax = T[e] > Tmax ? T[e] : Tmax;
-    int rc = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        q8x_t qx = {0}, qh = {0};
-        float *g = malloc(Tmax * I * sizeof(float)), *u = malloc(Tmax * I * sizeof(float));
-        const int ok = g && u && q8x_alloc(&qx, Tmax, D) && q8x_alloc(&qh, Tmax, I);
-        if (!ok) {
-#pragma omp atomic write
-            rc = -1;
-        }
-        const float *last = NULL; /* the x whose quantization qx holds */
-        int64_t lastT = 0;
-#pragma omp for schedule(dynamic, 1)
+    int *xi = malloc(n * sizeof(int)), *first = malloc(n * sizeof(int)); /* expert e reads the xi[e]-th distinct
+                                                                             input, first met at expert first[xi] */
+    int64_t *off = malloc((n + 1) * sizeof(int64_t)); /* expert e's rows of g and u start at off[e] * I */
+    q8x_t *qx = calloc(n, sizeof(q8x_t)), *qh = calloc(n, sizeof(q8x_t));
+    int nx = 0, rc = xi && first && off && qx && qh ? 0 : -1;
+    float *g = NULL, *u = NULL;
+    if (rc == 0) {
+        off[0] = 0;
         for (int e = 0; e < n; e++) {
-            if (!ok) continue;
-            const int64_t t = T[e];
-            if (x[e] != last || t != lastT) {
-                q8_quantize(x[e], t, D, K, mult, &qx);
-                last = x[e], lastT = t;
+            off[e + 1] = off[e] + T[e];
+            xi[e] = nx;
+            for (int f = 0; f < e; f++)
+                if (x[f] == x[e] && T[f] == T[e]) {
+                    xi[e] = xi[f];
+                    break;
+                }
+            if (xi[e] == nx) {
+                first[nx] = e;
+                if (!q8x_alloc(&qx[nx++], T[e], D)) rc = -1;
             }
-            q8_rows(kind, gp[e], gs[e], tab8, K, e8m0, &qx, g, 0, I, I, D, t);
-            q8_rows(kind, up[e], us[e], tab8, K, e8m0, &qx, u, 0, I, I, D, t);
-            glu_span(act, beta, lbeta, g, u, g, t * I);
-            q8_quantize(g, t, I, K, mult, &qh);
-            q8_rows(kind, dp[e], ds[e], tab8, K, e8m0, &qh, out[e], 0, D, D, I, t);
+            if (!q8x_alloc(&qh[e], T[e], I)) rc = -1;
         }
-        q8x_free(&qx);
-        q8x_free(&qh);
-        free(g);
-        free(u);
+        g = malloc(off[n] * I * sizeof(float));
+        u = malloc(off[n] * I * sizeof(float));
+        if (!g || !u) rc = -1;
     }
+    if (rc == 0) {
+        int64_t step = I * n / ((int64_t)nthreads * 8); /* pieces of rows, as SPLIT cuts one matrix */
+        step = step < 16 ? 16 : step > I ? I : step + (step & 1);
+        int64_t dstep = D * n / ((int64_t)nthreads * 8);
+        dstep = dstep < 16 ? 16 : dstep > D ? D : dstep + (dstep & 1);
+        const int64_t pi = (I + step - 1) / step, pd = (D + dstep - 1) / dstep;
+#pragma omp parallel num_threads(nthreads)
+        {
+#pragma omp for schedule(dynamic, 1)
+            for (int k = 0; k < nx; k++) q8_quantize(x[first[k]], T[first[k]], D, K, mult, &qx[k]);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < n * pi; p++) {
+                const int e = (int)(p / pi);
+                const int64_t r0 = p % pi * step, r1 = r0 + step < I ? r0 + step : I;
+                q8_rows(kind, gp[e], gs[e], tab8, K, e8m0, &qx[xi[e]], g + off[e] * I, r0, r1, I, D, T[e]);
+                q8_rows(kind, up[e], us[e], tab8, K, e8m0, &qx[xi[e]], u + off[e] * I, r0, r1, I, D, T[e]);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int e = 0; e < n; e++) {
+                glu_span(act, beta, lbeta, g + off[e] * I, u + off[e] * I, g + off[e] * I, T[e] * I);
+                q8_quantize(g + off[e] * I, T[e], I, K, mult, &qh[e]);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < n * pd; p++) {
+                const int e = (int)(p / pd);
+                const int64_t r0 = p % pd * dstep, r1 = r0 + dstep < D ? r0 + dstep : D;
+                q8_rows(kind, dp[e], ds[e], tab8, K, e8m0, &qh[e], out[e], r0, r1, D, I, T[e]);
+            }
+        }
+    }
+    for (int e = 0; qx && qh && e < n; e++) {
+        q8x_free(&qx[e]);
+        q8x_free(&qh[e]);
+    }
+    free(qx);
+    free(qh);
+    free(g);
+    free(u);
+    free(xi);
+    free(first);
+    free(off);
     return rc;
 }
 
