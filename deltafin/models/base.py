@@ -44,8 +44,8 @@ class ExpertSource(Protocol):
 
     # Optional: fetch_groups(layer, expert_ids) yields lists of (expert id, tensors), every requested id once, where
     # each list's tensors stay valid until the next list is asked for (fetch may reuse an expert's memory as soon
-    # as the next one is asked for): the experts already in memory come as one list, which a decode step then
-    # runs in one call over all cores (moe_dispatch).
+    # as the next one is asked for): the experts already in memory come as one list, whose experts on few tokens
+    # (a decode step's) moe_dispatch runs in one call over all cores.
 
 
 class ResidentExperts:
@@ -195,8 +195,8 @@ def moe_dispatch(
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
     kernel_path = glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine") and kc.enabled(x)
-    # Elsewhere on the CPU the experts a source holds in memory come as one group, whose small ones run together
-    # (glu_many)
+    # Elsewhere on the CPU the experts a source holds in memory come as one group, whose experts on few tokens run
+    # in one call (glu_many)
     grouped = not kernel_path and glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
     groups = experts.fetch_groups(layer, wanted) if grouped else None
     fetched = None if grouped else experts.fetch(layer, wanted)
