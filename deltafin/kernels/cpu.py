@@ -246,6 +246,27 @@ def glu_act(g: torch.Tensor, u: torch.Tensor, act: tuple = ("silu",), lib=None) 
     return h
 
 
+def _glu_parts(gate: QTensor, up: QTensor, down: QTensor) -> tuple[int, int, list[torch.Tensor]] | None:
+    """(kind, I, [gate, its scales, up, its scales, down, its scales] as the C kernels read them) for a gated expert
+    of three 4-bit records in one format and scale type, gate and up [I, D], down [D, I], I and D whole blocks of 32;
+    None for anything else. Plain attribute reads: this runs once per expert per token in decode."""
+    fmt = getattr(gate, "format", None)
+    if fmt not in ("mxfp4", "int4g32") or getattr(up, "format", None) != fmt or getattr(down, "format", None) != fmt:
+        return None
+    (I, D), gs, us, ds = gate.shape, gate.scale, up.scale, down.scale  # noqa: E741
+    if (tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
+            or not gs.dtype == us.dtype == ds.dtype):
+        return None
+    if fmt == "mxfp4":
+        kind, gp, up_, dp = 0, gate.data, up.data, down.data
+    else:  # int4g32: int32 words read as bytes (see int4g32_linear)
+        kind = 1 if gs.dtype == torch.bfloat16 else 2
+        gp, up_, dp = (w.data.view(torch.uint8) for w in (gate, up, down))
+        if kind == 2:
+            gs, us, ds = gs.float(), us.float(), ds.float()
+    return kind, I, [t.contiguous() for t in (gp, gs, up_, us, dp, ds)]
+
+
 def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: tuple = ("silu",),
                lib=None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """down(act(gate x, up x)) for x [T, D] in one compiled call -> float32 [T, D]; None where the separate
@@ -260,27 +281,14 @@ def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: 
         raise TypeError(f"rows: int64 [T] indices into x [N, D], got {rows.dtype} {tuple(rows.shape)} for x "
                         f"{tuple(x.shape)}")
     T, D = x.shape if rows is None else (rows.shape[0], x.shape[1])
-    fmt = getattr(gate, "format", None)
     lib = lib or native.library()
     gemm = T > gemm_tokens(lib) and gemm_enabled(lib)
-    if (not gemm and (T > FUSED_TOKENS or not q8_enabled(lib))) or fmt not in ("mxfp4", "int4g32") or getattr(
-            up, "format", None) != fmt or getattr(down, "format", None) != fmt:
+    parts = None if not gemm and (T > FUSED_TOKENS or not q8_enabled(lib)) else _glu_parts(gate, up, down)
+    if parts is None or gate.shape[1] != D:
         return None
-    I = gate.shape[0]  # noqa: E741
-    gs, us, ds = gate.scale, up.scale, down.scale
-    if (tuple(gate.shape) != (I, D) or tuple(up.shape) != (I, D) or tuple(down.shape) != (D, I) or D % 32 or I % 32
-            or not gs.dtype == us.dtype == ds.dtype):
-        return None
-    if fmt == "mxfp4":
-        kind, gp, up_, dp = 0, gate.data, up.data, down.data
-    else:  # int4g32: int32 words read as bytes (see int4g32_linear)
-        kind = 1 if gs.dtype == torch.bfloat16 else 2
-        gp, up_, dp = (w.data.view(torch.uint8) for w in (gate, up, down))
-        if kind == 2:
-            gs, us, ds = gs.float(), us.float(), ds.float()
-    gp, gs, up_, us, dp, ds = (t.contiguous() for t in (gp, gs, up_, us, dp, ds))
+    kind, I, (gp, gs, up_, us, dp, ds) = parts  # noqa: E741
     name, fn = ("gemm", lib.df_q4gw_glu) if gemm else ("q8", lib.df_q4q8_glu)
-    USED.add(f"{fmt}_{name}_{act[0]}")
+    USED.add(f"{gate.format}_{name}_{act[0]}")
     tab, k, mult = _Q8[kind]
     if rows is not None and (not gemm or x.dtype != torch.float32 or not x.is_contiguous()):
         x, rows = x[rows], None  # the Q8 path's few tokens, or x to convert: gathered first (same values)
@@ -318,38 +326,36 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
     0.37-0.44 one at a time (each on one thread); Kimi K3's (17.5 MB), 16 a layer, 1.05-1.20 ms against 1.25-1.35
     (each split over both threads)."""
     lib = lib or native.library()
-    if len(experts) < 2 or torch.get_num_threads() < 2 or not q8_enabled(lib):
+    threads = torch.get_num_threads()
+    if len(experts) < 2 or threads < 2 or not q8_enabled(lib):
         return None
-    gate = experts[0][0]
-    fmt, (I, D) = getattr(gate, "format", None), tuple(gate.shape)  # noqa: E741
-    if fmt not in ("mxfp4", "int4g32") or D % 32 or I % 32:
+    first = _glu_parts(*experts[0])
+    if first is None:
         return None
-    sdt, few = gate.scale.dtype, glu_many_tokens(lib)
-    pick = [i for i, ((g, u, d), x) in enumerate(zip(experts, xs, strict=True))
-            if 0 < x.shape[0] <= few and tuple(x.shape[1:]) == (D,)
-            and all(getattr(t, "format", None) == fmt and t.scale.dtype == sdt for t in (g, u, d))
-            and tuple(g.shape) == (I, D) and tuple(u.shape) == (I, D) and tuple(d.shape) == (D, I)]
+    kind, I, D, few = first[0], first[1], experts[0][0].shape[1], glu_many_tokens(lib)  # noqa: E741
+    pick, parts = [], []  # the experts run here, and their records as the kernel reads them
+    for i, (recs, x) in enumerate(zip(experts, xs, strict=True)):
+        if not (0 < x.shape[0] <= few and tuple(x.shape[1:]) == (D,)):
+            continue
+        got = first if i == 0 else _glu_parts(*recs)
+        if got is not None and got[:2] == (kind, I) and recs[0].shape[1] == D:  # the kind says the format
+            pick.append(i)
+            parts.append(got[2])
     if len(pick) < 2:
         return None
-    kind = 0 if fmt == "mxfp4" else 1 if sdt == torch.bfloat16 else 2
-    parts = []  # per expert: gate, gate scales, up, up scales, down, down scales
-    for i in pick:
-        for w in experts[i]:
-            data = w.data if fmt == "mxfp4" else w.data.view(torch.uint8)  # int4g32: int32 words read as bytes
-            parts += [data.contiguous(), (w.scale.float() if kind == 2 else w.scale).contiguous()]
     n = len(pick)
-    ptrs = [(ctypes.c_void_p * n)(*[parts[6 * e + j].data_ptr() for e in range(n)]) for j in range(6)]
+    ptrs = [(ctypes.c_void_p * n)(*[p[j].data_ptr() for p in parts]) for j in range(6)]
     x32 = {}  # each distinct input once (a decode step's experts share one token)
     for i in pick:
         x32.setdefault(id(xs[i]), _x32(xs[i]))
     ins = [x32[id(xs[i])] for i in pick]
     outs = [torch.empty(x.shape[0], D, dtype=torch.float32) for x in ins]
     tab, k, mult = _Q8[kind]
-    USED.add(f"{fmt}_q8_{act[0]}_many")
+    USED.add(f"{experts[0][0].format}_q8_{act[0]}_many")
     if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *ptrs, tab.data_ptr(), k, mult, _E8M0.data_ptr(),
                             (ctypes.c_void_p * n)(*[x.data_ptr() for x in ins]),
                             (ctypes.c_int64 * n)(*[x.shape[0] for x in ins]),
-                            (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]), I, D, torch.get_num_threads()):
+                            (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]), I, D, threads):
         raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
     ys: list[torch.Tensor | None] = [None] * len(experts)
     for i, y in zip(pick, outs, strict=True):
