@@ -31,7 +31,7 @@ def run(args) -> dict:
         routes = {L: [rng.sample(range(pm.num_experts), args.k) for _ in range(args.prompt)] for L in pm.moe_layers}
         source = run_.source(args.threads, args.device)
         x = torch.randn(args.prompt, K3_LATENT, device=args.device)
-        unique, math_s = 0, 0.0
+        unique, touched, math_s = 0, 0, 0.0
         # the int16 GEMM's compute limit, measured before and after like the disk's rate (the VM's vCPUs move
         # between quiet and shared cores from minute to minute); none where the math does not take that GEMM
         gemm = args.device == "cpu" and not (args.io_only or args.exact) and cpu.available() and cpu.gemm_enabled()
@@ -40,6 +40,7 @@ def run(args) -> dict:
         for L in pm.moe_layers:
             n, m = expert_major_layer(source, L, routes[L], x, args.io_only, situ_glu_expert)
             unique += n * nbytes
+            touched += n
             math_s += m
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -54,7 +55,7 @@ def run(args) -> dict:
     math_floor = ops / (peak * 1e9) if peak else None
     # the math per byte read: each touched expert's tokens, here and in Kimi K3 at the same prompt length (its
     # tokens spread over 896 experts a layer: a 512-token prompt gives each ~9 where the default case gives ~85)
-    per_expert = args.prompt * args.k * len(pm.moe_layers) / (unique / nbytes) if unique else 0.0
+    per_expert = args.prompt * args.k * len(pm.moe_layers) / touched if touched else 0.0
     k3_touched = K3_EXPERTS * (1 - (1 - K3_K / K3_EXPERTS) ** args.prompt)
     k3_per_expert = args.prompt * K3_K / k3_touched
     rec = {

@@ -323,8 +323,9 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
     does not take (past the Q8 path's tokens, another shape or format than the first one's) are None in the list,
     for the caller to run alone; None instead of a list where fewer than two remain, or with one thread, or no Q8
     path. On the 2-core VM: Qwen3-MoE's 768 x 2048 MXFP4 experts, 8 a layer, 0.17-0.26 ms an expert against
-    0.37-0.44 one at a time (each on one thread); Kimi K3's (17.5 MB), 16 a layer, 1.05-1.20 ms against 1.25-1.35
-    (each split over both threads)."""
+    0.37-0.44 one at a time (each on one thread), and a warm step of that model on 2 / 3 tokens (each expert on its
+    own) 43-50 / 62-65 ms against 68 / 77; Kimi K3's (17.5 MB), 16 a layer, 1.05-1.20 ms against 1.25-1.35 (each
+    split over both threads)."""
     lib = lib or native.library()
     threads = torch.get_num_threads()
     if len(experts) < 2 or threads < 2 or not q8_enabled(lib):
