@@ -638,3 +638,36 @@ def test_denormals_flushed_inside_the_block_and_back_after():
             assert torch.all(tiny * 2 == 0)
         assert torch.all(tiny * 2 == 0)
     assert torch.all(tiny * 2 == 2e-39)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx2-novnni"])
+def test_int16_peak_bounds_the_gemm(timing, isa):
+    """`df_gw_peak`, the limit the GEMM's figures are divided by, is a ceiling: a 4-bit GEMM at 128 tokens on one
+    thread (the same int16 pair sums, plus the weights' decode and the scale step) never runs faster than the probe
+    beside it. Written from intrinsics the probe once timed its own register copies (0.55 of a core that runs two
+    vpdpwssd a cycle, the GEMM reading 1.2-1.3 'of the peak'); without VNNI it timed only the adds."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the probe is x86's")
+    lib = native.library(native.ISA_FLAGS[isa])
+    if lib is None or not cpu.gemm_enabled(lib) or not lib.df_gw_peak(1, 1):
+        pytest.skip(f"no {isa} GEMM here ({native.why(native.ISA_FLAGS[isa]) or 'this CPU lacks it'})")
+    rec = _records(512, 2048, seed=7)["mxfp4"]
+    x = torch.randn(128, 2048)
+    ops = 2 * 512 * 2048 * 128
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        import time
+
+        best_gemm = best_peak = 0.0
+        for _ in range(5):
+            best_peak = max(best_peak, lib.df_gw_peak(1, 200_000))
+            t = time.perf_counter()
+            for _ in range(4):
+                cpu.mxfp4_linear(x, rec.data, rec.scale, lib=lib)
+            best_gemm = max(best_gemm, 4 * ops / (time.perf_counter() - t) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    assert best_gemm <= 1.05 * best_peak, (isa, best_gemm, best_peak)
+    assert best_gemm >= 0.2 * best_peak, (isa, best_gemm, best_peak)  # and the probe is not far above it either
