@@ -116,11 +116,16 @@ def _records(R: int, C: int, seed: int) -> dict[str, QTensor]:
 
 
 GW_SLACK = 0.5 + 2.0**-7
+GW_GROUP = 64  # the GEMM's activations: one int16 scale per two blocks of 32 (a last odd block alone)
 
 
 def _gemm_bound(x: torch.Tensor, w: torch.Tensor, fmt: str = "mxfp4") -> torch.Tensor:
+    """The GEMM's error bound: each activation off by at most its group's d (1/2 + 2^-7), d = max |x| / 32767 over
+    its group of GW_GROUP; the float steps (a conversion and a multiply-add per scale step, at most one step per
+    block) as n roundings."""
     T, C = x.shape
-    d = x.double().abs().view(T, C // 32, 32).amax(-1, keepdim=True).div(32767).expand(T, C // 32, 32).reshape(T, C)
+    d = torch.cat([g.abs().amax(-1, keepdim=True).div(32767).expand_as(g)
+                   for g in x.double().split(GW_GROUP, dim=1)], dim=1)
     aw = w.double().abs()
     n = C // 32 + (4 if fmt == "int8" else 2)
     g = n * U / (1 - n * U)
@@ -671,3 +676,59 @@ def test_int16_peak_bounds_the_gemm(timing, isa):
         torch.set_num_threads(threads)
     assert best_gemm <= 1.05 * best_peak, (isa, best_gemm, best_peak)
     assert best_gemm >= 0.2 * best_peak, (isa, best_gemm, best_peak)  # and the probe is not far above it either
+
+
+def _mx(packed: torch.Tensor, e: torch.Tensor) -> QTensor:
+    return QTensor("mxfp4", (packed.shape[0], 2 * packed.shape[1]), packed.contiguous(), e.to(torch.uint8).contiguous())
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx2-novnni"])
+def test_gemm_one_scale_step_per_pair_of_blocks_where_exponents_allow(isa):
+    """The GEMM takes one scale step per two blocks where every row's two E8M0 exponents are within 6 of each other
+    (the larger block's values shifted left by the gap: exact) and int8 rows always; one per block for INT4, for a
+    pair 7 apart or with exponent 0 or 255. Either way the result keeps the GEMM's bound: gaps of 0-6, a gap of 6
+    at the largest values (|v| 12 x 2^6, sums near 2^31 with every activation at its group's maximum), a chunk kept
+    per block by one far pair, an odd block count (the last block alone)."""
+    if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 builds are x86's")
+    lib = native.library(native.ISA_FLAGS[isa])
+    if lib is None or not cpu.gemm_enabled(lib):
+        pytest.skip(f"no {isa} GEMM here")
+    g = torch.Generator().manual_seed(11)
+    R, C = 70, 9 * 32
+    nb = C // 32
+    packed = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
+    e = torch.randint(118, 124, (R, 1), generator=g) + torch.randint(0, 7, (R, nb), generator=g)
+
+    def merge(kind: int, sc: torch.Tensor, r0: int = 0, r1: int = R) -> int:
+        return lib.df_gw_merge(kind, sc.data_ptr(), r0, r1, nb, 0, nb)
+
+    e8 = e.to(torch.uint8).contiguous()
+    assert merge(0, e8) == 2 and merge(8, torch.ones(R)) == 2
+    assert merge(1, torch.ones(R, nb, dtype=torch.bfloat16)) == 1 and merge(2, torch.ones(R, nb)) == 1
+    far = e.clone()
+    far[3, 4], far[3, 5] = 120, 127  # blocks 4 and 5 are a pair: 7 apart in row 3
+    far8 = far.to(torch.uint8).contiguous()
+    assert merge(0, far8) == 1 and merge(0, far8, 4, R) == 2 and merge(0, far8, 0, 3) == 2
+    far[3, 5] = 126  # 6 apart: merged again
+    assert merge(0, far.to(torch.uint8).contiguous()) == 2
+    for bad in (0, 255):
+        z = e.clone()
+        z[5, 8] = bad  # the last, lone block: its own group
+        assert merge(0, z.to(torch.uint8).contiguous()) == 1
+    x = torch.randn(40, C, generator=g)
+    for rec in (_mx(packed, e), _mx(packed, far)):
+        y = cpu.mxfp4_linear(x, rec.data, rec.scale, lib=lib)
+        _check_gemm(y, x, dequantize(rec))
+    # the largest values at a gap of 6: nibble 7 is +6.0 (v = 12), 15 is -6.0; every activation its group's max
+    big = torch.full((R, C // 2), 0x77, dtype=torch.uint8)
+    big[1::2] = 0xFF
+    eb = torch.full((R, nb), 120)
+    eb[:, 1::2] = 126
+    xb = torch.ones(24, C)
+    xb[1::2] = -1.0
+    rec = _mx(big, eb)
+    assert merge(0, rec.scale) == 2
+    y = cpu.mxfp4_linear(xb, rec.data, rec.scale, lib=lib)
+    _check_gemm(y, xb, dequantize(rec))
+    assert torch.equal(y.abs(), (xb.double() @ dequantize(rec).double().T).abs().float())  # exact: powers of two

@@ -1112,12 +1112,19 @@ int df_simd_width(void) {
 /* ======================================================================================================== */
 /* Prefill GEMM for 4-bit weights (many tokens): int16 activations x exact integer weights, AVX-512 VNNI.    */
 /* ======================================================================================================== */
-/* Each token's activations are quantized once per call to int16 with one scale per block of 32 (d = max|x| /
- * 32767, q = round(x / d): |x - d q| <= d (1/2 + 2^-7), about 2^-16 of the block's largest value, far finer than
- * bf16). A weight nibble n is read as v, the stored value as an integer (MXFP4 2 x E2M1 in [-12, 12]; INT4 n - 8;
- * the Q8 table less its offset K), exact in int16. vpdpwssd sums int16 x int16 pairs into int32 exactly
- * (|sum| <= 12 x 32767 x 32 < 2^24: its float conversion is exact too); one float multiply-add per block applies
- * weight scale x value factor x d. Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs
+/* Each token's activations are quantized once per call to int16 with one scale per GW_MB blocks of 32 (d = max|x|
+ * / 32767 over the 64 values, q = round(x / d): |x - d q| <= d (1/2 + 2^-7), about 2^-16 of their largest value,
+ * far finer than bf16). A weight nibble n is read as v, the stored value as an integer (MXFP4 2 x E2M1 in [-12, 12];
+ * INT4 n - 8; the Q8 table less its offset K), exact in int16. vpdpwssd sums int16 x int16 pairs into int32 exactly;
+ * one float conversion, scale product and multiply-add (the scale step) applies weight scale x value factor x d.
+ * The scale step runs once per GW_MB blocks where the weights allow it, once per block elsewhere: int8 rows (one
+ * scale a row) always; MXFP4 chunks (GW_KB blocks of a panel) where, in every row, the E8M0 exponents of each GW_MB
+ * blocks are within GW_GAP of each other (and none is 0 or 255): each block's values are shifted left by its
+ * exponent less the smallest of its group (exact: |v| <= 12 x 2^6 = 768 in int16) and the group takes the smallest
+ * exponent's scale. |sum| <= 768 x 32767 x 64 < 2^31 stays exact; its float conversion rounds past 2^24 (2^-24 of
+ * it). The scale step was a sixth of the micro-kernel's time on a core that runs two vpdpwssd a cycle (AMD Zen 5);
+ * INT4 chunks (bf16 or float scales, no exact shift) and MXFP4 chunks with far exponents keep one per block.
+ * Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs
  * (element 2p in the low half, 2p + 1 in the high half), vector-major: for block b, pair p, vector j, the 16 rows'
  * pairs, so one load feeds 16 output rows while a token's pair is broadcast. Tokens are taken in groups of at most
  * GW_MR, of near-equal sizes (a lone last token would leave the dot-product units waiting on one chain), and a
@@ -1126,6 +1133,12 @@ int df_simd_width(void) {
  * walked in GW_KB-block chunks so the panel's chunk stays in L1 across all groups. Every token's sum runs block
  * by block in the same order whatever T is or how the tokens are grouped: results do not depend on the batch.
  * Panels are handed to threads as they free up. */
+#ifndef GW_MB
+#define GW_MB 2 /* blocks per activation scale and per scale step where the weights' scales allow */
+#endif
+_Static_assert(GW_MB == 1 || GW_MB == 2, "the sums' bound and GW_GAP are worked out for one or two blocks");
+#define GW_GAP 6 /* the widest exponent gap inside a group: 12 x 2^6 x 32767 x 64 < 2^31 */
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define GW_VNNI 1
 /* Tile shape, by measurement on a K3 matrix (3072 x 3584) at 85 tokens, one thread, builds timed in turn: 6 tokens x
@@ -1136,7 +1149,8 @@ int df_simd_width(void) {
  * broadcasts inside vpdpwssd (GW_EMB), 6, 7 and 8 tokens x 2 measured alike over a whole expert at 85 and 170. */
 /* GW_EMB: the token's pair broadcast from memory inside vpdpwssd ({1to16}: one instruction and one fused load
  * where the broadcast and the dot product were two); from the intrinsics GCC 12 emits a vpbroadcastd of its own.
- * 5-9% faster over a K3 expert at 24-300 tokens (builds timed in turn, two threads). */
+ * 5-9% faster over a K3 expert at 24-300 tokens on Intel (Emerald Rapids; builds timed in turn, two threads), 5-10%
+ * slower on AMD (Zen 5), where native.py builds with GW_EMB=0. */
 #ifndef GW_EMB
 #define GW_EMB 1
 #endif
@@ -1150,6 +1164,7 @@ int df_simd_width(void) {
 #define GW_KB 16 /* blocks of 32 per chunk (<= 16): 16 x 32 x GW_NV x 16 x 2 bytes = 32 KB of panel per chunk */
 #endif
 _Static_assert(GW_KB >= 1 && GW_KB <= 16, "a chunk's scales are one 16 x 16 transpose");
+_Static_assert(GW_KB % GW_MB == 0, "chunks hold whole groups of blocks");
 #define GW_ROWS (16 * GW_NV)
 #define GW_I8 8 /* the kind of int8 rows with one float scale each (df_i8gw_mm), beside q4_rows' 4-bit kinds */
 
@@ -1194,12 +1209,44 @@ static void gw_consts(const uint8_t *tab8, int K, gw_consts_t *k) {
     }
 }
 
+/* Row r's E8M0 exponents of blocks [b0, b0 + n) (b0 even, n <= 16), a block a lane (past n: 0), and the smallest
+ * of each lane's group of two (a last block of an odd count alone). */
+static inline __m512i gw_exponents(const uint8_t *e, int64_t r, int64_t nb, int64_t b0, int n, __m512i *lo,
+                                   __m512i *hi) {
+    const __mmask16 live = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    const __mmask16 solo = n % 2 ? (__mmask16)(1u << (n - 1)) : 0; /* its partner lane is past n */
+    const __m512i ev = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, e + r * nb + b0));
+    const __m512i sw = _mm512_mask_blend_epi32(solo, _mm512_shuffle_epi32(ev, _MM_PERM_CDAB), ev);
+    *lo = _mm512_min_epi32(ev, sw);
+    *hi = _mm512_max_epi32(ev, sw);
+    return ev;
+}
+
+/* Blocks per scale step for a chunk of the GEMM (rows [r0, r1), blocks [b0, b1), b0 a multiple of 16): GW_MB for
+ * int8 rows (one scale a row) and for MXFP4 rows whose every group's exponents are within GW_GAP of each other
+ * and none 0 or 255 (2^-127 and NaN keep a step of their own); 1 for INT4 (bf16 or float scales). */
+static int gw_chunk_mb(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
+    if (GW_MB == 1 || (kind != 0 && kind != GW_I8)) return 1;
+    if (kind == GW_I8) return GW_MB;
+    const int n = (int)(b1 - b0);
+    const __mmask16 live = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    for (int64_t r = r0; r < r1; r++) {
+        __m512i lo, hi;
+        gw_exponents((const uint8_t *)scales, r, nb, b0, n, &lo, &hi);
+        const __mmask16 bad = _mm512_cmpeq_epi32_mask(lo, _mm512_setzero_si512()) |
+                              _mm512_cmpeq_epi32_mask(hi, _mm512_set1_epi32(255)) |
+                              _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(hi, lo), _mm512_set1_epi32(GW_GAP));
+        if (bad & live) return 1;
+    }
+    return GW_MB;
+}
+
 /* One block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, one per pair: the
  * rows' bytes transposed a dword (4 pairs) at a time, then per pair two shifts, a bitwise select and a 16-bit table
  * lookup (vpermw) give each row's two values as int16 in place. One byte transpose and a 2-source byte permute per
  * pair (vpermt2b, two cycles each here) took 36 ns a block, hot in cache; this takes 24 ns, bit for bit the same. */
 static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, int64_t H, int64_t b,
-                                   const gw_consts_t *k, int32_t *dst) {
+                                   const gw_consts_t *k, const __m512i *shv, int32_t *dst) {
     __m512i z[4];
     if (r + 16 <= R) { /* all 16 rows (every panel but a last, partial one): no per-row test, inserts in a tree */
         const uint8_t *p = packed + r * H + b * 16;
@@ -1233,7 +1280,9 @@ static inline void gw_decode_block(const uint8_t *packed, int64_t r, int64_t R, 
                                _mm512_srli_epi32(x, 12)};
         for (int m = 0; m < 4; m++) {
             const __m512i u = _mm512_ternarylogic_epi32(sel, s2[m], s1[m], 0xCA); /* sel ? s2 : s1, bit by bit */
-            _mm512_storeu_si512(dst + (4 * d + m) * GW_NV * 16, _mm512_permutexvar_epi16(u, k->tab));
+            const __m512i v = _mm512_permutexvar_epi16(u, k->tab);
+            /* shv: each row's values shifted left by its block's place in a merged group (both words alike) */
+            _mm512_storeu_si512(dst + (4 * d + m) * GW_NV * 16, shv ? _mm512_sllv_epi16(v, *shv) : v);
         }
     }
 }
@@ -1251,12 +1300,14 @@ static inline void gw_decode_block_i8(const int8_t *q, int64_t r, int64_t R, int
 
 /* Blocks [b0, b1) (at most 16) of rows [r0, r0 + GW_ROWS) -> wp (int32 pairs, the layout above, block b at b - b0)
  * and ws (float scales x value factor, [b1 - b0][GW_NV][16], 0 past R). A chunk at a time, right before its use:
- * it is written to and read from L1 (a whole panel went through L2, a fifth of the call's time). */
-static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
-                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
-                            int64_t b0, int64_t b1) {
-    const int64_t H = C / 2, nb = C / 32;
-    const int n = (int)(b1 - b0);
+ * it is written to and read from L1 (a whole panel went through L2, a fifth of the call's time). Returns the
+ * blocks per scale step (gw_chunk_mb); where it is GW_MB, an MXFP4 block's values are shifted by their place in
+ * their group and each block's place in ws holds its group's scale. */
+static int gw_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                           const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
+                           int64_t b0, int64_t b1) {
+    const int64_t H = C / 2, nb = C / 32, r1 = r0 + GW_ROWS < R ? r0 + GW_ROWS : R;
+    const int n = (int)(b1 - b0), mb = gw_chunk_mb(kind, scales, r0, r1, nb, b0, b1);
     const __m512 vm = _mm512_set1_ps(mult);
     if (kind == GW_I8) {
         for (int j = 0; j < GW_NV; j++) {
@@ -1267,19 +1318,37 @@ static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales,
             const __m512 sv = _mm512_maskz_loadu_ps(live, (const float *)scales + r); /* a row's scale, every block */
             for (int bb = 0; bb < n; bb++) _mm512_storeu_ps(ws + (bb * GW_NV + j) * 16, sv);
         }
-        return;
+        return mb;
     }
     for (int j = 0; j < GW_NV; j++) {
         const int64_t r = r0 + 16 * j;
-        for (int64_t b = b0; b < b1; b++) gw_decode_block(packed, r, R, H, b, k, wp + ((b - b0) * 16 * GW_NV + j) * 16);
-        __m512i v[16]; /* 16 rows x n blocks of scales, transposed */
-        for (int l = 0; l < 16; l++) /* rows past R are not read */
-            v[l] = r + l >= R ? _mm512_setzero_si512()
-                              : _mm512_castps_si512(
-                                    _mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
+        __m512i v[16], sh[16]; /* 16 rows x n blocks of scales (and of shifts where merged), transposed */
+        for (int l = 0; l < 16; l++) { /* rows past R are not read */
+            if (r + l >= R) {
+                v[l] = sh[l] = _mm512_setzero_si512();
+            } else if (mb > 1) { /* a group's scale, its smallest exponent's; each block shifted by its own less it */
+                __m512i lo, hi;
+                const __m512i ev = gw_exponents((const uint8_t *)scales, r + l, nb, b0, n, &lo, &hi);
+                sh[l] = _mm512_sub_epi32(ev, lo);
+                v[l] = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 23)), vm));
+            } else {
+                v[l] = _mm512_castps_si512(_mm512_mul_ps(q8_wscale16(kind, scales, e8m0, (r + l) * nb + b0, n), vm));
+            }
+        }
         gw_transpose16(v);
+        if (mb > 1) gw_transpose16(sh);
+        for (int64_t b = b0; b < b1; b++) {
+            int32_t *dst = wp + ((b - b0) * 16 * GW_NV + j) * 16;
+            if (mb > 1) {
+                const __m512i shv = _mm512_or_si512(sh[b - b0], _mm512_slli_epi32(sh[b - b0], 16)); /* both words */
+                gw_decode_block(packed, r, R, H, b, k, &shv, dst);
+            } else {
+                gw_decode_block(packed, r, R, H, b, k, NULL, dst);
+            }
+        }
         for (int bb = 0; bb < n; bb++) _mm512_storeu_si512(ws + (bb * GW_NV + j) * 16, v[bb]);
     }
+    return mb;
 }
 
 /* The micro-kernel's vector steps (gw_tile, shared with the AVX2 build): 16 rows a vector. */
@@ -1314,22 +1383,32 @@ static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
 #define gwf_load _mm512_loadu_ps
 
 /* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first (its place in its group), and
- * one scale per block, every stride-th float of xs (NaN or inf in a block reaches its scale). */
+ * one scale per GW_MB blocks (the last group of an odd count: one), in each of its blocks' places, every stride-th
+ * float of xs (NaN or inf in a group reaches its scale). */
 static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, int64_t C) {
     const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32((int)stride));
-    for (int64_t b = 0; b < C / 32; b++) {
-        const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        /* max drops NaN: x - x is 0, or NaN for NaN and inf, found apart */
-        const float bad = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_sub_ps(x0, x0), _mm512_sub_ps(x1, x1)));
+    const int64_t nb = C / 32;
+    for (int64_t b = 0; b < nb; b += GW_MB) {
+        const int64_t n = nb - b < GW_MB ? nb - b : GW_MB;
+        __m512 m = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+        for (int64_t i = 0; i < 2 * n; i++) {
+            const __m512 v = _mm512_loadu_ps(x + b * 32 + 16 * i);
+            m = _mm512_max_ps(m, _mm512_abs_ps(v));
+            z = _mm512_add_ps(z, _mm512_sub_ps(v, v)); /* max drops NaN: x - x is 0, or NaN for NaN and inf */
+        }
+        const float amax = _mm512_reduce_max_ps(m), bad = _mm512_reduce_add_ps(z);
         const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
         const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
         const __m512 vid = _mm512_set1_ps(id);
-        const __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)));
-        const __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid)));
-        _mm512_i32scatter_epi32(xp + b * 16 * stride, idx, _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), 4);
-        xs[b * stride] = d;
+        for (int64_t c = b; c < b + n; c++) {
+            const __m512 x0 = _mm512_loadu_ps(x + c * 32), x1 = _mm512_loadu_ps(x + c * 32 + 16);
+            const __m256i q0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)));
+            const __m256i q1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid)));
+            _mm512_i32scatter_epi32(xp + c * 16 * stride, idx, _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1),
+                                    4);
+            xs[c * stride] = d;
+        }
     }
 }
 
@@ -1348,6 +1427,7 @@ static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, 
 #ifndef GW_KB
 #define GW_KB 16 /* blocks of 32 per chunk: 16 x 16 pairs x GW_NV x 8 rows x 4 bytes = 16 KB of panel per chunk */
 #endif
+_Static_assert(GW_KB % GW_MB == 0, "chunks hold whole groups of blocks");
 #define GW_ROWS (8 * GW_NV)
 #define GW_I8 8
 
@@ -1384,7 +1464,7 @@ static inline void gw_transpose8(__m256i r[8]) {
  * GW_NV vectors apart): each row's 32 values as int16 in order (a 4-bit row's nibbles through the table, even and
  * odd interleaved; an int8 row sign-extended), then two 8 x 8 transposes. */
 static inline void gw_decode_block8(int kind, const uint8_t *packed, int64_t r, int64_t R, int64_t C, int64_t b,
-                                    const gw_consts_t *k, int32_t *dst) {
+                                    const gw_consts_t *k, const int32_t *sh, int32_t *dst) {
     __m256i lo[8], hi[8]; /* row l: pairs 0-7 and 8-15 */
     const __m128i m15 = _mm_set1_epi8(15);
     for (int l = 0; l < 8; l++) {
@@ -1400,6 +1480,10 @@ static inline void gw_decode_block8(int kind, const uint8_t *packed, int64_t r, 
             const __m128i o = _mm_shuffle_epi8(k->tab, _mm_and_si128(_mm_srli_epi16(v, 4), m15));
             lo[l] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(e, o));
             hi[l] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(e, o));
+            if (sh && sh[l]) { /* the row's place in a merged group */
+                lo[l] = _mm256_sll_epi16(lo[l], _mm_cvtsi32_si128(sh[l]));
+                hi[l] = _mm256_sll_epi16(hi[l], _mm_cvtsi32_si128(sh[l]));
+            }
         }
     }
     gw_transpose8(lo);
@@ -1410,23 +1494,53 @@ static inline void gw_decode_block8(int kind, const uint8_t *packed, int64_t r, 
     }
 }
 
+/* Blocks per scale step for a chunk of the GEMM: the AVX-512 build's gw_chunk_mb, one row and group at a time. */
+static int gw_chunk_mb(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
+    if (GW_MB == 1 || (kind != 0 && kind != GW_I8)) return 1;
+    if (kind == GW_I8) return GW_MB;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *e = (const uint8_t *)scales + r * nb;
+        for (int64_t c = b0; c < b1; c += 2) {
+            const int e0 = e[c], e1 = c + 1 < b1 ? e[c + 1] : e0;
+            const int lo = e0 < e1 ? e0 : e1, hi = e0 < e1 ? e1 : e0;
+            if (lo == 0 || hi == 255 || hi - lo > GW_GAP) return 1;
+        }
+    }
+    return GW_MB;
+}
+
 /* Blocks [b0, b1) of rows [r0, r0 + GW_ROWS) -> wp ([b - b0][pair][GW_NV][8] int32 pairs) and ws ([b - b0][GW_NV][8]
- * float scales x value factor, 0 past R; an int8 row's own scale in every block's place). */
-static void gw_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
-                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
-                            int64_t b0, int64_t b1) {
-    const int64_t nb = C / 32;
+ * float scales x value factor, 0 past R; an int8 row's own scale in every block's place). Returns the blocks per
+ * scale step, with merged MXFP4 groups shifted and scaled as the AVX-512 decode's. */
+static int gw_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                           const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
+                           int64_t b0, int64_t b1) {
+    const int64_t nb = C / 32, r1 = r0 + GW_ROWS < R ? r0 + GW_ROWS : R;
+    const int mb = gw_chunk_mb(kind, scales, r0, r1, nb, b0, b1), shift = mb > 1 && kind == 0;
     for (int j = 0; j < GW_NV; j++) {
         const int64_t r = r0 + 8 * j;
+        int32_t sh[16][8], lo[16][8]; /* [block][row] where shift: the row's block less its group's smallest */
+        for (int l = 0; l < 8 && shift && r + l < R; l++) { /* rows past R: neither read */
+            const uint8_t *e = (const uint8_t *)scales + (r + l) * nb;
+            for (int64_t c = b0; c < b1; c += 2) {
+                const int e0 = e[c], e1 = c + 1 < b1 ? e[c + 1] : e0;
+                const int m = e0 < e1 ? e0 : e1;
+                sh[c - b0][l] = e0 - m, lo[c - b0][l] = m;
+                if (c + 1 < b1) sh[c + 1 - b0][l] = e1 - m, lo[c + 1 - b0][l] = m;
+            }
+        }
         for (int64_t b = b0; b < b1; b++) {
-            gw_decode_block8(kind, packed, r, R, C, b, k, wp + ((b - b0) * 16 * GW_NV + j) * 8);
+            gw_decode_block8(kind, packed, r, R, C, b, k, shift ? sh[b - b0] : NULL,
+                             wp + ((b - b0) * 16 * GW_NV + j) * 8);
             float *w = ws + ((b - b0) * GW_NV + j) * 8;
             for (int l = 0; l < 8; l++)
                 w[l] = r + l >= R ? 0.0f
                        : kind == GW_I8 ? ((const float *)scales)[r + l]
-                                       : scale_at(scales, kind, e8m0, (r + l) * nb + b) * mult;
+                       : shift ? e8m0[lo[b - b0][l]] * mult
+                               : scale_at(scales, kind, e8m0, (r + l) * nb + b) * mult;
         }
     }
+    return mb;
 }
 
 /* The micro-kernel's vector steps: 8 rows a vector. */
@@ -1457,16 +1571,17 @@ static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
 #define gwi_zero _mm256_setzero_si256
 #define gwf_load _mm256_loadu_ps
 
-/* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first, and one scale per block, every
- * stride-th float of xs: the AVX-512 quantizer's arithmetic (d = max|x| / 32767; NaN or inf in a block reaches its
- * scale), one block at a time. */
+/* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first, and one scale per GW_MB blocks,
+ * in each of its blocks' places, every stride-th float of xs: the AVX-512 quantizer's arithmetic (d = max|x| /
+ * 32767 over the group; NaN or inf in a group reaches its scale). */
 static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, int64_t C) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < C / 32; b++) {
-        const float *xb = x + b * 32;
+    const int64_t nb = C / 32;
+    for (int64_t b0 = 0; b0 < nb; b0 += GW_MB) {
+        const int64_t n = nb - b0 < GW_MB ? nb - b0 : GW_MB;
         __m256 m = _mm256_setzero_ps(), z = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            const __m256 v = _mm256_loadu_ps(xb + 8 * i);
+        for (int64_t i = 0; i < 4 * n; i++) {
+            const __m256 v = _mm256_loadu_ps(x + b0 * 32 + 8 * i);
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
             z = _mm256_add_ps(z, _mm256_sub_ps(v, v)); /* 0, or NaN for NaN and inf */
         }
@@ -1480,17 +1595,19 @@ static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, 
         const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
         const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
-        int32_t q[32];
-        for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), vid));
-            _mm256_storeu_si256((__m256i *)(q + 8 * i), v);
+        for (int64_t b = b0; b < b0 + n; b++) {
+            int32_t q[32];
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + b * 32 + 8 * i), vid));
+                _mm256_storeu_si256((__m256i *)(q + 8 * i), v);
+            }
+            for (int p = 0; p < 16; p++) {
+                const int32_t e = q[2 * p] > 32767 ? 32767 : q[2 * p] < -32768 ? -32768 : q[2 * p];
+                const int32_t o = q[2 * p + 1] > 32767 ? 32767 : q[2 * p + 1] < -32768 ? -32768 : q[2 * p + 1];
+                xp[(b * 16 + p) * stride] = (int32_t)((uint32_t)(uint16_t)e | ((uint32_t)(uint16_t)o << 16));
+            }
+            xs[b * stride] = d;
         }
-        for (int p = 0; p < 16; p++) {
-            const int32_t e = q[2 * p] > 32767 ? 32767 : q[2 * p] < -32768 ? -32768 : q[2 * p];
-            const int32_t o = q[2 * p + 1] > 32767 ? 32767 : q[2 * p + 1] < -32768 ? -32768 : q[2 * p + 1];
-            xp[(b * 16 + p) * stride] = (int32_t)((uint32_t)(uint16_t)e | ((uint32_t)(uint16_t)o << 16));
-        }
-        xs[b * stride] = d;
     }
 }
 #endif
@@ -1504,27 +1621,31 @@ static inline int64_t gw_start(int64_t g, int64_t T) {
 }
 
 /* The MR tokens of the group at t0 (xp: its int32 pairs [nb][16][MR], xs: its scales [nb][MR]) x the panel's rows,
- * blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
+ * blocks [b0, b1), mb blocks per scale step (1, or GW_MB where the chunk's decode merged them; a last group of an
+ * odd count is one block): accumulates into out (the first chunk starts at 0). */
 static inline __attribute__((always_inline)) void gw_tile(const int32_t *wp, const float *ws, const int32_t *xp,
                                                           const float *xs, float *out, int64_t t0, const int MR,
                                                           int64_t r0, const gw_mask_t *mask, int64_t b0, int64_t b1,
-                                                          int64_t R) {
+                                                          int64_t R, int mb) {
     gwf_t f[8][GW_NV]; /* MR <= 8 */
     for (int t = 0; t < MR; t++)
         for (int j = 0; j < GW_NV; j++)
             f[t][j] = b0 == 0 ? gwf_zero() : gwf_maskload(out + (t0 + t) * R + r0 + GW_LANES * j, mask[j]);
-    for (int64_t b = b0; b < b1; b++) {
+    for (int64_t b = b0; b < b1; b += mb) {
         gwi_t a[8][GW_NV];
         for (int t = 0; t < MR; t++)
             for (int j = 0; j < GW_NV; j++) a[t][j] = gwi_zero();
-        const int32_t *w = wp + (b - b0) * 16 * GW_NV * GW_LANES, *x = xp + b * 16 * MR;
+        const int64_t n = b1 - b < mb ? b1 - b : mb;
+        for (int64_t c = 0; c < n; c++) { /* the pairs of block b + c follow block b + c - 1's, in wp and xp alike */
+            const int32_t *w = wp + (b + c - b0) * 16 * GW_NV * GW_LANES, *x = xp + (b + c) * 16 * MR;
 #pragma GCC unroll 16
-        for (int p = 0; p < 16; p++) {
-            gwi_t wv[GW_NV];
-            for (int j = 0; j < GW_NV; j++) wv[j] = gwi_load(w + (p * GW_NV + j) * GW_LANES);
-            for (int t = 0; t < MR; t++) {
-                const gw_x_t xb = gw_bcast(x + p * MR + t);
-                for (int j = 0; j < GW_NV; j++) a[t][j] = gw_dot(a[t][j], wv[j], xb);
+            for (int p = 0; p < 16; p++) {
+                gwi_t wv[GW_NV];
+                for (int j = 0; j < GW_NV; j++) wv[j] = gwi_load(w + (p * GW_NV + j) * GW_LANES);
+                for (int t = 0; t < MR; t++) {
+                    const gw_x_t xb = gw_bcast(x + p * MR + t);
+                    for (int j = 0; j < GW_NV; j++) a[t][j] = gw_dot(a[t][j], wv[j], xb);
+                }
             }
         }
         gwf_t sc[GW_NV];
@@ -1607,7 +1728,7 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
     for (int j = 0; j < GW_NV; j++) mask[j] = gw_mask_for(R - r0 - GW_LANES * j);
     for (int64_t b0 = 0; b0 < nb; b0 += GW_KB) {
         const int64_t b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb;
-        gw_decode_chunk(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C, b0, b1);
+        const int mb = gw_decode_chunk(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C, b0, b1);
         for (int64_t g = 0; g < ng; g++) {
             const int64_t t0 = gw_start(g, T);
             const int32_t *xp = xq + t0 * (C / 2);
@@ -1615,15 +1736,12 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
 #if GW_PF
             gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * GW_ROWS, R, C, b1 < nb ? b1 : 0, g, ng);
 #endif
-            switch (gw_start(g + 1, T) - t0) { /* GW_MR at most; the same arithmetic per token whatever the size */
-            case 1: gw_tile(wp, ws, xp, xsp, out, t0, 1, r0, mask, b0, b1, R); break;
-            case 2: gw_tile(wp, ws, xp, xsp, out, t0, 2, r0, mask, b0, b1, R); break;
-            case 3: gw_tile(wp, ws, xp, xsp, out, t0, 3, r0, mask, b0, b1, R); break;
-            case 4: gw_tile(wp, ws, xp, xsp, out, t0, 4, r0, mask, b0, b1, R); break;
-            case 5: gw_tile(wp, ws, xp, xsp, out, t0, 5 <= GW_MR ? 5 : 1, r0, mask, b0, b1, R); break;
-            case 6: gw_tile(wp, ws, xp, xsp, out, t0, 6 <= GW_MR ? 6 : 1, r0, mask, b0, b1, R); break;
-            case 7: gw_tile(wp, ws, xp, xsp, out, t0, 7 <= GW_MR ? 7 : 1, r0, mask, b0, b1, R); break;
-            case 8: gw_tile(wp, ws, xp, xsp, out, t0, 8 <= GW_MR ? 8 : 1, r0, mask, b0, b1, R); break;
+            switch ((gw_start(g + 1, T) - t0) * 2 + (mb > 1)) { /* GW_MR tokens at most; mb a constant in each */
+#define GW_TILE(m) \
+    case 2 * (m): gw_tile(wp, ws, xp, xsp, out, t0, (m) <= GW_MR ? (m) : 1, r0, mask, b0, b1, R, 1); break; \
+    case 2 * (m) + 1: gw_tile(wp, ws, xp, xsp, out, t0, (m) <= GW_MR ? (m) : 1, r0, mask, b0, b1, R, GW_MB); break;
+            GW_TILE(1) GW_TILE(2) GW_TILE(3) GW_TILE(4) GW_TILE(5) GW_TILE(6) GW_TILE(7) GW_TILE(8)
+#undef GW_TILE
             default: break;
             }
         }
@@ -1785,6 +1903,17 @@ int df_ftz(int on, int nthreads) {
 #else
     (void)on, (void)nthreads;
     return -1;
+#endif
+}
+
+/* The GEMM's blocks per scale step for rows [r0, r1) of a matrix of nb blocks a row, over blocks [b0, b1) (b0 a
+ * multiple of GW_MB): gw_chunk_mb, for tests; 1 where this build has no GEMM. */
+int df_gw_merge(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
+#ifdef GW_VEC
+    return gw_chunk_mb(kind, scales, r0, r1, nb, b0, b1);
+#else
+    (void)kind, (void)scales, (void)r0, (void)r1, (void)nb, (void)b0, (void)b1;
+    return 1;
 #endif
 }
 
