@@ -279,6 +279,7 @@ def test_bench_decode_reports_the_checksum_cost_beside_the_drive(tmp_path, capsy
     rec = json.loads(out.read_text())
     assert rec["verify_reads"] is True and rec["xxh3_GBps"] > 0
     assert rec["verify_cores_at_raw"] == pytest.approx(rec["raw_GBps"] / rec["xxh3_GBps"])
+    assert len(rec["raw_GBps_before_after"]) == 2 and rec["raw_GBps"] == max(rec["raw_GBps_before_after"])
     assert "reads verified: xxh3" in line and "GB/s on one core vs raw" in line
     from deltafin.bench.decode import _print
 
@@ -300,6 +301,8 @@ def test_bench_prefill_reports_reads_math_and_their_limits(tmp_path, capsys):
     rec = json.loads(out.read_text())
     assert rec["mode"] == "full" and rec["read_amplification"] == 1.0
     assert rec["floor_s"] == pytest.approx(rec["unique_bytes"] / (rec["raw_GBps"] * 1e9))
+    before, after = rec["raw_GBps_before_after"]  # the floor takes the higher (the stricter) of the two probes
+    assert rec["raw_GBps"] == max(before, after) and f"the higher of {before:.2f} and {after:.2f}" in line
     assert rec["ratio"] == pytest.approx(rec["ttft_s"] / rec["floor_s"]) and 0 < rec["math_s"] < rec["ttft_s"]
     assert rec["expert_ops"] == 2 * 3 * K3_LATENT * K3_INTER * 16 * 2
     if cpu.gemm_enabled():

@@ -71,7 +71,7 @@ def run(args) -> dict:
         "experts": args.experts, "k": args.k, "bytes_read": st.bytes_read, "unique_bytes": unique,
         "bytes_one_at_a_time": alone, "seconds": took, "floor_s": floor, "ratio": ratio,
         "inputs_per_hour": args.inputs / took * 3600, "floor_inputs_per_hour": args.inputs / floor * 3600,
-        "raw_GBps": raw, "math_s": math_s, "direct_io": source.direct,
+        "raw_GBps": raw, "raw_GBps_before_after": run_.probes, "math_s": math_s, "direct_io": source.direct,
         "k3_projected_inputs_per_hour_25GBps": k3_projection(args.batch, args.tokens, ratio),
     }
     print(f"classify ({rec['mode']}{', expert math skipped' if args.io_only else ''}, {args.device}): "

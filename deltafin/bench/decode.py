@@ -70,7 +70,7 @@ def run(args) -> dict:
         "bench": "decode", "mode": "io-only" if args.io_only else "full", "device": args.device,
         "tokens": args.tokens, "moe_layers": args.layers, "experts": args.experts, "k": args.k,
         "expert_file_bytes": nbytes, "bytes_read": st.bytes_read, "seconds": wall,
-        "read_GBps": read_gbps, "raw_GBps": raw, "efficiency": read_gbps / raw,
+        "read_GBps": read_gbps, "raw_GBps": raw, "raw_GBps_before_after": run_.probes, "efficiency": read_gbps / raw,
         "tok_s": args.tokens / wall, "io_bound_s": io_s, "math_s": math_s,
         "step_over_bound": wall / max(io_s, math_s) if not args.io_only else None,
         "direct_io": source.direct, "math": "exact" if args.exact else kernels.backend_name(args.device),

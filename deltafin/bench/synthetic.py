@@ -112,7 +112,8 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
 
 class SyntheticRun:
     """A synthetic model written under a scratch folder, with the drive's raw direct read rate measured
-    before the run (``raw``) and again by :meth:`remeasure` after it; the higher is the stricter limit."""
+    before the run (``raw``) and again by :meth:`remeasure` after it; the higher is the stricter limit. ``probes``
+    keeps both readings (a virtual disk's host may cache what the run just read: the second can read faster)."""
 
     def __init__(self, root: str, seed: int, inflight: int, sample: int = 48):
         from deltafin.store.model_dir import PackedModel
@@ -126,6 +127,7 @@ class SyntheticRun:
         self._probe = paths[: max(sample, 4 * inflight)]
         self.inflight = inflight
         self.raw = self._measure()
+        self.probes = [self.raw]
 
     def _measure(self) -> float:
         from deltafin.bench.disk import raw_read_gbps
@@ -133,7 +135,8 @@ class SyntheticRun:
         return raw_read_gbps(self._probe, self.nbytes, self.inflight)
 
     def remeasure(self) -> float:
-        self.raw = max(self.raw, self._measure())
+        self.probes.append(self._measure())
+        self.raw = max(self.raw, self.probes[-1])
         return self.raw
 
     def source(self, threads: int, device: str, verify: bool = True):
