@@ -1138,6 +1138,19 @@ int df_simd_width(void) {
 #endif
 _Static_assert(GW_MB == 1 || GW_MB == 2, "the sums' bound and GW_GAP are worked out for one or two blocks");
 #define GW_GAP 6 /* the widest exponent gap inside a group: 12 x 2^6 x 32767 x 64 < 2^31 */
+#if defined(__AVX2__) /* the GEMM's builds (AVX-512 and AVX2), each with its own test of MXFP4 exponents */
+#define GW_I8 8         /* the kind of int8 rows with one float scale each (df_i8gw_mm), beside q4_rows' 4-bit kinds */
+static int gw_mxfp4_mergeable(const uint8_t *e, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1);
+
+/* Blocks per scale step for a chunk of the GEMM (rows [r0, r1), blocks [b0, b1), b0 a multiple of 16): GW_MB for
+ * int8 rows (one scale a row) and for MXFP4 rows whose every group's exponents are within GW_GAP of each other
+ * and none 0 or 255 (2^-127 and NaN keep a step of their own); 1 for INT4 (bf16 or float scales). */
+static inline int gw_chunk_mb(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb, int64_t b0,
+                              int64_t b1) {
+    if (GW_MB == 1 || (kind != 0 && kind != GW_I8)) return 1;
+    return kind == GW_I8 || gw_mxfp4_mergeable((const uint8_t *)scales, r0, r1, nb, b0, b1) ? GW_MB : 1;
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define GW_VNNI 1
@@ -1166,7 +1179,6 @@ _Static_assert(GW_MB == 1 || GW_MB == 2, "the sums' bound and GW_GAP are worked 
 _Static_assert(GW_KB >= 1 && GW_KB <= 16, "a chunk's scales are one 16 x 16 transpose");
 _Static_assert(GW_KB % GW_MB == 0, "chunks hold whole groups of blocks");
 #define GW_ROWS (16 * GW_NV)
-#define GW_I8 8 /* the kind of int8 rows with one float scale each (df_i8gw_mm), beside q4_rows' 4-bit kinds */
 
 /* 16 x 16 int32 transpose in registers: r[a] element e -> r[e] element a. */
 static inline void gw_transpose16(__m512i r[16]) {
@@ -1222,23 +1234,19 @@ static inline __m512i gw_exponents(const uint8_t *e, int64_t r, int64_t nb, int6
     return ev;
 }
 
-/* Blocks per scale step for a chunk of the GEMM (rows [r0, r1), blocks [b0, b1), b0 a multiple of 16): GW_MB for
- * int8 rows (one scale a row) and for MXFP4 rows whose every group's exponents are within GW_GAP of each other
- * and none 0 or 255 (2^-127 and NaN keep a step of their own); 1 for INT4 (bf16 or float scales). */
-static int gw_chunk_mb(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
-    if (GW_MB == 1 || (kind != 0 && kind != GW_I8)) return 1;
-    if (kind == GW_I8) return GW_MB;
+/* gw_chunk_mb's test of MXFP4 rows, a row's chunk of exponents in one vector. */
+static int gw_mxfp4_mergeable(const uint8_t *e, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
     const int n = (int)(b1 - b0);
     const __mmask16 live = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     for (int64_t r = r0; r < r1; r++) {
         __m512i lo, hi;
-        gw_exponents((const uint8_t *)scales, r, nb, b0, n, &lo, &hi);
+        gw_exponents(e, r, nb, b0, n, &lo, &hi);
         const __mmask16 bad = _mm512_cmpeq_epi32_mask(lo, _mm512_setzero_si512()) |
                               _mm512_cmpeq_epi32_mask(hi, _mm512_set1_epi32(255)) |
                               _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(hi, lo), _mm512_set1_epi32(GW_GAP));
-        if (bad & live) return 1;
+        if (bad & live) return 0;
     }
-    return GW_MB;
+    return 1;
 }
 
 /* One block b of rows [r, r + 16) (rows past R read as zero) -> its 16 vectors of int32 pairs, one per pair: the
@@ -1429,7 +1437,6 @@ static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, 
 #endif
 _Static_assert(GW_KB % GW_MB == 0, "chunks hold whole groups of blocks");
 #define GW_ROWS (8 * GW_NV)
-#define GW_I8 8
 
 typedef struct {
     __m128i tab; /* byte i: the signed value of nibble i (the Q8 table less its offset) */
@@ -1494,19 +1501,17 @@ static inline void gw_decode_block8(int kind, const uint8_t *packed, int64_t r, 
     }
 }
 
-/* Blocks per scale step for a chunk of the GEMM: the AVX-512 build's gw_chunk_mb, one row and group at a time. */
-static int gw_chunk_mb(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
-    if (GW_MB == 1 || (kind != 0 && kind != GW_I8)) return 1;
-    if (kind == GW_I8) return GW_MB;
+/* gw_chunk_mb's test of MXFP4 rows, one row and group at a time. */
+static int gw_mxfp4_mergeable(const uint8_t *e, int64_t r0, int64_t r1, int64_t nb, int64_t b0, int64_t b1) {
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *e = (const uint8_t *)scales + r * nb;
+        const uint8_t *er = e + r * nb;
         for (int64_t c = b0; c < b1; c += 2) {
-            const int e0 = e[c], e1 = c + 1 < b1 ? e[c + 1] : e0;
+            const int e0 = er[c], e1 = c + 1 < b1 ? er[c + 1] : e0;
             const int lo = e0 < e1 ? e0 : e1, hi = e0 < e1 ? e1 : e0;
-            if (lo == 0 || hi == 255 || hi - lo > GW_GAP) return 1;
+            if (lo == 0 || hi == 255 || hi - lo > GW_GAP) return 0;
         }
     }
-    return GW_MB;
+    return 1;
 }
 
 /* Blocks [b0, b1) of rows [r0, r0 + GW_ROWS) -> wp ([b - b0][pair][GW_NV][8] int32 pairs) and ws ([b - b0][GW_NV][8]
