@@ -435,8 +435,9 @@ def _k3_config(tiny: dict) -> dict:
         cfg = json.loads((K3_SPECS / "config.json").read_text())
     else:
         cfg = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": {
-            "model_type": "kimi_linear", "quantization_config": {
-                "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}}
+            "model_type": "kimi_linear", "hidden_act": "situ", "attn_res_block_size": 2, "num_attention_heads": 2,
+            "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}}
     cfg["text_config"].update(tiny)
     n = tiny["num_hidden_layers"]  # the layer schedule covers the layers the checkpoint has
     la = cfg["text_config"].setdefault("linear_attn_config", {"num_heads": 2, "head_dim": 32})
