@@ -1113,7 +1113,7 @@ int df_simd_width(void) {
 /* Prefill GEMM for 4-bit weights (many tokens): int16 activations x exact integer weights, AVX-512 VNNI.    */
 /* ======================================================================================================== */
 /* Each token's activations are quantized once per call to int16 with one scale per GW_MB blocks of 32 (d = max|x|
- * / 32767 over the 64 values, q = round(x / d): |x - d q| <= d (1/2 + 2^-7), about 2^-16 of their largest value,
+ * / 32767 over those values, q = round(x / d): |x - d q| <= d (1/2 + 2^-7), about 2^-16 of their largest value,
  * far finer than bf16). A weight nibble n is read as v, the stored value as an integer (MXFP4 2 x E2M1 in [-12, 12];
  * INT4 n - 8; the Q8 table less its offset K), exact in int16. vpdpwssd sums int16 x int16 pairs into int32 exactly;
  * one float conversion, scale product and multiply-add (the scale step) applies weight scale x value factor x d.
@@ -1122,8 +1122,11 @@ int df_simd_width(void) {
  * blocks are within GW_GAP of each other (and none is 0 or 255): each block's values are shifted left by its
  * exponent less the smallest of its group (exact: |v| <= 12 x 2^6 = 768 in int16) and the group takes the smallest
  * exponent's scale. |sum| <= 768 x 32767 x 64 < 2^31 stays exact; its float conversion rounds past 2^24 (2^-24 of
- * it). The scale step was a sixth of the micro-kernel's time on a core that runs two vpdpwssd a cycle (AMD Zen 5);
- * INT4 chunks (bf16 or float scales, no exact shift) and MXFP4 chunks with far exponents keep one per block.
+ * it). The scale step was an eighth to a sixth of the micro-kernel's time on a core that runs two vpdpwssd a cycle
+ * (AMD Zen 5); INT4 chunks (bf16 or float scales, no exact shift) and MXFP4 chunks with far exponents keep one per
+ * block. The merge's shifts cost the decode about what it saves per token group: on Zen 5 it pays from about 20
+ * tokens (+4% at 85, -10% at 9 on AVX-512); it is decided by the weights alone, never by T, so that a token's
+ * result does not depend on the batch.
  * Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs
  * (element 2p in the low half, 2p + 1 in the high half), vector-major: for block b, pair p, vector j, the 16 rows'
  * pairs, so one load feeds 16 output rows while a token's pair is broadcast. Tokens are taken in groups of at most
@@ -1828,7 +1831,8 @@ int df_q4gw_mm(int kind, const uint8_t *packed, const void *scales, const uint8_
 
 /* y [T, R] = x [T, C] @ W^T for int8 rows W = q [R, C] x s [R] (one float scale a row): df_q4gw_mm's GEMM with
  * the rows sign-extended to int16 in its decode (GW_I8) and the row's scale in every block's place. C a multiple of
- * 32. The int32 block sums are exact (|sum| <= 128 x 32767 x 32 < 2^31); their float conversion rounds past 2^24.
+ * 32. The int32 sums of a scale step (two blocks) are exact (|sum| <= 128 x 32767 x 64 < 2^31); their float
+ * conversion rounds past 2^24.
  * Returns as df_q4gw_mm (-2 also where C is not whole blocks). */
 int df_i8gw_mm(const int8_t *q, const float *s, const float *x, float *out, int64_t R, int64_t C, int64_t T,
                int nthreads) {
