@@ -1960,6 +1960,7 @@ int df_q4gw_vnni(void) {
 #define GW_YMM_DOT(i, t) "vpmaddwd %%ymm1, %%ymm0, %%ymm" #t "\n\tvpaddd %%ymm" #t ", %%ymm" #i ", %%ymm" #i "\n\t"
 #endif
 
+#if defined(GW_VNNI) || defined(GW_AVX2)
 static void gw_peak_rounds(int64_t n) {
     const int32_t w = 0x00030001, x = 0x00020005;
     if (n <= 0) return;
@@ -1977,10 +1978,9 @@ static void gw_peak_rounds(int64_t n) {
                      : [w] "m"(w), [x] "m"(x)
                      : "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
                        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
-#else
-    (void)w, (void)x;
 #endif
 }
+#endif
 
 double df_gw_peak(int nthreads, int64_t n) {
 #if defined(GW_VNNI) || defined(GW_AVX2)
