@@ -1930,6 +1930,15 @@ int df_gw_merge(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb
 #endif
 }
 
+/* 1 when this build has OpenMP (its kernels share out over threads), 0 when it runs them on the calling thread. */
+int df_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 when df_q4gw_mm has its vector code in this build. */
 int df_q4gw_vnni(void) {
 #ifdef GW_VEC

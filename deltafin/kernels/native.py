@@ -14,6 +14,7 @@ plain C loops); unset or ``native``, everything this CPU has.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -60,6 +61,7 @@ _SIGNATURES = {
     "df_q4gw_vnni": [],
     "df_gw_peak": [_INT, _I64],
     "df_gw_merge": [_INT, _P, _I64, _I64, _I64, _I64, _I64],
+    "df_openmp": [],
 }
 _lock = threading.Lock()
 _loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}
@@ -113,7 +115,8 @@ def _compile(cc: str, extra: tuple[str, ...], out: Path) -> str | None:
                     log.warning("CPU kernels built with %s: %s", " ".join(arch) or "the compiler's default target",
                                 first)
                 return None
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):  # a failed link removes its own output (clang does)
+                os.unlink(tmp)
             err = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]
             first = first or f"{' '.join(cmd)}: {err[0]}"
     return first
@@ -185,6 +188,10 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = lib.df_gw_merge.restype = _INT
                 lib.df_i8a16_multi.restype = lib.df_q4gw_glu.restype = lib.df_q4q8_glu_many.restype = _INT
                 lib.df_glu_act.restype = None
+                lib.df_openmp.restype = _INT
+                if not lib.df_openmp():
+                    log.warning("CPU kernels built without OpenMP: they run on one thread; install OpenMP for %s "
+                                "(Debian/Ubuntu: apt install libomp-dev for clang; macOS: brew install libomp)", cc)
         if lib is None:
             log.warning("fast CPU kernels off, the plain torch path runs: %s", why)
         _loaded[extra], _why[extra] = lib, why
