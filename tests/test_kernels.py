@@ -502,62 +502,52 @@ def test_no_compiler_falls_back_to_torch_with_the_install_hint(monkeypatch, capl
     assert "apt install gcc" in native.why() and "plain torch path" in caplog.text
 
 
+def _build_through(script: str, tmp_path, monkeypatch):
+    """The kernels built through a shell wrapper around the real compiler (``script``: its body, the real compiler
+    in ``{cc}``), in a fresh cache; returns the library (asserted built)."""
+    cc = native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text("#!/bin/sh\n" + script.replace("{cc}", cc))
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DELTAFIN_CPU_ISA", raising=False)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why", {})
+    lib = native.library()
+    assert lib is not None, native.why()
+    rec = _records(40, 96, seed=3)["mxfp4"]  # and it computes what the reference does
+    x = torch.randn(3, 96)
+    ref = x.double() @ dequantize(rec).double().T
+    y = cpu.mxfp4_linear(x, rec.data, rec.scale, lib=lib)
+    assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    return lib
+
+
 @pytest.mark.parametrize("refused", [("-march=native",), ("-march=native", "-mcpu=native")])
 def test_a_compiler_that_refuses_march_native_still_builds_the_kernels(refused, tmp_path, monkeypatch, caplog):
     """clang before 15 on arm64 (Apple's among them) refuses -march=native: the kernels build with -mcpu=native, or
     for the compiler's default target where it takes neither, say so in the log, and compute what the reference
     does. Here a wrapper around the real compiler refuses the flags."""
-    cc = native._compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    wrapper = tmp_path / "cc"
     tests = " ".join(f'[ "$a" = "{f}" ] && {{ echo "error: unsupported option \'{f}\'" >&2; exit 1; }};' for f in refused)
-    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do {tests} done\nexec {cc} "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("DELTAFIN_CPU_ISA", raising=False)
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_why", {})
-    lib = native.library()
-    assert lib is not None, native.why()
+    lib = _build_through(f'for a in "$@"; do {tests} done\nexec {{cc}} "$@"\n', tmp_path, monkeypatch)
     used = "-mcpu=native" if len(refused) == 1 else "the compiler's default target"
     assert f"CPU kernels built with {used}" in caplog.text and "unsupported option '-march=native'" in caplog.text
     if len(refused) == 2 and platform.machine() in ("x86_64", "AMD64"):
         assert lib.df_isa() == 0  # x86-64's baseline: the plain C loops
-    rec = _records(40, 96, seed=3)["mxfp4"]
-    x = torch.randn(3, 96)
-    ref = x.double() @ dequantize(rec).double().T
-    y = cpu.mxfp4_linear(x, rec.data, rec.scale, lib=lib)
-    assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
 def test_a_compiler_without_openmp_that_removes_its_failed_output_still_builds(tmp_path, monkeypatch, caplog):
     """clang without libomp fails to link -fopenmp and removes the half-written output itself; the build goes on
-    without OpenMP (one thread) instead of reporting the cache folder unwritable. Here a wrapper around the real
-    compiler does that."""
-    cc = native._compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    wrapper = tmp_path / "cc"
-    wrapper.write_text('#!/bin/sh\nout=""; prev=""\nfor a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
-                       'for a in "$@"; do [ "$a" = "-fopenmp" ] && { rm -f "$out"; echo "ld: cannot find -lomp" >&2; '
-                       f'exit 1; }}; done\nexec {cc} "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CC", str(wrapper))
-    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("DELTAFIN_CPU_ISA", raising=False)
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_why", {})
-    lib = native.library()
-    assert lib is not None, native.why()
+    without OpenMP (one thread, which the log says) instead of reporting the cache folder unwritable. Here a
+    wrapper around the real compiler does that."""
+    lib = _build_through('out=""; prev=""\nfor a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+                         'for a in "$@"; do [ "$a" = "-fopenmp" ] && { rm -f "$out"; echo "ld: cannot find -lomp" >&2; '
+                         'exit 1; }; done\nexec {cc} "$@"\n', tmp_path, monkeypatch)
     assert not list((tmp_path / "cache" / "kernels").glob("tmp*"))  # nothing half-written left behind
     assert lib.df_openmp() == 0 and "built without OpenMP: they run on one thread" in caplog.text
-    rec = _records(40, 96, seed=3)["mxfp4"]
-    x = torch.randn(3, 96)
-    ref = x.double() @ dequantize(rec).double().T
-    y = cpu.mxfp4_linear(x, rec.data, rec.scale, lib=lib)
-    assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32", "int4g32-f32"])
