@@ -1140,7 +1140,7 @@ int df_simd_width(void) {
 #if defined(__AVX2__) && !defined(__AVX512F__) && !defined(__AVXVNNI__)
 #define GW_MB 1 /* AVX2 without VNNI: two measured 4% slower (159 against 165 GFLOP/s, K3 expert at 85 tokens, Zen 5) */
 #else
-#define GW_MB 2 /* AVX2 + AVX-VNNI 318 against 215 GFLOP/s on the same case; AVX-512 743 against 676 */
+#define GW_MB 2 /* AVX2 + AVX-VNNI 318 against 215 GFLOP/s on the same case; AVX-512 743 against 712 */
 #endif
 #endif
 _Static_assert(GW_MB == 1 || GW_MB == 2, "the sums' bound and GW_GAP are worked out for one or two blocks");
