@@ -326,8 +326,8 @@ def test_small_experts_in_one_call_are_each_expert_alone(isa, fmt, two_threads):
 def test_small_experts_in_one_call_only_where_it_applies(two_threads):
     """Experts the call cannot take (another shape or format than the first's, past the Q8 path's tokens) are None in
     its list; None instead of a list where fewer than two remain, or with one thread; experts large enough for a call
-    of their own to split them by rows give that call's result too. kernels.glu_many: only on the fast path, each expert on its rows of x, gathering only the experts it
-    runs; not for other roles than gate/up/down."""
+    of their own to split them by rows give that call's result too. kernels.glu_many: only on the fast path, each
+    expert on its rows of x, gathering only the experts it runs; not for other roles than gate/up/down."""
     small = [(r["gate"], r["up"], r["down"]) for r in (_expert("mxfp4", 32, 64, seed=s) for s in (1, 4))]
     x = torch.randn(1, 64)
     few = cpu.glu_many_tokens()

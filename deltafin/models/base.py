@@ -214,7 +214,7 @@ def moe_dispatch(
     if slot_of is not None:
         out = x.new_zeros(T, k, D)  # [T, k, D]
         for group in groups if grouped else ([item] for item in fetched):
-            ys = glu_many(x, [None] * len(group), [t for _, t in group], glu)
+            ys = glu_many(x, [None] * len(group), [t for _, t in group], glu) if len(group) > 1 else None
             for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
                 s = slot_of[eid]
                 y = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
@@ -237,7 +237,7 @@ def moe_dispatch(
         out = _slot_buffer(T * k, D, x) if reuse else x.new_zeros(T * k, D)  # [T k, D], row t k + s
         for group in groups if grouped else ([item] for item in fetched):
             toks = [tok_of[slice(*span[eid])] for eid, _ in group]
-            ys = glu_many(x, toks, [t for _, t in group], glu)
+            ys = glu_many(x, toks, [t for _, t in group], glu) if len(group) > 1 else None
             for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
                 place = order[slice(*span[eid])]
                 y = expert_fn(x[toks[i]], tensors) if ys is None or ys[i] is None else ys[i]  # [n, D]
