@@ -1124,8 +1124,8 @@ int df_simd_width(void) {
  * exponent's scale. |sum| <= 768 x 32767 x 64 < 2^31 stays exact; its float conversion rounds past 2^24 (2^-24 of
  * it). The scale step was an eighth to a sixth of the micro-kernel's time on a core that runs two vpdpwssd a cycle
  * (AMD Zen 5); INT4 chunks (bf16 or float scales, no exact shift) and MXFP4 chunks with far exponents keep one per
- * block. The merge's shifts cost the decode about what it saves per token group: on Zen 5 it pays from about 20
- * tokens (+4% at 85, -10% at 9 on AVX-512); it is decided by the weights alone, never by T, so that a token's
+ * block. The merge's shifts cost the decode about what it saves per token group: on Zen 5 it pays from about 16
+ * tokens (+2% at 85, -6% at 9 on AVX-512); it is decided by the weights alone, never by T, so that a token's
  * result does not depend on the batch.
  * Layout: a panel of GW_NV x 16 rows is decoded once per call into int32 pairs
  * (element 2p in the low half, 2p + 1 in the high half), vector-major: for block b, pair p, vector j, the 16 rows'
