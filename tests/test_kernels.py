@@ -526,6 +526,31 @@ def _build_through(script: str, tmp_path, monkeypatch):
     return lib
 
 
+def test_the_cached_build_is_of_the_source_text_its_name_hashes(tmp_path, monkeypatch):
+    """The library is built from the text whose hash names it, not from the file read again at compile time: a
+    source changed in between (a package upgraded under a running process) is not cached under the old name."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "k.c"
+    marked = native.SOURCE.read_text() + "\nint df_test_marker(void) { return MARK; }\n"
+    src.write_text(marked.replace("MARK", "7"))
+    real = native._compile
+
+    def changed_meanwhile(*args):
+        src.write_text(marked.replace("MARK", "8"))
+        return real(*args)
+
+    monkeypatch.setattr(native, "SOURCE", src)
+    monkeypatch.setattr(native, "_compile", changed_meanwhile)
+    monkeypatch.setenv("DELTAFIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_why", {})
+    lib = native.library(())
+    assert lib is not None, native.why()
+    assert lib.df_test_marker() == 7
+    assert [p.suffix for p in (tmp_path / "cache" / "kernels").iterdir()] == [".so"]  # the temp source removed
+
+
 @pytest.mark.parametrize("refused", [("-march=native",), ("-march=native", "-mcpu=native")])
 def test_a_compiler_that_refuses_march_native_still_builds_the_kernels(refused, tmp_path, monkeypatch, caplog):
     """clang before 15 on arm64 (Apple's among them) refuses -march=native: the kernels build with -mcpu=native, or

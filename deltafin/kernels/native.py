@@ -96,18 +96,30 @@ def _compiler() -> str | None:
     return cc if cc and shutil.which(cc) else None
 
 
-def _compile(cc: str, extra: tuple[str, ...], out: Path) -> str | None:
-    """Build into a temp name beside ``out`` and rename (a concurrent build never leaves a half-written library).
+def _compile(cc: str, extra: tuple[str, ...], out: Path, text: str) -> str | None:
+    """Build ``text`` (the source whose hash names ``out``, written to a temp file beside it: a source file changed
+    after it was hashed cannot end up cached under the old text's name) into a temp name beside ``out`` and rename
+    (a concurrent build never leaves a half-written library).
     This CPU's instruction set by the first of ``ARCH_FLAGS`` the compiler takes; OpenMP first, then without it
     (one thread, e.g. Apple clang without libomp). Returns the first attempt's error when none built, else None;
     a build past the first arch flags is logged with what the compiler said of them."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    fd, src = tempfile.mkstemp(prefix="cpu_kernels-", suffix=".c", dir=out.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    try:
+        return _compile_source(cc, extra, out, src)
+    finally:
+        os.unlink(src)
+
+
+def _compile_source(cc: str, extra: tuple[str, ...], out: Path, src: str) -> str | None:
     first = ""
     for arch in ARCH_FLAGS:
         for omp in (("-fopenmp",), ()):
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            cmd = [cc, *FLAGS, *arch, *omp, *tuning_flags(), *extra, str(SOURCE), "-o", tmp]
+            cmd = [cc, *FLAGS, *arch, *omp, *tuning_flags(), *extra, src, "-o", tmp]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode == 0:
                 os.replace(tmp, out)
@@ -168,12 +180,13 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
             why = f"no C compiler found; {INSTALL_HINT}"
         else:
             ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-            key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, ver, _cpu_id(), *FLAGS, *sum(ARCH_FLAGS, ()),
-                                            *tuning_flags(), *extra]).encode())
+            text = SOURCE.read_text()
+            key = hashlib.sha256("\0".join([text, cc, ver, _cpu_id(), *FLAGS, *sum(ARCH_FLAGS, ()), *tuning_flags(),
+                                            *extra]).encode())
             cache = Path(os.environ.get("DELTAFIN_CACHE", Path.home() / ".cache" / "deltafin")) / "kernels"
             path = cache / f"cpu_kernels-{key.hexdigest()[:16]}.so"
             try:
-                err = None if path.exists() else _compile(cc, extra, path)
+                err = None if path.exists() else _compile(cc, extra, path, text)
             except OSError as e:  # e.g. a read-only home: point DELTAFIN_CACHE somewhere writable
                 err = f"cannot write {path.parent}: {e.strerror}; set DELTAFIN_CACHE to a writable folder"
             if err:
