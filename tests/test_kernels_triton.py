@@ -370,25 +370,53 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     launch, and an evicted expert's slot is reused."""
     from deltafin.runtime.cache import ExpertCache
     from deltafin.runtime.source import StreamingExperts
+    from deltafin.store import expert_file as ef
 
     g = torch.Generator().manual_seed(3)
     ex = _experts("mxfp4", 1, 64, 32, g)[0]
-    nbytes = sum(t.nbytes for t in ex.values())
+    data = memoryview(bytearray(ef.encode(ex, 0, 0)))  # the expert as its file: the slab holds whole files
+    layout, _, _ = ef.parse_header(data)
+    nbytes = layout.file_bytes
+    ex = ef.decode(data, layout)
     src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
     src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
     src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
     src.model = SimpleNamespace(moe_layers=[1], num_experts=1)  # a model of one expert: one cache slot
-    assert src._slab_ready(ex, nbytes) and src.slab.slots == 3
+    assert src._slab_ready(ex, nbytes, layout) and src.slab.slots == 3
     src.slab, src.model = None, SimpleNamespace(moe_layers=[1, 2], num_experts=8)  # the budget decides
-    assert src._slab_ready(ex, nbytes) and src.slab.slots == 4
-    layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes)) for e in range(4)]
+    assert src._slab_ready(ex, nbytes, layout) and src.slab.slots == 4
+    layer0 = [src.slab.slot_of(src._to_slot(0, e, ex, nbytes, data)) for e in range(4)]
     assert sorted(layer0) == [0, 1, 2, 3]  # two cached, two scratch, all distinct
     assert len(src.cache._entries) == 2
     assert src._take_slot() == (None, False)  # everything is in use by this layer
     src._busy = set()  # the next layer: layer 0's launch is queued before any new copy
     s, cached = src._take_slot()
     assert cached and s in layer0[:2] and len(src.cache._entries) == 1  # the least recent expert made room
-    torch.testing.assert_close(src.slab.views(layer0[3])["down"].data, ex["down"].data)
+    for r in ("gate", "up", "down"):  # the one copy of the file put every tensor where its view reads it
+        torch.testing.assert_close(src.slab.views(layer0[3])[r].data.cpu(), ex[r].data)
+        torch.testing.assert_close(src.slab.views(layer0[3])[r].scale.cpu(), ex[r].scale)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4g32"])
+def test_file_slab_runs_the_grouped_kernels_as_the_tensor_slab(fmt):
+    """A slab of whole expert files (strided role views, one copy an expert) gives the grouped kernels' result
+    bit for bit as the per-tensor slab."""
+    from deltafin.store import expert_file as ef
+
+    g = torch.Generator().manual_seed(5)
+    exs = [{r: t.to("cpu") for r, t in ex.items()} for ex in _experts(fmt, 3, 64, 64, g)]
+    files = [memoryview(bytearray(ef.encode(t, 1, e))) for e, t in enumerate(exs)]
+    layout, _, _ = ef.parse_header(files[0])
+    by_file = ExpertSlab(3, exs[0], DEV, layout)
+    for s, f in enumerate(files):
+        by_file.write_file(s, torch.frombuffer(f, dtype=torch.uint8).to(DEV))
+    by_tensor = ExpertSlab.stack([{k: v.to(DEV) for k, v in t.items()} for t in exs], DEV)
+    gate = by_file.data["gate"]
+    assert gate.stride(0) * gate.element_size() == layout.file_bytes and by_file.slot_of(by_file.views(2)) == 2
+    x = torch.randn(2, 64, generator=g).to(DEV)
+    slots, w = torch.tensor([[0, 2], [1, 0]]), torch.rand(2, 2, generator=g).to(DEV)
+    ys = [grouped_glu(x, slots, w, slab) for slab in (by_file, by_tensor)]
+    assert torch.equal(ys[0], ys[1])
 
 
 @pytest.mark.slow

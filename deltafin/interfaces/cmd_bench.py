@@ -51,7 +51,7 @@ def run(args) -> int:
 
         bench_grammar(args)
         return 0
-    if args.bench in ("kernels", "warm"):
+    if args.bench in ("kernels", "warm", "ingest"):
         import importlib
 
         importlib.import_module(f"deltafin.bench.{args.bench}").run(args)

@@ -7,14 +7,18 @@ it waits for a read that never returns.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import xxhash
+
 from deltafin.errors import ReadError
+from deltafin.io import hashing
 from deltafin.io.direct import ALIGN, DriveReader, align_up, aligned_buffer
 
 
@@ -42,16 +46,17 @@ class BufferPool:
 
     def reserve(self, nbytes: int, count: int) -> int:
         """Have at least ``count`` free buffers of ``nbytes`` (aligned up), their pages mapped now: a read into a
-        fresh buffer otherwise faults its pages in one at a time inside the read. Pinned pools are resident
-        already and are left as they are. Returns the buffers added."""
-        if self.pin or count <= 0:
+        fresh buffer otherwise faults its pages in one at a time inside the read (and a pinned buffer taken on
+        demand costs a page-locking allocation inside the read). A pinned pool takes them as one page-locked
+        allocation. Returns the buffers added."""
+        if count <= 0:
             return 0
         size = align_up(nbytes)
         with self._lock:
             need = count - len(self._free[size])
         if need <= 0:
             return 0
-        new = [aligned_buffer(size, populate=True) for _ in range(need)]
+        new = _pinned_buffers(size, need) if self.pin else [aligned_buffer(size, populate=True) for _ in range(need)]
         with self._lock:
             self._free[size].extend(new)
             self.allocated += need * size
@@ -82,6 +87,19 @@ def _pinned_buffer(size: int) -> memoryview:
     t = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
     off = (-t.data_ptr()) % ALIGN
     return memoryview(t.numpy())[off : off + size]  # the array keeps the pinned tensor alive
+
+
+def _pinned_buffers(size: int, count: int) -> list[memoryview]:
+    """``count`` 4 KiB-aligned views of ``size`` bytes into one page-locked allocation (plain aligned memory
+    without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [aligned_buffer(size, populate=True) for _ in range(count)]
+    t = torch.empty(size * count + ALIGN, dtype=torch.uint8, pin_memory=True)
+    off = (-t.data_ptr()) % ALIGN
+    whole = memoryview(t.numpy())  # the array keeps the pinned tensor alive
+    return [whole[off + i * size : off + (i + 1) * size] for i in range(count)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +141,7 @@ class DriveCounters:
     busy_seconds: float = 0.0  # summed over concurrent reads
     errors: int = 0
     active_seconds: float = 0.0  # wall time with at least one read in flight: the drive's rate is bytes / this
+    check_seconds: float = 0.0  # time checking what was read (checksums), summed over the reader threads
 
 
 # A read longer than this goes to the drive's reader threads as parts (each at most this size, 4 KiB-aligned, in
@@ -134,17 +153,45 @@ PART_BYTES = 4 << 20
 MAX_PARTS = 64  # past 64 x PART_BYTES the parts grow instead (expert files are tens of MB)
 
 
-class _Parts:
-    """One read, in one part or several: the buffer the first part takes, how many parts are still out, the first
-    error."""
+@dataclass(frozen=True, slots=True)
+class Checksum:
+    """The xxh3-64 digest (hex, as the manifest keeps it) a read's bytes must have. The pool hashes a read part by
+    part, in order, as the parts land, so the check ends one part after the last byte instead of a whole file's
+    hash later; ``error(got)`` is the read's error on a mismatch."""
 
-    def __init__(self, n: int, into: memoryview | None):
-        self.left = n
+    expected: str
+    error: Callable[[str], Exception]
+
+
+class _Parts:
+    """One read, in one part or several: where its bytes go, which parts are handed out, landed and hashed, the
+    first error. A drive's threads take parts of the oldest reads first, at most ``cap`` threads on one read while
+    other reads wait (so each read's hash chain keeps up with its parts; see ``ReaderPool._cap``)."""
+
+    __slots__ = ("drive", "path", "nbytes", "tag", "done", "check", "starts", "step", "cap", "next", "active", "left",
+                 "buf", "pooled", "error", "t0", "lock", "landed", "hashed", "hashing", "hasher")
+
+    def __init__(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue, check,
+                 into: memoryview | None, step: int, cap: int):
+        self.drive, self.path, self.nbytes, self.tag, self.done, self.check = drive, path, nbytes, tag, done, check
+        self.starts = range(0, nbytes, step) or range(1)  # a read of 0 bytes is one (empty) part
+        self.step, self.cap = step, cap
+        self.next = 0  # parts handed out (under the drive queue's lock)
+        self.active = 0  # threads on it now (under the drive queue's lock)
+        self.left = len(self.starts)  # parts not yet ended
         self.buf = into
         self.pooled = into is None  # the buffer comes from the pool (and goes back there if the read fails)
         self.error: Exception | None = None
         self.t0: float | None = None  # when the first part began
         self.lock = threading.Lock()
+        self.landed: set[int] = set()
+        self.hashed = 0  # parts hashed, in order
+        self.hashing = False  # a thread is advancing the hash chain
+        self.hasher = hashing.hasher() if isinstance(check, Checksum) else None  # None: hashed whole at the end
+
+    def part(self, i: int) -> tuple[int, int]:
+        lo = self.starts[i]
+        return lo, min(self.nbytes, lo + self.step)
 
     def buffer(self, get: Callable[[], memoryview], t0: float) -> memoryview:
         with self.lock:
@@ -155,13 +202,42 @@ class _Parts:
                 self.buf = get()
             return self.buf
 
-    def finish(self, error: Exception | None) -> bool:
-        """A part is done (``error``: how it failed); True for the last one."""
+    def end_part(self, i: int, error: Exception | None) -> None:
         with self.lock:
             if error is not None and self.error is None:
                 self.error = error
             self.left -= 1
-            return self.left == 0
+            if error is None:
+                self.landed.add(i)
+
+    def advance_hash(self) -> None:
+        """Hash the landed parts that come next in order (one thread at a time does, the others go on reading)."""
+        if self.hasher is None:
+            return
+        with self.lock:
+            if self.hashing:
+                return
+            self.hashing = True
+        while True:
+            with self.lock:
+                i = self.hashed
+                if self.error is not None or i >= len(self.starts) or i not in self.landed:
+                    self.hashing = False
+                    return
+            lo, hi = self.part(i)
+            self.hasher.update(self.buf[lo:hi])
+            with self.lock:
+                self.hashed += 1
+
+    def finished(self) -> bool:
+        """True once, for the thread that ends the read: every part ended and, with a checksum, hashed (or failed)."""
+        with self.lock:
+            if self.left != 0 or self.hashing:
+                return False
+            if self.error is None and self.hasher is not None and self.hashed < len(self.starts):
+                return False
+            self.left = -1  # posted
+            return True
 
 
 @dataclass
@@ -176,44 +252,58 @@ class ReaderPool:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"reader threads per drive must be >= 1, got {self.threads}")
-        self._exec = [_Workers(self.threads, f"read-{r.label}") for r in self.readers]
+        self._exec = [_DriveQueue(self.threads, f"read-{r.label}", self._run_part) for r in self.readers]
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
         self._inflight = [0] * len(self.readers)
         self._since = [0.0] * len(self.readers)  # when the drive last went from idle to busy
+        self._hashed = [0, 0.0]  # bytes hashed by the pool, seconds it took (summed over threads)
         self._lock = threading.Lock()
 
     def submit(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
-               into: memoryview | None = None, check: Callable[[memoryview], None] | None = None) -> int:
+               into: memoryview | None = None, check: Checksum | Callable[[memoryview], None] | None = None) -> int:
         """Read ``nbytes`` of ``path`` on ``drive``; a Completion with ``tag`` lands on ``done``.
 
         ``into`` (an aligned view of ``align_up(nbytes)`` bytes, e.g. one piece's place in a striped
-        expert's buffer) receives the bytes instead of a pooled buffer. ``check(data)`` runs in the reader
-        thread on the bytes read (a checksum: it overlaps the other reads); what it raises is the read's
-        error. Returns the bytes the drive had queued before this read.
+        expert's buffer) receives the bytes instead of a pooled buffer. ``check``: a ``Checksum`` the bytes are
+        hashed against part by part as they land, or a callable run on the whole read once it has landed; both run
+        in the reader threads (overlapping the other reads) and what they raise is the read's error. Returns the
+        bytes the drive had queued before this read.
         """
         with self._lock:
             ahead = self._pending[drive]
             self._pending[drive] += nbytes
         n = min(-(-nbytes // self.part_bytes), MAX_PARTS) if self.part_bytes and nbytes > self.part_bytes else 1
         step = max(align_up(-(-nbytes // n)), ALIGN)
-        starts = range(0, nbytes, step) or range(1)  # a read of 0 bytes is one (empty) part
-        job = _Parts(len(starts), into)
-        for lo in starts:
-            self._exec[drive].submit(self._read, drive, path, nbytes, tag, done, check, job, lo,
-                                     min(nbytes, lo + step))
+        cap = self._cap(drive) if isinstance(check, Checksum) and hashing.streams() else self.threads
+        self._exec[drive].put(_Parts(drive, path, nbytes, tag, done, check, into, step, cap))
         return ahead
+
+    def _cap(self, drive: int) -> int:
+        """Threads one checked read may take while other reads wait: as many as its hash chain (one thread at the
+        hash rate) keeps up with, from this run's rates (a thread's read rate on this drive, the pool's hash rate).
+        From memory (a thread copies ~3 GB/s, xxh3 hashes ~6) that is 2, and the other threads read the next
+        experts; from a disk of 1.5 GB/s (8 threads share it) it is more than the parts, so a read's parts all go
+        at once and it lands after its own bytes' time. Until both rates are measured there is no cap."""
+        with self._lock:
+            c = self.counters[drive]
+            hb, hs = self._hashed
+            if c.busy_seconds <= 0 or c.bytes < (64 << 20) or hs <= 0 or hb < (64 << 20):
+                return self.threads
+            per_thread = c.bytes / c.busy_seconds
+            return max(1, min(self.threads, math.ceil(hb / hs / per_thread)))
 
     def pending_bytes(self) -> list[int]:
         """Bytes each drive still has to read for earlier submissions (the scheduler's queue)."""
         with self._lock:
             return list(self._pending)
 
-    def _read(self, drive: int, path: str, nbytes: int, tag: object, done: queue.SimpleQueue,
-              check: Callable[[memoryview], None] | None, job: _Parts, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) of a read (all of it, or one part: see PART_BYTES); the last part to end checks the whole
-        read and posts its one Completion, its errors included."""
+    def _run_part(self, job: _Parts, i: int) -> None:
+        """Part ``i`` of a read (all of it, or one part: see PART_BYTES); the thread that ends the read (its last
+        part, or its hash chain) checks it and posts its one Completion, its errors included."""
+        drive = job.drive
         reader = self.readers[drive]
+        lo, hi = job.part(i)
         t0 = time.perf_counter()
         with self._lock:
             self._inflight[drive] += 1
@@ -221,12 +311,12 @@ class ReaderPool:
                 self._since[drive] = t0
         err = None
         try:
-            buf = job.buffer(lambda: self._buffer(reader.label, path, nbytes), t0)
+            buf = job.buffer(lambda: self._buffer(reader.label, job.path, job.nbytes), t0)
             if job.error is None:  # a part failed already: the read has failed, the rest is not read
-                got = reader.read_into(path, lo, buf[lo : lo + align_up(hi - lo)])
+                got = reader.read_into(job.path, lo, buf[lo : lo + align_up(hi - lo)])
                 if got < hi - lo:
-                    raise ReadError(f"drive {reader.label}: short read of {path}: {lo + got} of {nbytes} bytes; "
-                                    f"run 'deltafin verify' and repack the bad experts")
+                    raise ReadError(f"drive {reader.label}: short read of {job.path}: {lo + got} of {job.nbytes} "
+                                    f"bytes; run 'deltafin verify' and repack the bad experts")
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which names it
             err = e
         t1 = time.perf_counter()
@@ -234,27 +324,52 @@ class ReaderPool:
             self.counters[drive].busy_seconds += t1 - t0
             self._pending[drive] -= hi - lo
             self._idle(drive, t1)
-        if not job.finish(err):
+        job.end_part(i, err)
+        job.advance_hash()
+        t2 = time.perf_counter()
+        if not job.finished():
+            self._hash_time(job, t2 - t1)
             return
-        if job.error is None and check is not None:
+        if job.error is None and isinstance(job.check, Checksum):
+            got_hex = job.hasher.hexdigest() if job.hasher is not None else xxhash.xxh3_64_hexdigest(
+                job.buf[: job.nbytes])
+            job.hasher = None  # its state is freed now, not when the consumer drops the read
+            if got_hex != job.check.expected:
+                job.error = job.check.error(got_hex)
+        elif job.error is None and job.check is not None:
             try:
-                check(job.buf[:nbytes])
+                job.check(job.buf[: job.nbytes])
             except Exception as e:  # noqa: BLE001
                 job.error = e
-        dt = time.perf_counter() - (job.t0 or t0)
+        t3 = time.perf_counter()
+        self._hash_time(job, t3 - t1)
+        self._post(job, t3)
+
+    def _hash_time(self, job: _Parts, seconds: float) -> None:
+        """Time this thread spent checking after its part (none when it only read)."""
+        if job.check is None or seconds <= 0:
+            return
         with self._lock:
-            c = self.counters[drive]
+            self.counters[job.drive].check_seconds += seconds
+
+    def _post(self, job: _Parts, now: float) -> None:
+        dt = now - (job.t0 or now)
+        with self._lock:
+            c = self.counters[job.drive]
             if job.error is None:
                 c.reads += 1
-                c.bytes += nbytes
+                c.bytes += job.nbytes
+                if isinstance(job.check, Checksum):
+                    self._hashed[0] += job.nbytes
+                    self._hashed[1] = sum(x.check_seconds for x in self.counters)
             else:
                 c.errors += 1
         if job.error is not None:
             if job.pooled and job.buf is not None:
                 self.buffers.put(job.buf)
-            done.put(Completion(tag, drive, path, None, nbytes, dt, job.error))
+            job.done.put(Completion(job.tag, job.drive, job.path, None, job.nbytes, dt, job.error))
             return
-        done.put(Completion(tag, drive, path, job.buf, nbytes, dt))
+        job.done.put(Completion(job.tag, job.drive, job.path, job.buf, job.nbytes, dt))
 
     def _buffer(self, label: str, path: str, nbytes: int) -> memoryview:
         try:
@@ -275,34 +390,56 @@ class ReaderPool:
             ex.shutdown(wait)
 
 
-class _Workers:
-    """``n`` daemon threads running submitted calls in order. Daemon threads, unlike an executor's, are not
-    joined when the interpreter exits: a read that never returns (a hung drive) cannot keep the process
-    from ending after its error was reported."""
+class _DriveQueue:
+    """A drive's ``n`` reader threads and its queue of reads. A thread takes the next part of the oldest read
+    that has fewer threads on it than its cap, else of the oldest read with parts left (never idle while a part
+    waits). Daemon threads, unlike an executor's, are not joined when the interpreter exits: a read that never
+    returns (a hung drive) cannot keep the process from ending after its error was reported."""
 
-    def __init__(self, n: int, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, n: int, name: str, run: Callable[[_Parts, int], None]):
+        self._run_part = run
+        self._cv = threading.Condition()
+        self._jobs: deque[_Parts] = deque()  # reads with parts not yet handed out, oldest first
+        self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
 
-    def submit(self, fn, *args) -> None:
-        self._q.put((fn, args))
+    def put(self, job: _Parts) -> None:
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify(len(job.starts))
+
+    def _take(self) -> tuple[_Parts, int] | None:
+        with self._cv:
+            while not self._jobs and not self._closed:
+                self._cv.wait()
+            if not self._jobs:
+                return None
+            job = next((j for j in self._jobs if j.active < j.cap), self._jobs[0])
+            i = job.next
+            job.next += 1
+            job.active += 1
+            if job.next == len(job.starts):
+                self._jobs.remove(job)
+            return job, i
 
     def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            job[0](*job[1])  # _read posts every outcome, its errors included, as a Completion
+        while (got := self._take()) is not None:
+            job, i = got
+            try:
+                self._run_part(job, i)  # posts every outcome, its errors included, as a Completion
+            finally:
+                with self._cv:
+                    job.active -= 1
 
     def shutdown(self, wait: bool = True) -> None:
-        """Queued calls not yet started are dropped when not waiting."""
-        if not wait:
-            while True:
-                try:
-                    self._q.get_nowait()
-                except queue.Empty:
-                    break
-        for _ in self._threads:
-            self._q.put(None)
+        """Reads not yet started are dropped when not waiting."""
+        with self._cv:
+            if not wait:
+                self._jobs.clear()
+            self._closed = True
+            self._cv.notify_all()
         if wait:
             for t in self._threads:
                 t.join()

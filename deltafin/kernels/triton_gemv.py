@@ -361,11 +361,11 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
     _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
         x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
-        g[0].numel(), slab.scale["gate"][0].numel(), RS=rs,
+        g.stride(0), slab.scale["gate"].stride(0), RS=rs,
         TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec, PF=c.get("prefetch", 0),
         PDL=pdl, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
     _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
-        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(), RS=rs,
+        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0), RS=rs,
         I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
         num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
     from deltafin.kernels.triton import sum_cast  # (triton imports this module)

@@ -185,20 +185,39 @@ def _down_f16_kernel(h_ptr, hi_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_
 class ExpertSlab:
     """Fixed-size expert slots on one device: per role (gate, up, down) a packed-data tensor and a scale
     tensor with a leading slot dimension. ``views(slot)`` gives a slot's tensors (reads land in them);
-    ``slot_of(tensors)`` recognises such views, so a source that fills the slab hands the kernel slots."""
+    ``slot_of(tensors)`` recognises such views, so a source that fills the slab hands the kernel slots.
+
+    With ``layout`` (the experts' file layout, ``store.expert_file.ExpertLayout``) the slab is one byte tensor
+    of whole expert files [slots, file_bytes] and each role's tensors are strided views of it: a read expert
+    file goes into its slot in one host-to-device copy (``write_file``) instead of one per tensor. The kernels
+    take each role's slot stride (``stride(0)``), so both forms run the same launches."""
 
     ROLES = ("gate", "up", "down")
 
-    def __init__(self, slots: int, example: dict, device: torch.device | str):
+    def __init__(self, slots: int, example: dict, device: torch.device | str, layout=None):
         self.format = example["gate"].format
         self.slots = slots
-        self.data = {r: torch.empty((slots, *example[r].data.shape), dtype=example[r].data.dtype, device=device)
-                     for r in self.ROLES}
-        self.scale = {r: torch.empty((slots, *example[r].scale.shape), dtype=example[r].scale.dtype,
-                                     device=device) for r in self.ROLES}
+        self.layout = layout
         self.shapes = {r: example[r].shape for r in self.ROLES}
+        if layout is None:
+            self.bytes = None
+            self.data = {r: torch.empty((slots, *example[r].data.shape), dtype=example[r].data.dtype,
+                                        device=device) for r in self.ROLES}
+            self.scale = {r: torch.empty((slots, *example[r].scale.shape), dtype=example[r].scale.dtype,
+                                         device=device) for r in self.ROLES}
+        else:
+            self.bytes = torch.empty((slots, layout.file_bytes), dtype=torch.uint8, device=device)
+            secs = {t.name: t.sections for t in layout.tensors}
+            self.data = {r: self._section(secs[r][0]) for r in self.ROLES}
+            self.scale = {r: self._section(secs[r][1]) for r in self.ROLES}
         gate = self.data["gate"]  # slot_of runs for every expert of every layer: its constants, once
-        self._base, self._slot_bytes, self._cuda = gate.data_ptr(), gate[0].numel() * gate.element_size(), gate.is_cuda
+        self._base, self._slot_bytes, self._cuda = gate.data_ptr(), gate.stride(0) * gate.element_size(), gate.is_cuda
+
+    def _section(self, sec) -> torch.Tensor:
+        from deltafin.store.expert_file import DTYPES
+
+        raw = self.bytes[:, sec.offset : sec.offset + sec.nbytes]  # [slots, nbytes], rows file_bytes apart
+        return raw.view(DTYPES[sec.dtype]).unflatten(1, sec.shape)
 
     def fits(self, tensors: dict) -> bool:
         return all(r in tensors and getattr(tensors[r], "format", None) == self.format
@@ -215,6 +234,12 @@ class ExpertSlab:
         for r in self.ROLES:
             self.data[r][slot].copy_(tensors[r].data, non_blocking=True)
             self.scale[r][slot].copy_(tensors[r].scale, non_blocking=True)
+
+    def write_file(self, slot: int, data: torch.Tensor) -> None:
+        """A whole expert file (uint8 [file_bytes], pinned host memory for an asynchronous copy) into ``slot``
+        of a slab made with its layout: one copy, ordered on the current stream after earlier reads of it."""
+        assert self.bytes is not None and data.numel() == self.bytes.shape[1], "a file of the slab's layout"
+        self.bytes[slot].copy_(data, non_blocking=True)
 
     def slot_of(self, tensors: dict) -> int | None:
         """The slot whose views ``tensors`` are, or None."""
@@ -331,13 +356,13 @@ def grouped_glu(x: torch.Tensor, slots: torch.Tensor | None, weights: torch.Tens
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
     _gate_up_kernel[(nb, triton.cdiv(I, c["BN"]))](
         x, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x.stride(0),
-        g[0].numel(), slab.scale["gate"][0].numel(),
+        g.stride(0), slab.scale["gate"].stride(0),
         TOPK=k, K=K, I=I, FMT=fmt, ACT=act, BETA=beta, LBETA=lbeta, IEEE=ieee,
         BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _down_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
-        h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
+        h, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0),
         I=I, D=D, FMT=fmt, IEEE=ieee, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"],
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)  # each token's k rows in slot order
@@ -355,14 +380,14 @@ def _grouped_f16(x: torch.Tensor, p: MoePlan, weights: torch.Tensor, slab: Exper
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
     _gate_up_f16_kernel[(nb, triton.cdiv(I, c["BN"]))](
         x16, xi, p.rows, p.blk, g, slab.scale["gate"], u, slab.scale["up"], h, x16.stride(0),
-        g[0].numel(), slab.scale["gate"][0].numel(), TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta,
+        g.stride(0), slab.scale["gate"].stride(0), TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta,
         BT=c["BT"], BN=c["BN"], BK=c["BK"], KBP=triton.next_power_of_2(K // 32),
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     h16, hi = fp16_rows(h)
     y = torch.empty(T * k, D, device=dev, dtype=torch.float32)  # every pair row is written
     rw = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     _down_f16_kernel[(nb, triton.cdiv(D, c["BN_down"]))](
-        h16, hi, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn[0].numel(), slab.scale["down"][0].numel(),
+        h16, hi, p.rows, p.blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0),
         I=I, D=D, BT=c["BT"], BN=c["BN_down"], BK=c["BK_down"], KBP=triton.next_power_of_2(I // 32),
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from deltafin.errors import DeltafinError, ReadError
-from deltafin.io.pool import Completion
+from deltafin.io.pool import Checksum, Completion
 from deltafin.io.schedule import Piece, ReadRequest, ScheduledRead, schedule_layer
 from deltafin.store import expert_file as ef
 
@@ -260,8 +260,5 @@ def deadline_rate(gbps: float, seen, min_bytes: int = 256 << 20) -> float:
     return rate
 
 
-def _checker(expected: str, path: str, fix: str):
-    def check(data: memoryview) -> None:
-        ef.check(data, expected, path, fix)
-
-    return check
+def _checker(expected: str, path: str, fix: str) -> Checksum:
+    return Checksum(expected, lambda got: ef.checksum_error(path, expected, got, fix))

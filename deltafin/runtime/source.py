@@ -120,16 +120,20 @@ class StreamingExperts:
         math (`bench prefill` on a 2-core VM: 0.5-5.9 s of system time a run with fresh buffers, 0.2-0.3 s with its
         65 Kimi K3-size buffers, 1.14 GB, mapped at open, which took 0.3-0.8 s).
         Nothing is reserved with an unbounded read-ahead (0), for pinned (CUDA) pools, or past an eighth of the
-        memory available. Returns and records (buffers, bytes, seconds)."""
+        memory available. On CUDA they are page-locked (one allocation), so each lands in its slab slot by DMA,
+        with room for the copies still in flight (``SCRATCH_SLOTS``). Returns and records (buffers, bytes,
+        seconds)."""
         m = self.model
         layers = m.moe_layers
-        if not layers or not self.read_ahead or self.pool.buffers.pin:
+        if not layers or not self.read_ahead:
             return self.reserved
         sizes = Counter(m.file_bytes(L) for L in layers)
         nbytes = max(sizes, key=lambda n: (sizes[n], n))  # the common size (every layer's, in the usual model)
         own = sum(getattr(r, "reads", True) for r in self.readers)  # a cluster rank reads its own drives only
         lanes = min(1, own) if all(m.stripe(L) is not None for L in layers) else own
         count = lanes * min(self.read_ahead, m.num_experts) + 1
+        if self.pool.buffers.pin:
+            count += min(self.SCRATCH_SLOTS, m.num_experts)  # read while earlier ones still copy to the device
         import psutil
 
         count = min(count, psutil.virtual_memory().available // 8 // align_up(nbytes))
@@ -184,9 +188,10 @@ class StreamingExperts:
         data = buf[:nbytes]
         self.stats.bytes_read += nbytes
         self.stats.reads += 1
-        tensors = ef.decode(data, where=where)
-        if self.device.type == "cuda" and self._slab_ready(tensors, nbytes):
-            tensors = self._to_slot(layer, e, tensors, nbytes)
+        layout, _, _ = ef.parse_header(data, where)
+        tensors = ef.decode(data, layout, where)
+        if self.device.type == "cuda" and self._slab_ready(tensors, nbytes, layout):
+            tensors = self._to_slot(layer, e, tensors, nbytes, data)
             self._release_after_copy(buf)
         elif self.device.type != "cpu":
             tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
@@ -200,8 +205,9 @@ class StreamingExperts:
 
     SCRATCH_SLOTS = 64
 
-    def _slab_ready(self, tensors: dict, nbytes: int) -> bool:
-        """True when ``tensors`` go into the slab (created at the first expert of a kernel format)."""
+    def _slab_ready(self, tensors: dict, nbytes: int, layout) -> bool:
+        """True when ``tensors`` go into the slab (created at the first expert of a kernel format, as whole
+        files of its ``layout``: one host-to-device copy an expert)."""
         from deltafin.kernels.triton_moe import MOE_FORMATS, ExpertSlab
 
         if self.slab is None:
@@ -215,9 +221,9 @@ class StreamingExperts:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 slots = min(slots, max(int(free - (2 << 30)) // nbytes - self.SCRATCH_SLOTS, 0))
             self._slab_cache_slots = slots
-            self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device)
+            self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device, layout)
             self._free = list(range(self._slab_cache_slots))
-        return self.slab.fits(tensors)
+        return self.slab.layout == layout and self.slab.fits(tensors)
 
     def _take_slot(self) -> tuple[int | None, bool]:
         """(slot, cached): a free cache slot (evicting the least recent expert not in use by this layer),
@@ -235,11 +241,12 @@ class StreamingExperts:
                 return s, False
         return None, False
 
-    def _to_slot(self, layer: int, e: int, tensors: dict, nbytes: int) -> dict:
+    def _to_slot(self, layer: int, e: int, tensors: dict, nbytes: int, data: memoryview) -> dict:
         slot, cached = self._take_slot()
         if slot is None:  # every slot is in use by this layer: a plain device copy
             return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-        self.slab.write(slot, tensors)  # stream-ordered after any launch that read the slot before
+        # the whole file in one copy, stream-ordered after any launch that read the slot before
+        self.slab.write_file(slot, torch.frombuffer(data, dtype=torch.uint8, count=nbytes))
         views = self.slab.views(slot)
         self._busy.add(slot)
         if cached:
@@ -270,7 +277,7 @@ class StreamingExperts:
 
     def per_drive(self) -> dict[str, dict]:
         return {r.label: {"reads": c.reads, "bytes": c.bytes, "busy_s": c.busy_seconds, "errors": c.errors,
-                          "active_s": c.active_seconds}
+                          "active_s": c.active_seconds, "check_s": c.check_seconds}
                 for r, c in zip(self.readers, self.pool.counters, strict=True)}
 
     def close(self) -> None:

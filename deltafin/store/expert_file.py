@@ -304,4 +304,8 @@ def fsync_dir(path: str) -> None:
 def check(data: bytes | memoryview, expected: str, where: str, fix: str) -> None:
     got = checksum(data)
     if got != expected:
-        raise ExpertChecksumError(f"{where}: checksum mismatch (expected {expected}, got {got}); {fix}")
+        raise checksum_error(where, expected, got, fix)
+
+
+def checksum_error(where: str, expected: str, got: str, fix: str) -> ExpertChecksumError:
+    return ExpertChecksumError(f"{where}: checksum mismatch (expected {expected}, got {got}); {fix}")

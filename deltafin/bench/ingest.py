@@ -1,0 +1,462 @@
+"""``deltafin bench ingest``: the expert ingestion path stage by stage, each stage beside its own limit.
+
+Measured in one run over one synthetic model of Kimi K3-size expert files (``bench.synthetic``), in GB/s of
+expert bytes:
+
+* limits: a memory copy on every core, xxh3-64 on one core and on every core, page-locked host -> device
+  (CUDA), the layer's expert math with the weights already in memory, and, at each reads-in-flight setting,
+  the raw rate of whole-file reads of the same files;
+* the engine end to end (``StreamingExperts.fetch``, as decode uses it, cold): reads alone, checked and not,
+  and full decode (reads + the layer's expert math on the device), with the time the reader threads spent
+  checking;
+* ``--offered``: the same files served by an emulated drive at each offered rate (``deltafin.io.emulator``):
+  delivered / offered on the CPU and on CUDA, the curve (``--plot``);
+* ``--drives SPEC`` (``report4``: the public Kimi K3 write-up's four drives, 25 GB/s summed): decode at Kimi
+  K3's shape (``--k3-shape``: 92 MoE layers x 16 experts a token) through those emulated drives, tok/s beside
+  the bound of the set for the same routes.
+
+Targets (``deltafin bench ingest --help``): reads alone >= 0.9 of the raw rate at every setting; full decode
+>= 0.9 of min(raw, host -> device) on CUDA and >= 0.8 of raw on the CPU, the step within 1.15x of
+max(I/O, math).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deltafin.bench.synthetic import K3_ACT, K3_LATENT, write_synthetic
+
+K3_MOE_LAYERS = 92  # Kimi K3: 93 layers, the first dense
+K3_TOPK = 16
+
+
+def add_args(sub) -> None:
+    b = sub.add_parser("ingest", help="the expert ingestion path stage by stage (reads, checksums, host->device, "
+                                      "math), each beside its limit, and GB/s delivered against the rate offered")
+    b.add_argument("--dir", default=None, help="scratch folder (on the drive to measure, or /dev/shm for memory)")
+    b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic model")
+    b.add_argument("--experts", type=int, default=64, help="experts per layer")
+    b.add_argument("--k", type=int, default=K3_TOPK, help="experts routed per token per layer")
+    b.add_argument("--tokens", type=int, default=6, help="tokens decoded per measurement")
+    b.add_argument("--threads", default="8,32", help="reads in flight to measure, comma-separated")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--offered", default="", help="offered rates in GB/s for the curve, e.g. 2,5,10,25,50")
+    b.add_argument("--drives", default="", help="emulated drive set for a decode at the drives' rates, "
+                                                "e.g. report4 (7 + 3 x 6 GB/s)")
+    b.add_argument("--k3-shape", action="store_true",
+                   help="with --drives: Kimi K3's shape, 92 MoE layers x 16 experts a token (writes ~32 GB)")
+    b.add_argument("--plot", metavar="PNG", help="draw the offered/delivered curve")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", metavar="PATH")
+
+
+@dataclass
+class Pass:
+    """One cold decode pass through the engine's source."""
+
+    seconds: float
+    bytes: int
+    check_s: float
+    math_s: float
+    io_wait_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+
+def routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> list[dict[int, list[int]]]:
+    rng = random.Random(seed)
+    return [{L: sorted(rng.sample(range(experts), k)) for L in layers} for _ in range(tokens)]
+
+
+# ---------------------------------------------------------------------------------------------- limits
+
+
+def _threads(n: int, fn) -> float:
+    """Run fn(i) on n threads at once; the wall seconds."""
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def memcpy_gbps(threads: int, nbytes: int = 64 << 20, rounds: int = 4) -> float:
+    """Bytes copied per second by ``threads`` threads at once (numpy copies release the GIL), each between its
+    own buffers larger than the caches: what a read served from memory (page cache, tmpfs) can reach."""
+    src = [np.full(nbytes, i + 1, dtype=np.uint8) for i in range(threads)]
+    dst = [np.empty(nbytes, dtype=np.uint8) for _ in range(threads)]
+    for d, s in zip(dst, src, strict=True):
+        np.copyto(d, s)  # pages mapped outside the timing
+
+    def work(i: int) -> None:
+        for _ in range(rounds):
+            np.copyto(dst[i], src[i])
+
+    return threads * rounds * nbytes / _threads(threads, work) / 1e9
+
+
+def xxh3_gbps_threads(threads: int, nbytes: int, total_per_thread: int = 256 << 20) -> float:
+    """xxh3-64 over ``nbytes`` buffers on ``threads`` threads at once (xxhash releases the GIL)."""
+    import xxhash
+
+    per = max(2, -(-total_per_thread // nbytes))
+    bufs = [[np.full(nbytes, (i + j) % 251, dtype=np.uint8) for j in range(per)] for i in range(threads)]
+
+    def work(i: int) -> None:
+        for b in bufs[i]:
+            xxhash.xxh3_64_intdigest(b)
+
+    work(0)
+    return threads * per * nbytes / _threads(threads, work) / 1e9
+
+
+def h2d_gbps(nbytes: int, copies: int = 16) -> float:
+    """Page-locked host -> device copies of ``nbytes`` (an expert file), back to back, timed with events."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(7)
+    dst = torch.empty(copies, nbytes, dtype=torch.uint8, device="cuda")
+    for i in range(copies):
+        dst[i].copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        a.record()
+        for i in range(copies):
+            dst[i].copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return copies * nbytes / best / 1e9
+
+
+def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
+    """The expert math of one token's layers with every expert already in memory (the math's limit): on CUDA
+    the grouped kernels over a slab, as decode runs them; on the CPU the fused expert one by one."""
+    L0, ids = next(iter(step.items()))
+    experts = [pm.read_expert(L0, e, verify=False) for e in ids]
+    if device == "cuda":
+        from deltafin.kernels import cuda as kc
+        from deltafin.kernels.triton_moe import ExpertSlab
+
+        slab = ExpertSlab.stack([{k: v.to("cuda") for k, v in t.items()} for t in experts], "cuda")
+        got = [(e, slab.views(i)) for i, e in enumerate(ids)]
+        x = torch.randn(1, K3_LATENT, device="cuda", dtype=torch.bfloat16)
+        ids_host = torch.tensor([ids], dtype=torch.int64)
+        w = torch.full((1, len(ids)), 1.0 / len(ids), device="cuda")
+        for _ in range(3):
+            kc.grouped_moe(x, ids_host, w, got, K3_ACT, slab)
+        torch.cuda.synchronize()
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            kc.grouped_moe(x, ids_host, w, got, K3_ACT, slab)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * len(step)
+    from deltafin.bench.decode import situ_glu_expert
+
+    x = torch.randn(1, K3_LATENT)
+    situ_glu_expert(x, experts[0])
+    t0 = time.perf_counter()
+    for t in experts:
+        situ_glu_expert(x, t)
+    return (time.perf_counter() - t0) * len(step)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, verify: bool, math: bool,
+                readers=None) -> Pass:
+    """Decode ``rts`` cold through a fresh source (read buffers mapped at open, outside the timing)."""
+    from deltafin.runtime.source import StreamingExperts
+
+    src = StreamingExperts(pm, cache_bytes=0, threads=threads, device=device, verify=verify, readers=readers)
+    layer = _layer_fn(device, math)
+    try:
+        t0 = time.perf_counter()
+        for step in rts:
+            for L, ids in step.items():
+                layer(src, L, ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        st = src.stats
+        check = sum(c.check_seconds for c in src.pool.counters)
+        return Pass(wall, st.bytes_read, check, st.expert_math_s, st.io_wait_s)
+    finally:
+        src.close()
+
+
+def _layer_fn(device: str, math: bool):
+    """One MoE layer of decode as the engine runs it: on CUDA every expert lands in the slab, then the grouped
+    kernels run once (one synchronisation a layer, the routing's); on the CPU each expert's fused math runs as
+    it lands."""
+    if not math:
+        def io_only(src, L, ids):
+            for _ in src.fetch(L, ids):
+                pass
+        return io_only
+    if device == "cuda":
+        from deltafin.kernels import cuda as kc
+
+        x = torch.randn(1, K3_LATENT, device="cuda", dtype=torch.bfloat16)
+
+        def cuda_layer(src, L, ids):
+            got = list(src.fetch(L, ids))
+            w = torch.full((1, len(ids)), 1.0 / len(ids), device="cuda")
+            kc.grouped_moe(x, torch.tensor([ids], dtype=torch.int64), w, got, K3_ACT, src.slab)
+        return cuda_layer
+    from deltafin.bench.decode import situ_glu_expert
+
+    xc = torch.randn(1, K3_LATENT)
+
+    def cpu_layer(src, L, ids):
+        for _, t in src.fetch(L, ids):
+            situ_glu_expert(xc, t)
+    return cpu_layer
+
+
+def routes_bound_s(pm, rts: list[dict[int, list[int]]], rates: list[float]) -> float:
+    """Seconds the drives need for ``rts`` at ``rates`` (GB/s), each layer waiting for its slowest drive: the
+    read bound of those routes on that placement (each expert read from its first copy)."""
+    total = 0.0
+    for step in rts:
+        for L, ids in step.items():
+            per = [0] * len(rates)
+            for e in ids:
+                per[pm.locations(L, e)[0]] += pm.file_bytes(L)
+            total += max(b / (r * 1e9) for b, r in zip(per, rates, strict=True))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def _numbers(text: str, what: str, kind, example: str) -> list:
+    """A comma-separated list of numbers above 0 (``kind``: int or float), or one line naming it and the fix."""
+    from deltafin.errors import UsageError
+
+    try:
+        vals = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(not (0 < v < 1e4) for v in vals):
+        raise UsageError(f"bench ingest: {what} {text!r}: give a comma-separated list of numbers above 0, "
+                         f"e.g. {what} {example}")
+    return vals
+
+
+def check_args(args) -> None:
+    """Every argument checked before anything is written."""
+    from deltafin.errors import UsageError
+
+    if args.layers < 1 or args.experts < 1 or args.tokens < 1 or args.k < 1:
+        raise UsageError("bench ingest: need --layers, --experts, --tokens and --k of at least 1")
+    if args.k > args.experts:
+        raise UsageError(f"bench ingest: --k {args.k} routes more experts than a layer has (--experts "
+                         f"{args.experts}); lower --k or raise --experts")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("bench ingest: --device cuda but no CUDA device is visible; use --device cpu")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise UsageError(f"bench ingest: --dir {args.dir}: no such folder; create it or pick another")
+    if args.k3_shape and not args.drives:
+        raise UsageError("bench ingest: --k3-shape applies to the decode through --drives; add --drives report4")
+    args.threads_list = _numbers(args.threads, "--threads", int, "8,32")
+    args.offered_list = _numbers(args.offered, "--offered", float, "2,5,10,25,50") if args.offered else []
+    if args.drives:
+        from deltafin.io.emulator import parse_spec
+
+        args.drive_models = parse_spec(args.drives)
+
+
+def run(args) -> dict:
+    check_args(args)
+    from deltafin import kernels
+
+    with kernels.math(False, args.device):
+        return _run(args)
+
+
+def _run(args) -> dict:
+    from deltafin.bench.disk import raw_read_gbps
+    from deltafin.store.model_dir import PackedModel
+
+    work = tempfile.mkdtemp(prefix="deltafin-bench-ingest-", dir=args.dir)
+    cores = os.cpu_count() or 1
+    rec: dict = {"bench": "ingest", "device": args.device, "cores": cores, "layers": args.layers,
+                 "experts": args.experts, "k": args.k, "tokens": args.tokens}
+    try:
+        root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
+                               args.layers, args.experts, seed=args.seed)
+        pm = PackedModel.open(root)
+        nbytes = pm.file_bytes(pm.moe_layers[0])
+        rts = routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
+        paths = [pm.expert_path(L, e) for L in pm.moe_layers for e in range(pm.num_experts)]
+        rec["expert_file_bytes"] = nbytes
+        lim = rec["limits"] = {
+            "memcpy_GBps": memcpy_gbps(cores), "xxh3_1core_GBps": xxh3_gbps_threads(1, nbytes),
+            f"xxh3_{cores}cores_GBps": xxh3_gbps_threads(cores, nbytes),
+            "math_s_per_token": layer_math_s(pm, rts[0], args.device),
+        }
+        if args.device == "cuda":
+            lim["h2d_pinned_GBps"] = h2d_gbps(nbytes)
+        _print_limits(rec)
+        rec["settings"] = []
+        for t in args.threads_list:
+            raw = raw_read_gbps(paths, nbytes, t)
+            row = {"in_flight": t, "raw_GBps": raw}
+            for name, verify, math in (("io_verified", True, False), ("io_unverified", False, False),
+                                       ("full", True, True)):
+                p = decode_pass(pm, rts, t, args.device, verify, math)
+                row[name] = _pass_doc(p)
+            row["raw_GBps_after"] = raw_read_gbps(paths, nbytes, t)
+            row["raw_GBps"] = max(raw, row["raw_GBps_after"])  # the stricter of the two probes
+            _rate_ratios(row, rec, args.device)
+            rec["settings"].append(row)
+            _print_row(row, args.device)
+        if args.offered_list:
+            rec["curve"] = offered_curve(pm, rts, args.offered_list, max(args.threads_list), args.device)
+            if args.plot:
+                plot_curve(rec["curve"], args.plot)
+        if args.drives:
+            rec["drive_set"] = drive_set_decode(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        from deltafin.store.manifest import write_json_atomic
+
+        write_json_atomic(args.json, rec)
+    return rec
+
+
+def _pass_doc(p: Pass) -> dict:
+    return {"GBps": p.gbps, "seconds": p.seconds, "bytes": p.bytes, "check_s": p.check_s,
+            "check_cores": p.check_s / p.seconds, "io_wait_s": p.io_wait_s}
+
+
+def _rate_ratios(row: dict, rec: dict, device: str) -> None:
+    raw = row["raw_GBps"]
+    row["io_over_raw"] = row["io_verified"]["GBps"] / raw
+    row["io_unverified_over_raw"] = row["io_unverified"]["GBps"] / raw
+    limit = min(raw, rec["limits"]["h2d_pinned_GBps"]) if device == "cuda" else raw
+    row["full_limit_GBps"] = limit
+    row["full_over_limit"] = row["full"]["GBps"] / limit
+    io_s = row["full"]["bytes"] / (raw * 1e9)
+    math_s = rec["limits"]["math_s_per_token"] * rec["tokens"]
+    row["step_over_bound"] = row["full"]["seconds"] / max(io_s, math_s)
+
+
+def offered_curve(pm, rts, offered: list[float], threads: int, device: str) -> list[dict]:
+    """Delivered GB/s against an emulated drive offering each rate (same files, same routes)."""
+    from deltafin.io.emulator import emulated_readers
+
+    out = []
+    devices = ["cpu", "cuda"] if device == "cuda" else ["cpu"]
+    for gbps in offered:
+        row = {"offered_GBps": gbps}
+        for dev in devices:
+            readers = emulated_readers(f"d0:{gbps}GBps,lat=80us", pm)
+            p = decode_pass(pm, rts, threads, dev, True, True, readers=readers)
+            row[f"{dev}_GBps"] = p.gbps
+            row[f"{dev}_over_offered"] = p.gbps / gbps
+        out.append(row)
+        print(f"curve: offered {gbps:.1f} GB/s -> "
+              + ", ".join(f"{d} {row[f'{d}_GBps']:.2f} GB/s ({row[f'{d}_over_offered']:.2f})" for d in devices),
+              flush=True)
+    return out
+
+
+def drive_set_decode(args, work: str) -> dict:
+    """Decode through an emulated drive set (files on the scratch folder, one folder a drive, placed by the
+    drives' rates), at Kimi K3's shape with --k3-shape: tok/s beside the set's bound for the same routes."""
+    from deltafin.io.emulator import emulated_readers
+    from deltafin.store.model_dir import PackedModel
+
+    models = args.drive_models
+    layers, experts = (K3_MOE_LAYERS, 20) if args.k3_shape else (args.layers, args.experts)
+    k = K3_TOPK if args.k3_shape else args.k
+    tokens = 2 if args.k3_shape else args.tokens
+    drives = [(m.label, os.path.join(work, f"set-{m.label}"), m.gbps) for m in models]
+    root = write_synthetic(os.path.join(work, "set-model"), drives, layers, experts, seed=args.seed + 1)
+    pm = PackedModel.open(root)
+    rts = routes(pm.moe_layers, pm.num_experts, k, tokens, args.seed + 1)
+    rates = [m.gbps for m in models]
+    bound = routes_bound_s(pm, rts, rates)
+    summed = sum(rates)
+    per_token = k * len(pm.moe_layers) * pm.file_bytes(pm.moe_layers[0])
+    out = {"spec": args.drives, "summed_GBps": summed, "moe_layers": layers, "k": k, "tokens": tokens,
+           "bytes_per_token": per_token, "ideal_tok_s": summed * 1e9 / per_token,
+           "routes_bound_tok_s": tokens / bound}
+    devices = ["cpu", "cuda"] if args.device == "cuda" else ["cpu"]
+    threads = max(args.threads_list) // max(len(models), 1) or 1
+    for dev in devices:
+        readers = emulated_readers(args.drives, pm)
+        p = decode_pass(pm, rts, threads, dev, True, True, readers=readers)
+        out[dev] = {"tok_s": tokens / p.seconds, "GBps": p.gbps, "over_bound": (tokens / p.seconds) /
+                    (tokens / bound), "check_cores": p.check_s / p.seconds}
+        print(f"drives {args.drives} ({summed:.1f} GB/s summed), {layers} MoE layers x {k} experts a token "
+              f"({per_token / 1e9:.1f} GB), {dev}: {tokens / p.seconds:.3f} tok/s ({p.gbps:.2f} GB/s) vs the "
+              f"set's bound for these routes {tokens / bound:.3f} tok/s = {out[dev]['over_bound']:.2f} "
+              f"(ideal split {out['ideal_tok_s']:.3f} tok/s; target >= 0.90)", flush=True)
+    shutil.rmtree(os.path.join(work, "set-model"), ignore_errors=True)
+    for _, path, _ in drives:
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def plot_curve(curve: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["offered_GBps"] for r in curve]
+    ax.plot(xs, xs, "k--", lw=1, label="offered")
+    for dev in ("cpu", "cuda"):
+        if f"{dev}_GBps" in curve[0]:
+            ax.plot(xs, [r[f"{dev}_GBps"] for r in curve], "o-", label=f"delivered, full decode, {dev}")
+    ax.set_xlabel("rate offered by the drives (GB/s)")
+    ax.set_ylabel("expert bytes delivered (GB/s)")
+    ax.set_title("Deltafin expert ingestion: delivered against offered")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def _print_limits(rec: dict) -> None:
+    lim, c = rec["limits"], rec["cores"]
+    line = (f"ingest limits ({rec['device']}, {c} cores, {rec['expert_file_bytes'] / 1e6:.2f} MB expert files): "
+            f"memory copy {lim['memcpy_GBps']:.1f} GB/s on {c} threads; xxh3 {lim['xxh3_1core_GBps']:.2f} GB/s on "
+            f"one core, {lim[f'xxh3_{c}cores_GBps']:.1f} on {c}; expert math "
+            f"{lim['math_s_per_token'] * 1e3:.2f} ms a token ({rec['layers']} layers x {rec['k']})")
+    if "h2d_pinned_GBps" in lim:
+        line += f"; page-locked host->device {lim['h2d_pinned_GBps']:.1f} GB/s"
+    print(line, flush=True)
+
+
+def _print_row(row: dict, device: str) -> None:
+    f = row["full"]
+    print(f"{row['in_flight']} in flight: raw {row['raw_GBps']:.2f} GB/s; reads alone {row['io_verified']['GBps']:.2f} "
+          f"GB/s = {row['io_over_raw']:.2f} of raw (target >= 0.90; checksums on "
+          f"{row['io_verified']['check_cores']:.1f} cores), unchecked {row['io_unverified']['GBps']:.2f} = "
+          f"{row['io_unverified_over_raw']:.2f}; full decode on {device} {f['GBps']:.2f} GB/s = "
+          f"{row['full_over_limit']:.2f} of {row['full_limit_GBps']:.2f} (target >= "
+          f"{0.9 if device == 'cuda' else 0.8:.2f}), step {row['step_over_bound']:.2f}x max(I/O, math) "
+          f"(target <= 1.15)", flush=True)
