@@ -68,6 +68,8 @@ class Pass:
     check_s: float
     math_s: float
     io_wait_s: float
+    first_ms: float = 0.0  # median, over layers, from the layer's fetch to its first expert landing
+    layer_ms: float = 0.0  # median time of a layer's fetch
 
     @property
     def gbps(self) -> float:
@@ -185,19 +187,39 @@ def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, 
 
     src = StreamingExperts(pm, cache_bytes=0, threads=threads, device=device, verify=verify, readers=readers)
     layer = _layer_fn(device, math)
+    marks: list[tuple[float, float, float]] = []
     try:
         t0 = time.perf_counter()
         for step in rts:
             for L, ids in step.items():
-                layer(src, L, ids)
+                layer(_Marked(src, marks), L, ids)
         if device == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         st = src.stats
         check = sum(c.check_seconds for c in src.pool.counters)
-        return Pass(wall, st.bytes_read, check, st.expert_math_s, st.io_wait_s)
+        first = sorted((f - a) * 1e3 for a, f, _ in marks)
+        whole = sorted((b - a) * 1e3 for a, _, b in marks)
+        return Pass(wall, st.bytes_read, check, st.expert_math_s, st.io_wait_s, first[len(first) // 2],
+                    whole[len(whole) // 2])
     finally:
         src.close()
+
+
+class _Marked:
+    """A source whose fetches note (start, first expert landed, last expert landed)."""
+
+    def __init__(self, src, marks: list):
+        self.src, self.marks, self.slab = src, marks, src.slab
+
+    def fetch(self, L, ids):
+        t0 = time.perf_counter()
+        first = None
+        for item in self.src.fetch(L, ids):
+            first = first or time.perf_counter()
+            yield item
+        self.slab = self.src.slab
+        self.marks.append((t0, first or t0, time.perf_counter()))
 
 
 def _layer_fn(device: str, math: bool):
@@ -328,7 +350,9 @@ def _run(args) -> dict:
             rec["settings"].append(row)
             _print_row(row, args.device)
         if args.offered_list:
-            rec["curve"] = offered_curve(pm, rts, args.offered_list, max(args.threads_list), args.device)
+            best = max(rec["settings"], key=lambda r: r["full"]["GBps"])["in_flight"]  # the curve at the best setting
+            rec["curve_in_flight"] = best
+            rec["curve"] = offered_curve(pm, rts, args.offered_list, best, args.device)
             if args.plot:
                 plot_curve(rec["curve"], args.plot)
         if args.drives:
@@ -344,11 +368,13 @@ def _run(args) -> dict:
 
 def _pass_doc(p: Pass) -> dict:
     return {"GBps": p.gbps, "seconds": p.seconds, "bytes": p.bytes, "check_s": p.check_s,
-            "check_cores": p.check_s / p.seconds, "io_wait_s": p.io_wait_s}
+            "check_cores": p.check_s / p.seconds, "io_wait_s": p.io_wait_s, "first_ms": p.first_ms,
+            "layer_ms": p.layer_ms}
 
 
 def _rate_ratios(row: dict, rec: dict, device: str) -> None:
     raw = row["raw_GBps"]
+    row["layer_ms_at_raw"] = rec["k"] * rec["expert_file_bytes"] / (raw * 1e9) * 1e3
     row["io_over_raw"] = row["io_verified"]["GBps"] / raw
     row["io_unverified_over_raw"] = row["io_unverified"]["GBps"] / raw
     limit = min(raw, rec["limits"]["h2d_pinned_GBps"]) if device == "cuda" else raw
@@ -401,7 +427,7 @@ def drive_set_decode(args, work: str) -> dict:
            "bytes_per_token": per_token, "ideal_tok_s": summed * 1e9 / per_token,
            "routes_bound_tok_s": tokens / bound}
     devices = ["cpu", "cuda"] if args.device == "cuda" else ["cpu"]
-    threads = max(args.threads_list) // max(len(models), 1) or 1
+    threads = max(1, max(args.threads_list) // len(models))  # the reads in flight shared by the drives
     for dev in devices:
         readers = emulated_readers(args.drives, pm)
         p = decode_pass(pm, rts, threads, dev, True, True, readers=readers)
@@ -456,7 +482,8 @@ def _print_row(row: dict, device: str) -> None:
     print(f"{row['in_flight']} in flight: raw {row['raw_GBps']:.2f} GB/s; reads alone {row['io_verified']['GBps']:.2f} "
           f"GB/s = {row['io_over_raw']:.2f} of raw (target >= 0.90; checksums on "
           f"{row['io_verified']['check_cores']:.1f} cores), unchecked {row['io_unverified']['GBps']:.2f} = "
-          f"{row['io_unverified_over_raw']:.2f}; full decode on {device} {f['GBps']:.2f} GB/s = "
+          f"{row['io_unverified_over_raw']:.2f} (a layer {row['io_unverified']['layer_ms']:.1f} ms, first expert "
+          f"{row['io_unverified']['first_ms']:.1f} ms, at raw {row['layer_ms_at_raw']:.1f}); full decode on {device} {f['GBps']:.2f} GB/s = "
           f"{row['full_over_limit']:.2f} of {row['full_limit_GBps']:.2f} (target >= "
           f"{0.9 if device == 'cuda' else 0.8:.2f}), step {row['step_over_bound']:.2f}x max(I/O, math) "
           f"(target <= 1.15)", flush=True)
