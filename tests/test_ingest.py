@@ -86,15 +86,17 @@ def test_the_threads_a_checked_read_takes_follow_the_hash_and_read_rates(tmp_pat
     pool._hashed = [200 << 20, (200 << 20) / 6e9]  # 6 GB/s hashing
     assert pool._cap(0) == 2
     files = {}
-    for name in "abc":
-        files[name] = os.urandom(8 * 8192)
+    for name, parts in (("a", 8), ("b", 24), ("c", 8)):  # b outlasts a: a's threads never lack other work
+        files[name] = os.urandom(parts * 8192)
         (tmp_path / name).write_bytes(files[name])
     done: queue.SimpleQueue = queue.SimpleQueue()
     for name in "ab":
-        pool.submit(0, str(tmp_path / name), 8 * 8192, name, done, check=_checksum(tmp_path / name, files[name]))
+        pool.submit(0, str(tmp_path / name), len(files[name]), name, done,
+                    check=_checksum(tmp_path / name, files[name]))
     for _ in "ab":
         assert done.get(timeout=30).error is None
-    assert reader.peak[str(tmp_path / "a")] == 2 and reader.peak[str(tmp_path / "b")] == 2
+    assert reader.peak[str(tmp_path / "a")] == 2  # b waited for threads meanwhile
+    assert reader.peak[str(tmp_path / "b")] > 2  # once a was done, b took the free threads
     pool.submit(0, str(tmp_path / "c"), 8 * 8192, "c", done, check=_checksum(tmp_path / "c", files["c"]))
     assert done.get(timeout=30).error is None
     assert reader.peak[str(tmp_path / "c")] == 4  # alone: every thread on it

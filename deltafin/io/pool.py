@@ -249,6 +249,7 @@ class ReaderPool:
     threads: int = 4
     buffers: BufferPool = field(default_factory=BufferPool)
     part_bytes: int = PART_BYTES  # reads longer than this go in parts of at most this size (0: whole reads)
+    check_on_readers: bool = True  # a reader hashes the part it read at once (in cache); False: checking threads
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -257,7 +258,8 @@ class ReaderPool:
         # checking threads: a reader thread hands each ended part over and goes on reading (a thread hashing is a
         # read not in flight); about one checker for two readers (a read from memory runs ~3 GB/s a thread, xxh3
         # ~6-7), never more than the cores
-        self._verify = _Checkers(min(os.cpu_count() or 1, max(1, -(-self.threads * len(self.readers) // 2))),
+        self._verify = _Checkers(0 if self.check_on_readers else
+                                 min(os.cpu_count() or 1, max(1, -(-self.threads * len(self.readers) // 2))),
                                  self._check_step)
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
@@ -288,7 +290,7 @@ class ReaderPool:
     def _cap(self, drive: int) -> int:
         """Threads one checked read may take while other reads wait: as many as its hash chain (one thread at the
         hash rate) keeps up with, from this run's rates (a thread's read rate on this drive, the pool's hash rate).
-        From memory (a thread copies ~3 GB/s, xxh3 hashes ~6) that is 2, and the other threads read the next
+        From memory (a thread copies ~3 GB/s, xxh3 hashes ~6) that is 1, and the other threads read the next
         experts; from a disk of 1.5 GB/s (8 threads share it) it is more than the parts, so a read's parts all go
         at once and it lands after its own bytes' time. Until both rates are measured there is no cap."""
         with self._lock:
@@ -297,7 +299,7 @@ class ReaderPool:
             if c.busy_seconds <= 0 or c.bytes < (64 << 20) or hs <= 0 or hb < (64 << 20):
                 return self.threads
             per_thread = c.bytes / c.busy_seconds
-            return max(1, min(self.threads, math.ceil(hb / hs / per_thread)))
+            return max(1, min(self.threads, math.floor(hb / hs / per_thread)))
 
     def pending_bytes(self) -> list[int]:
         """Bytes each drive still has to read for earlier submissions (the scheduler's queue)."""
@@ -334,8 +336,10 @@ class ReaderPool:
         if job.check is None:
             if job.finished():
                 self._post(job, t1)
-            return
-        self._verify.put(job)  # the checksum goes on beside the next reads, on the checking threads
+        elif self.check_on_readers:
+            self._check_step(job)  # the part just read is still in the CPU's cache
+        else:
+            self._verify.put(job)  # the checksum goes on beside the next reads, on the checking threads
 
     def _check_step(self, job: _Parts) -> None:
         """On a checking thread, after a part of ``job`` ended: hash what has landed in order; the thread that ends
