@@ -8,7 +8,6 @@ it waits for a read that never returns.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -249,18 +248,11 @@ class ReaderPool:
     threads: int = 4
     buffers: BufferPool = field(default_factory=BufferPool)
     part_bytes: int = PART_BYTES  # reads longer than this go in parts of at most this size (0: whole reads)
-    check_on_readers: bool = True  # a reader hashes the part it read at once (in cache); False: checking threads
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"reader threads per drive must be >= 1, got {self.threads}")
         self._exec = [_DriveQueue(self.threads, f"read-{r.label}", self._run_part) for r in self.readers]
-        # checking threads: a reader thread hands each ended part over and goes on reading (a thread hashing is a
-        # read not in flight); about one checker for two readers (a read from memory runs ~3 GB/s a thread, xxh3
-        # ~6-7), never more than the cores
-        self._verify = _Checkers(0 if self.check_on_readers else
-                                 min(os.cpu_count() or 1, max(1, -(-self.threads * len(self.readers) // 2))),
-                                 self._check_step)
         self.counters = [DriveCounters() for _ in self.readers]
         self._pending = [0] * len(self.readers)  # bytes submitted and not yet read, per drive
         self._inflight = [0] * len(self.readers)
@@ -336,14 +328,13 @@ class ReaderPool:
         if job.check is None:
             if job.finished():
                 self._post(job, t1)
-        elif self.check_on_readers:
-            self._check_step(job)  # the part just read is still in the CPU's cache
         else:
-            self._verify.put(job)  # the checksum goes on beside the next reads, on the checking threads
+            self._check_step(job)  # hashed at once, while the part just read is in the CPU's cache
 
     def _check_step(self, job: _Parts) -> None:
-        """On a checking thread, after a part of ``job`` ended: hash what has landed in order; the thread that ends
-        the read (its hash chain complete, or its last part ended) checks it and posts its one Completion."""
+        """After a part of ``job`` ended: hash what has landed, in order; the thread that ends the read (its hash
+        chain complete, or its last part ended) checks it and posts its one Completion. Hashing on separate
+        checking threads measured no faster on the H200 host from memory (16 cores), and takes more threads."""
         t0 = time.perf_counter()
         job.advance_hash()
         if not job.finished():
@@ -407,33 +398,6 @@ class ReaderPool:
         """Stop the reader threads; ``wait=False`` when a read may hang (it is abandoned, not joined)."""
         for ex in self._exec:
             ex.shutdown(wait)
-        self._verify.shutdown(wait)
-
-
-class _Checkers:
-    """Threads that check reads as their parts land (``ReaderPool._check_step``), daemon threads like the
-    readers."""
-
-    def __init__(self, n: int, step: Callable[[_Parts], None]):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._step = step
-        self._threads = [threading.Thread(target=self._run, name=f"check-{i}", daemon=True) for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def put(self, job: _Parts) -> None:
-        self._q.put(job)
-
-    def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            self._step(job)
-
-    def shutdown(self, wait: bool = True) -> None:
-        for _ in self._threads:
-            self._q.put(None)
-        if wait:
-            for t in self._threads:
-                t.join()
 
 
 class _DriveQueue:
