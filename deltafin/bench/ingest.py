@@ -22,6 +22,7 @@ max(I/O, math).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -327,6 +328,7 @@ def _run(args) -> dict:
         nbytes = pm.file_bytes(pm.moe_layers[0])
         rts = routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
         paths = [pm.expert_path(L, e) for L in pm.moe_layers for e in range(pm.num_experts)]
+        pm = _with_drive_rate(root, raw_read_gbps(paths, nbytes, max(args.threads_list)))
         rec["expert_file_bytes"] = nbytes
         lim = rec["limits"] = {
             "memcpy_GBps": memcpy_gbps(cores), "xxh3_1core_GBps": xxh3_gbps_threads(1, nbytes),
@@ -364,6 +366,19 @@ def _run(args) -> dict:
 
         write_json_atomic(args.json, rec)
     return rec
+
+
+def _with_drive_rate(root: str, gbps: float):
+    """The model reopened with its drive's rate as measured (what ``pack`` records from its drive probe)."""
+    from deltafin.store import manifest as mf
+    from deltafin.store.model_dir import PackedModel
+
+    path = os.path.join(root, mf.MANIFEST)
+    with open(path) as f:
+        doc = json.load(f)
+    doc["drives"][0]["gbps"], doc["drives"][0]["measured"] = round(gbps, 3), True
+    mf.write_json_atomic(path, doc)
+    return PackedModel.open(root)
 
 
 def _pass_doc(p: Pass) -> dict:

@@ -89,11 +89,7 @@ class StreamingExperts:
         self._rates = [m.gbps if m is not None else d.gbps for m, d in zip(models, model.drives, strict=True)]
         self._latency = [m.lat_us * 1e-6 if m is not None else 0.0 for m in models]
         pin = self.device.type == "cuda"
-        # CUDA: whole reads. A layer's grouped launch waits for all of its experts, so the order they land in does
-        # not matter, and parts cost hand-offs: on the H200 host from memory (16 cores), checked whole reads
-        # delivered 12-17 GB/s where 4 MiB parts gave 7-11. The CPU computes each expert as it lands: parts, so
-        # the first lands after its own bytes' time (see io.pool.PART_BYTES).
-        self.pool = ReaderPool(self.readers, threads, BufferPool(pin=pin), part_bytes=0 if pin else PART_BYTES)
+        self.pool = ReaderPool(self.readers, threads, BufferPool(pin=pin), part_bytes=self._part_bytes(threads))
         self.cache = ExpertCache(cache_bytes, cache_policy)
         self.verify = verify
         self.deadline = deadline or ReadDeadline()
@@ -115,6 +111,23 @@ class StreamingExperts:
         self.reserved = (0, 0, 0.0)  # (buffers, bytes, seconds) mapped when the source opened
         if reserve:
             self.reserve_buffers()
+
+    # A drive whose threads' reads of whole experts take longer than this to land the first one reads in parts
+    FIRST_LANDS_S = 0.02
+
+    def _part_bytes(self, threads: int) -> int:
+        """Whole reads, or parts (``io.pool.PART_BYTES``) where the first expert of a layer would land late. CUDA
+        reads whole: a layer's grouped launch waits for all of its experts, so the order they land in does not
+        matter, and parts cost hand-offs (on the H200 host from memory, 16 cores: checked whole reads 12-17 GB/s,
+        4 MiB parts 7-11). The CPU computes each expert as it lands: on a drive whose threads, reading whole
+        experts at once, would land the first after more than ``FIRST_LANDS_S`` (8 Kimi K3 experts at 1.65 GB/s:
+        85 ms), parts let it land after its own bytes' time; on fast drives whole reads again."""
+        m = self.model
+        if self.device.type == "cuda" or not m.moe_layers:
+            return 0
+        nbytes = max(m.file_bytes(L) for L in m.moe_layers)
+        slow = min(self._rates) * 1e9 < threads * nbytes / self.FIRST_LANDS_S
+        return PART_BYTES if slow else 0
 
     def reserve_buffers(self) -> tuple[int, int, float]:
         """Map, now, as many read buffers as the bounded read-ahead can hold at once (a lane per drive, or one
