@@ -393,9 +393,10 @@ def _rate_ratios(row: dict, rec: dict, device: str) -> None:
     row["io_over_raw"] = row["io_verified"]["GBps"] / raw
     row["io_unverified_over_raw"] = row["io_unverified"]["GBps"] / raw
     limit = min(raw, rec["limits"]["h2d_pinned_GBps"]) if device == "cuda" else raw
-    # files in memory (tmpfs, page cache): every byte delivered is copied by the kernel (read + write), hashed
-    # (read) and, on CUDA, copied to the device (read): the host's memory traffic bounds the path too
-    touches = 2 + 1 + (device == "cuda")
+    # files in memory (tmpfs, page cache): every byte decoded is copied by the kernel (read + write), hashed (read)
+    # and then copied to the device (CUDA) or read by the expert math (CPU): the host's memory traffic bounds the
+    # path too, at a quarter of the copy's traffic
+    touches = 4
     row["memory_bound_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / touches
     row["full_limit_GBps"] = limit
     row["full_over_limit"] = row["full"]["GBps"] / limit
