@@ -78,6 +78,10 @@ class DistributedExperts:
     def cache(self):
         return self.inner.cache
 
+    @property
+    def reserved(self) -> tuple[int, int, float]:
+        return self.inner.reserved
+
     def per_drive(self) -> dict[str, dict]:
         return self.inner.per_drive()
 
