@@ -26,6 +26,7 @@ import torch
 
 from deltafin.errors import UsageError
 from deltafin.jobs.batch import size
+from deltafin.jobs.files import kind as _kind
 from deltafin.jobs.records import iter_jsonl
 from deltafin.jobs.results import ResultLog
 
@@ -101,14 +102,6 @@ def _shown(name: str) -> str:
     except UnicodeEncodeError:
         raw = name.encode("utf-8", "backslashreplace")
     return raw.decode("utf-8", "backslashreplace")
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _folder_inputs(path: str, skipped: list[str] | None) -> list[Item]:
