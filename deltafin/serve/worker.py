@@ -111,6 +111,7 @@ class Worker:
             try:
                 self._take_up_layout()
                 fresh = self._admit()
+                self._take_up_layout()  # also after the wait for arrivals: place may have committed meanwhile
                 if fresh:
                     self._prefill(fresh)
                 if self.active:
