@@ -85,9 +85,10 @@ def foreign_entries(folder: str, limit: int = 3) -> list[str]:
     return out
 
 
-def check_claim(folder: str, uid: str, label: str) -> bool:
-    """Whether ``folder`` is already this model's; refused (naming it) when it is another model's or holds
-    files Deltafin did not write. Writes nothing."""
+def check_claim(folder: str, uid: str, label: str, adopt: bool = False) -> bool:
+    """Whether ``folder`` is already this model's; refused (naming it) when it is another model's or, without
+    a marker, holds anything at all (an expert-named file there may be anyone's). ``adopt``: the folder of this
+    model packed before markers existed, whose Deltafin-named files are taken as its own. Writes nothing."""
     if os.path.islink(folder) or (os.path.exists(folder) and not os.path.isdir(folder)):
         raise OwnershipError(f"drive {label}: {folder} is a link or a file, not a folder Deltafin wrote; move it "
                              f"away, or pass --model-id NAME to use another folder on the drive")
@@ -99,7 +100,8 @@ def check_claim(folder: str, uid: str, label: str) -> bool:
                              f"({doc.get('model_dir', '?')}); pass --model-id NAME to give this one its own "
                              f"folder, or 'deltafin rm' the other model first")
     if os.path.isdir(folder):
-        stray = foreign_entries(folder)
+        stray = foreign_entries(folder) if adopt else sorted(n for n in os.listdir(folder)
+                                                              if not n.startswith(OWNER + ".tmp-"))[:3]
         if stray:
             raise OwnershipError(f"drive {label}: {folder} already holds files Deltafin did not write "
                                  f"({', '.join(stray)}); pass --model-id NAME to use another folder on the drive, "
@@ -107,10 +109,10 @@ def check_claim(folder: str, uid: str, label: str) -> bool:
     return False
 
 
-def claim(folder: str, uid: str, model_dir: str, model_id: str, label: str) -> None:
+def claim(folder: str, uid: str, model_dir: str, model_id: str, label: str, adopt: bool = False) -> None:
     """Make ``folder`` this model's (``uid``): refused, naming it, when another model's marker is there or
     the folder holds files Deltafin did not write (``check_claim``). Idempotent for the owner."""
-    if check_claim(folder, uid, label):
+    if check_claim(folder, uid, label, adopt):
         return
     os.makedirs(folder, exist_ok=True)
     body = json.dumps({"format": OWNER_FORMAT, "version": 1, "uid": uid, "model_id": model_id,
@@ -127,7 +129,7 @@ def claim(folder: str, uid: str, model_dir: str, model_id: str, label: str) -> N
         if read_owner(folder) is None:
             raise OwnershipError(f"drive {label}: {os.path.join(folder, OWNER)} is not a marker Deltafin can read; "
                                  f"move the folder away, or pass --model-id NAME to use another one") from None
-        return claim(folder, uid, model_dir, model_id, label)
+        return claim(folder, uid, model_dir, model_id, label, adopt)
     os.unlink(tmp)
     from deltafin.store.expert_file import fsync_dir
 

@@ -147,6 +147,11 @@ def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> 
                               f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
     identity = own.source_identity(ckpt)
+    if opts.model_id is not None:
+        mf.check_model_id(opts.model_id)
+    seen = _prior_manifest(out)  # what can be refused is refused before --overwrite removes anything
+    check_distinct_drives(drive_args or ([DriveArg(d.label, d.path, None) for d in mf.drives(seen)] if seen else []),
+                          "--drive")
     prior, replaced = _settle_prior(out, ckpt, identity, opts)
     if not drive_args and prior is not None:  # a re-run (e.g. --repair) keeps the packed drives
         drive_args = [DriveArg(d.label, d.path, None if d.measured else d.gbps) for d in mf.drives(prior)]
@@ -157,8 +162,10 @@ def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> 
     digest = fingerprint(plan, drive_args, model_id, opts)
     state = load_state(out, digest)
     uid = (state or {}).get("uid") or (prior or {}).get("uid") or own.new_uid()
+    legacy = _legacy_folders(prior, state)
     for a in drive_args:  # before anything is written: each drive folder must be free or this model's
-        own.check_claim(os.path.join(a.path, model_id), uid, a.label)
+        folder = os.path.join(a.path, model_id)
+        own.check_claim(folder, uid, a.label, os.path.realpath(folder) in legacy)
     from deltafin.store.repack import move_to_new_rates, same_files_other_rates
 
     if same_files_other_rates(out, prior, plan, drive_args, model_id, opts, digest):
@@ -180,7 +187,8 @@ def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> 
     job.check_space()
     job._save_state(force=True)  # the uid first: a re-run after any failure from here finds its folders
     for d in drives:
-        own.claim(os.path.join(d.path, model_id), state["uid"], out, model_id, d.label)
+        folder = os.path.join(d.path, model_id)
+        own.claim(folder, state["uid"], out, model_id, d.label, os.path.realpath(folder) in legacy)
     job.remove_stale_tmp()
     if prior is not None and prior.get("fingerprint") != digest:
         # other settings: files are about to be rewritten, so the old manifest must not outlive them; the old
@@ -206,6 +214,13 @@ def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> 
     return PackSummary(out, model_id, plan.expert_files, job.written, job.skipped, job.repaired, plan.expert_bytes,
                        job.bytes_written, plan.trunk_bytes, time.perf_counter() - t0, peak, job.per_drive(),
                        removed=removed)
+
+
+def _legacy_folders(prior: dict | None, state: dict | None) -> set[str]:
+    """Drive folders of this model packed before markers existed (its manifest has no uid): adopted."""
+    if prior is None or prior.get("uid") is not None or state is not None:
+        return set()
+    return {os.path.realpath(os.path.join(d.path, prior["model_id"])) for d in mf.drives(prior)}
 
 
 def _settle_prior(out: str, ckpt: Checkpoint, identity: str, opts: PackOptions):
