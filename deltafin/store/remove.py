@@ -169,6 +169,11 @@ def remove_model(out: str, doc: dict, drive_map: dict[str, str] | None = None, k
         rep.folders.append(remove_files(folder, files, uid))
     if keep_out:
         return rep
+    unmounted = [f.folder for f in rep.folders if f.skipped and f.skipped.startswith("not found")]
+    if unmounted:  # the manifest stays, so that a re-run with --drive-map finds what is left
+        rep.folders.append(FolderReport(out, skipped=f"kept with its manifest: {', '.join(unmounted)} not found; "
+                                                     f"re-run 'deltafin rm' with --drive-map LABEL=PATH"))
+        return rep
     f = FolderReport(out)
     paths = out_files(out, doc)
     manifest = os.path.join(out, mf.MANIFEST)
