@@ -47,6 +47,8 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
                    help="create --drive folders that do not exist (by default a missing folder is an error: an "
                         "unmounted drive's path would fill the disk that holds it)")
     p.add_argument("--repair", action="store_true", help="re-check existing expert files and rewrite bad ones")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT holds a model packed from another checkpoint: remove its files (from every drive) first")
     p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="pack NaN/inf weights as they are (by default they are refused as damage, naming the tensor)")

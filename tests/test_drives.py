@@ -66,7 +66,8 @@ def _logits_and_tokens(model: Path, **kw) -> tuple[torch.Tensor, list[int]]:
 
 def _drive_files(model: Path) -> list[str]:
     pm = PackedModel.open(str(model))
-    return sorted(os.path.realpath(p) for d in pm.drives for p in Path(d.path, pm.model_id).rglob("*") if p.is_file())
+    return sorted(os.path.realpath(p) for d in pm.drives for p in Path(d.path, pm.model_id).rglob("*")
+                  if p.is_file() and p.name != ".deltafin-owner.json")
 
 
 def _layout_files(model: Path) -> list[str]:

@@ -88,7 +88,7 @@ def _hf_experts(t: dict[str, torch.Tensor], family: str, L: int, e: int) -> dict
 
 
 def _expert_files(*roots: Path) -> list[Path]:
-    return sorted(p for r in roots for p in r.rglob("*") if p.is_file())
+    return sorted(p for r in roots for p in r.rglob("*") if p.is_file() and p.name != ".deltafin-owner.json")
 
 
 def _manifest(out: Path) -> dict:

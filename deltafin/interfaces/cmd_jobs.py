@@ -61,13 +61,17 @@ def _batch(args) -> int:
     from deltafin.jobs.batch import BatchRun, Defaults, load_batch
     from deltafin.jobs.results import ResultLog
 
-    if os.path.abspath(args.input) == os.path.abspath(args.output):
-        raise UsageError(f"{args.output}: the output must not be the input file")
+    from deltafin.jobs.files import check_output, open_regular
+    from deltafin.store.locks import output_lock
+
+    os.close(open_regular(args.input, "input file"))
+    check_output(args.output, [args.input])
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     from deltafin.interfaces.prompt import stop_strings
 
     items = load_batch(args.input, Defaults(args.max_tokens, sampling_params(args), stop_strings(args)))
+    lock = output_lock(args.output, "batch")  # one writer per output: held until the process ends
     out = ResultLog(args.output, "jsonl")
     try:
         todo = sum(not out.has(it.rec.key) for it in items)
@@ -85,6 +89,8 @@ def _batch(args) -> int:
             eng.close()
     finally:
         out.close()
+        if lock is not None:
+            lock.release()
     if not args.quiet:
         print(summary.line(), file=sys.stderr)
     _write_stats(args, summary.to_json())
@@ -107,12 +113,17 @@ def _classify(args) -> int:
     labels = parse_labels(args.labels)
     check_template(args.template)  # before the model loads
     check_text(args.label_prefix, "--label-prefix")
+    from deltafin.jobs.files import check_output
+    from deltafin.store.locks import output_lock
+
+    check_output(args.out, [args.inputs])
     skipped: list[str] = []
     items = gather_inputs(args.inputs, skipped)
     if skipped and not args.quiet:
         print(f"[deltafin] skipped {len(skipped)} special file(s) in {args.inputs}: " + "; ".join(skipped),
               file=sys.stderr)
     fmt = args.format or ("csv" if args.out.endswith(".csv") else "jsonl")
+    lock = output_lock(args.out, "classify")  # one writer per output: held until the process ends
     eng = open_engine(args)
     try:
         clf = Classifier(eng, labels, args.template, args.chat_template, args.label_prefix)
@@ -126,6 +137,8 @@ def _classify(args) -> int:
             out.close()
     finally:
         eng.close()
+        if lock is not None:
+            lock.release()
     if not args.quiet:
         print(summary.line(), file=sys.stderr)
     _write_stats(args, summary.to_json())

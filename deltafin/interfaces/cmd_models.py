@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 from deltafin.errors import DeltafinError, UsageError
@@ -94,21 +93,22 @@ def _rm(args) -> int:
     from deltafin.interfaces.paths import resolve_packed
     from deltafin.store.catalog import forget
     from deltafin.store.manifest import parse_drive_map
+    from deltafin.store.remove import rm_model, rm_plan
 
-    info = describe(resolve_packed(args.model), parse_drive_map(args.drive_map))
-    targets = [d["folder"] for d in info["drives"] if d["present"]] + [info["path"]]
-    missing = [f"{d['label']} ({d['path']})" for d in info["drives"] if not d["present"]]
-    print(f"{info['id']}: {fmt.size(info['expert_bytes'] + info['trunk_bytes'])} in:")
-    for t in targets:
-        print(f"  {t}")
-    if missing:
-        print(f"  not found (drive not mounted? pass --drive-map LABEL=PATH): {', '.join(missing)}")
-    if not _confirm(f"remove {info['id']} ({len(targets)} folders)?", args.yes):
+    path = os.path.abspath(resolve_packed(args.model))
+    drive_map = parse_drive_map(args.drive_map)
+    info, plan = describe(path, drive_map), rm_plan(path, drive_map)
+    print(f"{info['id']}: {fmt.size(info['expert_bytes'] + info['trunk_bytes'])}; deletes only the files its "
+          f"manifest lists:")
+    for line in plan:
+        print(line)
+    if not _confirm(f"remove {info['id']}?", args.yes):
         print("nothing removed")
         return 1
-    for t in targets:  # experts first, the model folder (with its manifest) last: a re-run finishes the job
-        shutil.rmtree(t)
-    if not missing:
-        forget(info["path"])
-    print(f"removed {info['id']}" + (f"; the folders on {', '.join(missing)} remain" if missing else ""))
+    rep = rm_model(path, drive_map)
+    for line in rep.lines():
+        print(line)
+    if rep.folders and rep.folders[-1].gone:
+        forget(path)
+    print(f"removed {info['id']}: deleted {rep.files:,} files ({fmt.size(rep.bytes)})")
     return 0

@@ -26,6 +26,10 @@ def add_serve_args(p) -> None:
     p.add_argument("--served-model-name", help="model name clients send (default: the packed model's id)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
+    p.add_argument("--max-schema-bytes", type=int, default=64 << 10,
+                   help="largest response_format schema, or all tools' parameters together, as JSON (bytes)")
+    p.add_argument("--grammar-timeout", type=float, default=20.0,
+                   help="seconds one request's grammar may take to compile (past it: a 400, and the compile stops)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (then 408; default 30)")
     p.add_argument("--idle-timeout", type=float, default=5.0,
@@ -126,7 +130,8 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
     from deltafin.serve.protocol import Limits
     from deltafin.serve.worker import Worker
 
-    limits = Limits(args.max_tokens_limit, args.max_request_bytes, body_timeout_s=args.body_timeout)
+    limits = Limits(args.max_tokens_limit, args.max_request_bytes, body_timeout_s=args.body_timeout,
+                    max_schema_bytes=args.max_schema_bytes, grammar_timeout_s=args.grammar_timeout)
     cache = prompt_cache(args)
     if not _loopback(args.host) and not key:
         print(f"[deltafin] warning: listening on {args.host} without --api-key; anyone who can reach this "

@@ -7,6 +7,8 @@ import sys
 
 from deltafin.errors import UsageError
 
+MAX_IO_THREADS = 256  # reads in flight for verify: past this, threads cost memory and gain nothing
+
 
 def run(args) -> int:
     return {"pack": _pack, "verify": _verify, "inspect": _inspect}[args.command](args)
@@ -35,7 +37,7 @@ def _pack(args) -> int:
     from deltafin.store.pack import PackOptions, pack
 
     opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
-                       args.trace, args.spare_gb, args.allow_nonfinite)
+                       args.trace, args.spare_gb, args.allow_nonfinite, getattr(args, "overwrite", False))
     s = pack(args.src, args.out, drives, opts)
     from deltafin.store.catalog import record
 
@@ -52,6 +54,8 @@ def _pack(args) -> int:
               f"{fmt.size(s.trunk_bytes)} trunk")
         print(f"  wrote {fmt.size(s.bytes_written)} in {fmt.duration(s.seconds)} ({fmt.gbps(s.write_gbps)}); "
               f"peak RSS {fmt.size(s.peak_rss_bytes)}")
+    if s.removed:
+        print(f"  removed {s.removed:,} expert files of the layout or model this pack replaced")
     for label, d in s.per_drive.items():
         print(f"  {label:<8} {d['path']}  {fmt.gbps(d['gbps'])}  {d['files']:,} files  {fmt.size(d['bytes'])}")
     _write_json(args.json, {k: getattr(s, k) for k in s.__dataclass_fields__} | {"write_gbps": s.write_gbps})
@@ -80,6 +84,8 @@ def _verify(args) -> int:
     from deltafin.progress import bar as progress_bar
     from deltafin.store.verify import repair_hint, verify
 
+    if not 1 <= args.io_threads <= MAX_IO_THREADS:
+        raise UsageError(f"--io-threads {args.io_threads}: give 1 to {MAX_IO_THREADS} reader threads (default 4)")
     model = _open(args)
     total = sum(model.file_bytes(L) * model.num_experts for L in model.moe_layers)
     with progress_bar(total, "verify") as bar:

@@ -24,6 +24,8 @@ HELP = """commands:
 Ctrl-C stops a reply and keeps the session."""
 
 
+LOAD_MAX_BYTES = 64 << 20  # a saved conversation; far past any context's text
+
 class ChatSession:
     """The conversation, the model state that has read it, and the commands that change both."""
 
@@ -97,8 +99,12 @@ class ChatSession:
     def _load(self, path: str) -> None:
         if not path:
             raise ValueError("give a file: /load FILE")
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        from deltafin.jobs.files import read_regular
+
+        try:  # a regular file of bounded size: /dev/zero or a FIFO would never end
+            doc = json.loads(read_regular(path, LOAD_MAX_BYTES, "conversation file"))
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply to be a conversation written by /save") from None
         msgs = doc.get("messages") if isinstance(doc, dict) else None
         if not isinstance(msgs, list) or not all(isinstance(m, dict) and m.get("role") in ("user", "assistant")
                                                  and isinstance(m.get("content"), str) for m in msgs):

@@ -26,7 +26,8 @@ import torch
 
 from deltafin.errors import UsageError
 from deltafin.jobs.batch import size
-from deltafin.jobs.records import read_jsonl
+from deltafin.jobs.files import kind as _kind
+from deltafin.jobs.records import iter_jsonl
 from deltafin.jobs.results import ResultLog
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,38 @@ class Item:
     id: str | int
     text: str | None
     error: str | None = None
+    path: str | None = None  # read when its batch comes (a file, or the JSONL file the record is in)
+    offset: int | None = None  # the record's line in a JSONL file
 
 
-def _read_text(path: str) -> tuple[str | None, str | None]:
+MAX_BYTES_PER_TOKEN = 64  # no tokenizer's token is longer: more bytes than this per context token cannot fit
+
+
+def read_cap(max_len: int) -> int:
+    """Bytes of one input read at most: what a context of ``max_len`` tokens could hold."""
+    return min(MAX_INPUT_BYTES, max(max_len, 1) * MAX_BYTES_PER_TOKEN)
+
+
+def load_text(it: Item, cap: int) -> tuple[str | None, str | None]:
+    """(text, None) or (None, why not) for an input read lazily, at most ``cap`` bytes of it."""
+    if it.text is not None or it.error is not None or it.path is None:
+        return it.text, it.error
+    if it.offset is None:
+        return _read_text(it.path, cap)
+    from deltafin.jobs.files import MAX_LINE_BYTES, open_regular
+    from deltafin.jobs.records import parse_line
+
+    with os.fdopen(open_regular(it.path, "input file"), "rb") as f:
+        f.seek(it.offset)
+        raw = f.readline(MAX_LINE_BYTES + 1)
+    rec = parse_line(raw.rstrip(b"\n"), f"{it.path}", ("id", "text"))
+    text = rec.get("text")
+    if len(text.encode("utf-8", "surrogatepass")) > cap:
+        return None, f"{it.key}: longer than the context could hold ({cap:,} bytes read at most); split it or raise --max-len"
+    return text, None
+
+
+def _read_text(path: str, cap: int = MAX_INPUT_BYTES) -> tuple[str | None, str | None]:
     """(text, None) or (None, why not). Opened without blocking and checked to be a regular file first, so a
     FIFO or a device that takes the place of a file between listing and reading cannot hang the job."""
     try:
@@ -52,11 +82,11 @@ def _read_text(path: str) -> tuple[str | None, str | None]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None, f"{_shown(path)}: not a regular file ({_kind(st.st_mode)}); inputs must be files"
-        if st.st_size > MAX_INPUT_BYTES:
-            return None, (f"{_shown(path)}: {st.st_size:,} bytes, over the {MAX_INPUT_BYTES >> 20} MiB an input "
-                          f"may have (no context holds that much); split it")
+        if st.st_size > cap:
+            return None, (f"{_shown(path)}: {st.st_size:,} bytes, more than the context could hold ({cap:,} bytes "
+                          f"read at most); split it or raise --max-len")
         try:
-            raw = f.read()
+            raw = f.read(cap + 1)
         except OSError as e:
             return None, f"{_shown(path)}: cannot read ({e.strerror or e})"
     try:
@@ -72,14 +102,6 @@ def _shown(name: str) -> str:
     except UnicodeEncodeError:
         raw = name.encode("utf-8", "backslashreplace")
     return raw.decode("utf-8", "backslashreplace")
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _folder_inputs(path: str, skipped: list[str] | None) -> list[Item]:
@@ -108,8 +130,7 @@ def _folder_inputs(path: str, skipped: list[str] | None) -> list[Item]:
                                                                   f"rename one of them"))
                 continue
             seen.add(rel)
-            text, err = _read_text(full)
-            items.append(Item(rel, rel, text, err))
+            items.append(Item(rel, rel, None, None, full))  # read when its batch comes
     return items
 
 
@@ -123,19 +144,19 @@ def gather_inputs(path: str, skipped: list[str] | None = None) -> list[Item]:
         return items
     if not os.path.exists(path):
         raise UsageError(f"{path}: no such input file or folder; pass a file, a folder of files or a .jsonl of {{\"id\", \"text\"}}")
+    from deltafin.jobs.files import open_regular
+
     if path.endswith(".jsonl"):
         items = []
-        for rec in read_jsonl(path, ("id", "text")):
+        for rec in iter_jsonl(path, ("id", "text")):  # every record checked; texts read again per batch
             text = rec.fields.get("text")
             if not isinstance(text, str):
-                raise UsageError(f"{path} line {rec.line}: field 'text' must be a string, got {text!r}")
-            items.append(Item(rec.key, rec.id, text))
+                raise UsageError(f"{path} line {rec.line}: field 'text' must be a string, got {repr(text)[:80]}")
+            items.append(Item(rec.key, rec.id, None, None, path, rec.offset))
         return items
-    text, err = _read_text(path)
-    if err:
-        raise UsageError(err)
+    os.close(open_regular(path, "input"))
     name = _shown(os.path.basename(path))
-    return [Item(name, name, text)]
+    return [Item(name, name, None, None, path)]
 
 
 def check_text(value: str, what: str) -> str:
@@ -294,8 +315,10 @@ class ClassifyRun:
         src = self.clf.engine.source.stats
         b0, t0 = src.bytes_read, time.perf_counter()
         ready: list[tuple[Item, list[int]]] = []
-        for it in todo:
-            ids, err = (None, it.error) if it.error else self._prompt(it)
+        cap = read_cap(self.clf.engine.opts.max_len)
+        for it in todo:  # one batch of texts in memory at a time, each read at most ``cap`` bytes
+            text, err = load_text(it, cap)
+            ids, err = (None, err) if err else self._prompt(it, text)
             if err:
                 s.errors += 1
                 self._write({"id": it.id, "error": err})
@@ -309,9 +332,9 @@ class ClassifyRun:
         s.seconds, s.bytes_read = time.perf_counter() - t0, src.bytes_read - b0
         return s
 
-    def _prompt(self, it: Item) -> tuple[list[int] | None, str | None]:
+    def _prompt(self, it: Item, text: str) -> tuple[list[int] | None, str | None]:
         try:
-            ids = self.clf.prompt(it.text)
+            ids = self.clf.prompt(text)
         except Exception as e:  # a chat template refusing the text
             return None, f"cannot build the prompt: {e}"
         return ids, self.clf.check(ids)

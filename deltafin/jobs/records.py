@@ -9,9 +9,11 @@ JSON escapes allow but no output can hold).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from deltafin.errors import UsageError
+from deltafin.jobs.files import lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,49 +22,55 @@ class Record:
     id: str | int
     line: int
     fields: dict
+    offset: int = 0  # byte offset of the record's line in its file
 
 
 def read_jsonl(path: str, allowed: tuple[str, ...]) -> list[Record]:
     """Records of a JSONL file (blank lines skipped). Each needs an "id" (string or integer)."""
-    try:
-        with open(path, "rb") as f:
-            raw_lines = f.read().split(b"\n")
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read the input file ({e.strerror or e})") from None
-    out: list[Record] = []
+    return list(iter_jsonl(path, allowed))
+
+
+def iter_jsonl(path: str, allowed: tuple[str, ...], keep_fields: bool = True) -> Iterator[Record]:
+    """``read_jsonl`` one line at a time (the file must be a regular file); ``keep_fields=False`` checks every
+    record but keeps only its id and where it is (``offset``), for inputs read again in batches."""
     first: dict[str, int] = {}
-    for n, raw in enumerate(raw_lines, 1):
+    for n, offset, raw in lines(path):
         if not raw.strip():
             continue
-        where = f"{path} line {n}"
-        try:
-            rec = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-        except ValueError as e:  # an integer of more digits than Python converts
-            raise UsageError(f"{where}: invalid JSON ({str(e).split(';')[0]})") from None
-        except RecursionError:
-            raise UsageError(f"{where}: invalid JSON (nested too deeply to read); flatten the record") from None
-        if not isinstance(rec, dict):
-            raise UsageError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        for k in rec:
-            if k not in allowed:
-                raise UsageError(f"{where}: unknown field {k!r} (allowed: {', '.join(allowed)})")
-        bad = _not_unicode(rec)
-        if bad is not None:
-            raise UsageError(f"{where}: field {bad[0]!r} holds a lone surrogate (U+{bad[1]:04X}), which is not valid "
-                             f"Unicode text and cannot be written out; fix the text on that line")
+        rec = parse_line(raw, f"{path} line {n}", allowed)
         rid = rec.get("id")
-        if isinstance(rid, bool) or not isinstance(rid, str | int) or rid == "":
-            raise UsageError(f"{where}: \"id\" must be a non-empty string or an integer, got {rid!r}")
         key = str(rid)
         if key in first:
-            raise UsageError(f"{where}: duplicate id {rid!r} (first on line {first[key]}); ids must be unique")
+            raise UsageError(f"{path} line {n}: duplicate id {rid!r} (first on line {first[key]}); ids must be unique")
         first[key] = n
-        out.append(Record(key, rid, n, rec))
-    return out
+        yield Record(key, rid, n, rec if keep_fields else {}, offset)
+
+
+def parse_line(raw: bytes, where: str, allowed: tuple[str, ...]) -> dict:
+    """One JSONL record, checked: an object of allowed fields, Unicode text, a usable id."""
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise UsageError(f"{where}: invalid JSON ({str(e).split(';')[0]})") from None
+    except RecursionError:
+        raise UsageError(f"{where}: invalid JSON (nested too deeply to read); flatten the record") from None
+    if not isinstance(rec, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    for k in rec:
+        if k not in allowed:
+            raise UsageError(f"{where}: unknown field {k[:80]!r} (allowed: {', '.join(allowed)})")
+    bad = _not_unicode(rec)
+    if bad is not None:
+        raise UsageError(f"{where}: field {bad[0][:80]!r} holds a lone surrogate (U+{bad[1]:04X}), which is not valid "
+                         f"Unicode text and cannot be written out; fix the text on that line")
+    rid = rec.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, str | int) or rid == "":
+        raise UsageError(f"{where}: \"id\" must be a non-empty string or an integer, got {repr(rid)[:80]}")
+    return rec
 
 
 def _not_unicode(v, field: str | None = None) -> tuple[str, int] | None:

@@ -8,11 +8,11 @@ leave at most one partial last line, never a torn earlier one. On open, a partia
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import logging
 import os
-import stat
 import sys
 
 from deltafin.errors import UsageError
@@ -45,11 +45,9 @@ class ResultLog:
             if fmt == "csv":
                 self._write(_csv_line(columns))
             return
-        try:
-            if stat.S_ISFIFO(os.stat(path).st_mode):  # reading it back to resume would wait for a writer forever
-                raise UsageError(f"{path}: the output is a FIFO; give a regular file (or '-' for stdout)")
-        except OSError:
-            pass
+        from deltafin.jobs.files import check_output
+
+        check_output(path, [])  # a terminal, FIFO or device would hang, flood or swallow the resume read
         self._recover()
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -59,31 +57,41 @@ class ResultLog:
             self._write(_csv_line(columns))
 
     def _recover(self) -> None:
+        """Ids already written, read a line at a time; a partial last line is cut away first."""
+        from deltafin.jobs.files import lines as file_lines
+
         self._had_header = False
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
+        if not os.path.exists(self.path):
             return
+        try:
+            with open(self.path, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                cut = size
+                while cut > 0:  # back to the last newline, a block at a time
+                    start = max(0, cut - (1 << 16))
+                    f.seek(start)
+                    block = f.read(cut - start)
+                    at = block.rfind(b"\n")
+                    if at >= 0:
+                        cut = start + at + 1
+                        break
+                    cut = start
+                if cut < size:
+                    self.repaired_bytes = size - cut
+                    f.truncate(cut)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    log.warning("%s: removed a partial last line (%d bytes) left by an interrupted run",
+                                self.path, self.repaired_bytes)
         except OSError as e:
             raise UsageError(f"{self.path}: cannot read the output file to resume ({e.strerror or e})") from None
-        if data and not data.endswith(b"\n"):
-            cut = data.rfind(b"\n") + 1
-            self.repaired_bytes = len(data) - cut
-            with open(self.path, "r+b") as f:
-                f.truncate(cut)
-                f.flush()
-                os.fsync(f.fileno())
-            data = data[:cut]
-            log.warning("%s: removed a partial last line (%d bytes) left by an interrupted run",
-                        self.path, self.repaired_bytes)
-        lines = data.decode("utf-8", errors="replace").split("\n")[:-1] if data else []
+        lines = (raw.decode("utf-8", errors="replace") for _n, _off, raw in file_lines(self.path, "output file"))
         if self.fmt == "csv":
             self._load_csv(lines)
         else:
             self._load_jsonl(lines)
 
-    def _load_jsonl(self, lines: list[str]) -> None:
+    def _load_jsonl(self, lines) -> None:
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -94,22 +102,30 @@ class ResultLog:
                 raise UsageError(f"{self.path} line {n}: not a result record with an \"id\"; is this the right "
                                  f"output file? (it is left as it is)") from None
 
-    def _load_csv(self, lines: list[str]) -> None:
-        if not lines:
+    def _load_csv(self, lines) -> None:
+        rows = csv.reader(lines)
+        head = next(rows, None)
+        if head is None:
             return
-        rows = list(csv.reader(lines))
-        if rows[0] != self.columns:
-            raise UsageError(f"{self.path}: its columns {rows[0]} differ from this run's {self.columns} "
+        if head != self.columns:
+            raise UsageError(f"{self.path}: its columns {head[:20]} differ from this run's {self.columns} "
                              f"(other labels?); write to a new file")
         self._had_header = True
-        self.done.update(r[0] for r in rows[1:] if r)
+        self.done.update(r[0] for r in rows if r)
 
     def _write(self, line: bytes) -> None:
-        n = os.write(self.fd, line)
-        if n != len(line):  # a short write to a file means the disk is full; the next start cuts it away
-            raise OSError(f"{self.path}: short write ({n} of {len(line)} bytes); is the disk full?")
-        if not self.stdout:
-            os.fsync(self.fd)
+        try:
+            n = os.write(self.fd, line)
+            if n != len(line):  # a short write to a file means the disk is full; the next start cuts it away
+                raise OSError(errno.ENOSPC, f"short write ({n} of {len(line)} bytes)")
+            if not self.stdout:
+                os.fsync(self.fd)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise UsageError(f"{self.path}: cannot write the results ({e.strerror or e}); free space (or fix the "
+                             f"output) and re-run the same command: records already written are kept and "
+                             f"skipped") from None
 
     def key_of(self, key: str) -> str:
         """``key`` as it reads back from this file (CSV cells hold no newlines)."""

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ from deltafin.serve.protocol import (
     ModelInfo,
     Parsed,
     parse_chat,
+    clip,
     parse_completion,
     redact,
 )
@@ -78,7 +80,7 @@ class Gate:
         tally = scope["state"].get("tally")
         tokens = (f" prompt={tally['prompt']} cached={tally['cached']} completion={tally['completion']}"
                   if tally else "")
-        access.info("%s %s %s%s %.3fs", scope.get("method", "?"), path, status, tokens, seconds)
+        access.info("%s %s %s%s %.3fs", scope.get("method", "?"), clip(path, 200), status, tokens, seconds)
 
     async def _gated(self, scope, receive, send):
         path = scope.get("path", "")
@@ -141,13 +143,23 @@ class Server:
         embed = getattr(eng.model, "embed_w", None)
         vocab = int(eng.packed.text_config.get("vocab_size") or getattr(embed, "shape", (0,))[0])
         self.info = ModelInfo(name, eng.opts.max_len, vocab)
-        self.ctx = Context(_grammars(eng.codec, vocab), tools.detect(eng.codec))
+        self.ctx = Context(_grammars(eng.codec, vocab, limits.grammar_timeout_s), tools.detect(eng.codec))
+        self._health: tuple[float, list[str]] = (0.0, [])
         self.pieces = TokenPieces(eng.codec, worker.codec_lock)
         self.http: Counter = Counter()
         self.started = int(time.time())
         from deltafin.serve.metrics import Metrics
 
         self.metrics = Metrics(worker, self.http)
+
+    def model_problems(self, every_s: float = 2.0) -> list[str]:
+        """What is wrong with the served model's files (store/health.py), re-checked at most every ``every_s``."""
+        t, found = self._health
+        if time.monotonic() - t >= every_s:
+            packed = getattr(self.worker.engine, "packed", None)
+            found = packed.health() if packed is not None and hasattr(packed, "health") else []
+            self._health = (time.monotonic(), found)
+        return found
 
     def first_token(self, request: Request, kind: str) -> None:
         t0 = getattr(request.state, "t0", None)
@@ -205,14 +217,36 @@ def _constrained(body: object) -> bool:
             or (bool(body.get("tools")) and (choice == "required" or isinstance(choice, dict))))
 
 
-def _grammars(codec, vocab: int) -> Grammars | None:
-    """Constrained decoding when xgrammar is installed (it is optional); None otherwise."""
+def _grammars(codec, vocab: int, timeout_s: float = 20.0):
+    """Constrained decoding when xgrammar is installed (it is optional); None otherwise. Compiled in a child
+    process under a deadline, cancelled when the client leaves (serve/grammar_worker.py)."""
     try:
         import xgrammar  # noqa: F401
     except ImportError:
         log.info("xgrammar is not installed: response_format and forced tool calls will be refused")
         return None
-    return Grammars(codec, vocab)
+    from deltafin.serve.grammar_worker import BoundedGrammars
+
+    return BoundedGrammars(Grammars(codec, vocab), timeout_s)
+
+
+async def parse_watched(request: Request, fn, *args):
+    """``fn(*args, cancel=event)`` in the thread pool; the event is set as soon as the client hangs up, so a
+    grammar compilation for nobody stops."""
+    cancel = threading.Event()
+
+    async def watch() -> None:
+        while not cancel.is_set():
+            if await request.is_disconnected():
+                cancel.set()
+                return
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await run_in_threadpool(fn, *args, cancel=cancel)
+    finally:
+        watcher.cancel()
 
 
 async def read_json(request: Request) -> object:
@@ -381,8 +415,9 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
-               405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        path = clip(request.url.path)
+        msg = {404: f"no such endpoint: {request.method} {path}",
+               405: f"method {request.method} is not allowed on {path}"}.get(e.status_code, clip(str(e.detail)))
         return error_response(APIError(e.status_code, msg, code="not_found" if e.status_code == 404 else None))
 
     @app.exception_handler(RequestValidationError)
@@ -399,15 +434,15 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
             except APIError as e:
                 return error_response(e)
             except Exception:
-                log.exception("request failed: %s %s", request.method, request.url.path)
+                log.exception("request failed: %s %s", request.method, clip(request.url.path))
                 return error_response(APIError(500, "internal server error; see the server log", "server_error"))
 
         route.__name__ = fn.__name__
         return route
 
     async def completions(request: Request):
-        parsed = await run_in_threadpool(parse_completion, await read_json(request), srv.info, srv.limits, srv.encode,
-                                         srv.ctx)
+        parsed = await parse_watched(request, parse_completion, await read_json(request), srv.info, srv.limits,
+                                     srv.encode, srv.ctx)
         return await respond(request, parsed)
 
     async def chat_completions(request: Request):
@@ -418,8 +453,8 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
             # the grammar holds the whole reply to JSON or a call: a reasoning channel before it cannot be
             # written, so constrained replies are rendered with thinking off
             opts = replace(opts, thinking=False, effort=None)
-        parsed = await run_in_threadpool(parse_chat, body, srv.info, srv.limits,
-                                         lambda m, tools=None: srv.chat(m, tools, opts), srv.ctx)
+        parsed = await parse_watched(request, parse_chat, body, srv.info, srv.limits,
+                                     lambda m, tools=None: srv.chat(m, tools, opts), srv.ctx)
         return await respond(request, parsed)
 
     async def respond(request: Request, parsed: Parsed) -> Response:
@@ -438,7 +473,7 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
     async def model(request: Request):
         wanted = request.path_params["model_id"]
         if wanted != srv.info.name:
-            raise APIError(404, f"the model {wanted!r} does not exist; this server serves {srv.info.name!r}",
+            raise APIError(404, f"the model {clip(wanted)!r} does not exist; this server serves {srv.info.name!r}",
                            param="model", code="model_not_found")
         return JSONResponse(card())
 
@@ -455,8 +490,12 @@ def create_app(worker: Worker, model_name: str, api_key: str | None = None, limi
 
     @app.get("/health")
     async def health():
-        ok = worker.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped", "in_flight": worker.in_flight,
-                             "queued": worker.queued}, status_code=200 if ok else 503)
+        problems = await run_in_threadpool(srv.model_problems)
+        ok = worker.alive and not problems
+        status = "ok" if ok else ("engine stopped" if not worker.alive else "model files missing or moved")
+        body = {"status": status, "in_flight": worker.in_flight, "queued": worker.queued}
+        if problems:
+            body["problems"] = [redact(p) for p in problems]
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     return app

@@ -41,12 +41,18 @@ class Limits:
     max_choices: int = 16  # sequences one request may ask for (prompts x n)
     max_stop_chars: int = 1000  # longest stop string (each is matched per token in time linear in its length)
     body_timeout_s: float = 30.0  # a request body must arrive whole within this
+    max_tools: int = 128  # tools in one chat request (OpenAI's limit)
+    max_schema_bytes: int = 64 << 10  # JSON of a response_format schema, or of all tools' parameters together
+    grammar_timeout_s: float = 20.0  # compiling one request's grammar (the server's child process is killed past it)
 
     def __post_init__(self) -> None:
         if min(self.max_tokens, self.max_body_bytes, self.max_prompts, self.max_stops, self.max_stop_chars) < 1:
             raise UsageError(f"server limits must be >= 1, got {self}")
         if not self.body_timeout_s > 0:
             raise UsageError(f"the body timeout must be > 0 s, got {self.body_timeout_s}")
+        if min(self.max_tools, self.max_schema_bytes) < 1 or not 0 < self.grammar_timeout_s <= 3600:
+            raise UsageError(f"--max-schema-bytes must be >= 1 and --grammar-timeout in (0, 3600] s, got "
+                             f"{self.max_schema_bytes} and {self.grammar_timeout_s}")
 
 
 @dataclass
@@ -83,11 +89,29 @@ def validate(model: type[BaseModel], body: object) -> BaseModel:
         raise bad(message, param, code) from None
 
 
+def clip(text: str, n: int = 100) -> str:
+    """A client's value as echoed in a message or a log line: at most ``n`` characters."""
+    return text if len(text) <= n else f"{text[:n]}... ({len(text):,} characters)"
+
+
 def check_model(model: str | None, served: str) -> None:
     """``model`` is optional (the one model served); a wrong name is a 404 as OpenAI gives it."""
     if model is not None and model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+        raise APIError(404, f"the model {clip(model)!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
+
+
+def _schema_size(v, what: str, param: str, limits: Limits) -> None:
+    n = len(json.dumps(v, ensure_ascii=False).encode("utf-8"))
+    if n > limits.max_schema_bytes:
+        raise bad(f"{what} is {n:,} bytes of JSON; this server compiles at most {limits.max_schema_bytes:,} "
+                  f"(--max-schema-bytes): send a smaller schema", param=param, code="schema_too_large")
+
+
+def _compile(g, method: str, *args, cancel=None):
+    """Call a grammar compiler, passing ``cancel`` where it takes one (the server's bounded compiler)."""
+    fn = getattr(g, method)
+    return fn(*args) if cancel is None else fn(*args, cancel=cancel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +196,8 @@ def _grammars(ctx: Context, what: str):
     return ctx.grammars
 
 
-def _response_format(r: Common, ctx: Context):
-    """The compiled grammar of ``response_format`` (None for plain text)."""
+def _response_format(r: Common, ctx: Context, limits: Limits, check_only: bool = False, cancel=None):
+    """The compiled grammar of ``response_format`` (None for plain text); ``check_only``: its checks, no compile."""
     rf = r.response_format
     if rf is None or rf.type == "text":
         return None
@@ -181,8 +205,14 @@ def _response_format(r: Common, ctx: Context):
         raise bad("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                   param="response_format.json_schema")
     g = _grammars(ctx, "response_format")
+    if rf.type == "json_schema":
+        _schema_size(rf.json_schema.schema_, "response_format's schema", "response_format", limits)
+    if check_only:
+        return None
     try:
-        return g.json_object() if rf.type == "json_object" else g.json_schema(rf.json_schema.schema_)
+        if rf.type == "json_object":
+            return _compile(g, "json_object", cancel=cancel)
+        return _compile(g, "json_schema", rf.json_schema.schema_, cancel=cancel)
     except UsageError as e:
         raise bad(redact(str(e)), param="response_format") from None
 
@@ -233,29 +263,38 @@ def _as_object(arguments: str | dict | None) -> dict | str:
     return arguments or {}
 
 
-def _tool_grammar(r: ChatRequest, ctx: Context):
-    """The grammar that makes the reply a call (tool_choice "required" or a named function), else None."""
+def _tool_grammar(r: ChatRequest, ctx: Context, check_only: bool = False, cancel=None):
+    """The grammar that makes the reply a call (tool_choice "required" or a named function), else None;
+    ``check_only``: its checks, no compile."""
     choice = r.tool_choice
     if choice in (None, "none", "auto"):
         return None
     by_name = {t.function.name: t.function for t in r.tools or []}
     if isinstance(choice, NamedToolChoice) and choice.function.name not in by_name:
-        raise bad(f"tool_choice names {choice.function.name!r}, which is not in tools ({', '.join(by_name)})",
+        raise bad(f"tool_choice names {choice.function.name!r}, which is not in tools ({clip(', '.join(by_name))})",
                   param="tool_choice")
     g = _grammars(ctx, "tool_choice")
+    if check_only:
+        return None
     try:
         if isinstance(choice, NamedToolChoice):
             f = by_name[choice.function.name]
-            return g.sequence(tools.forced(ctx.tool_format, f.name, f.parameters))
-        return g.union([tools.forced(ctx.tool_format, f.name, f.parameters) for f in by_name.values()])
+            return _compile(g, "sequence", tools.forced(ctx.tool_format, f.name, f.parameters), cancel=cancel)
+        return _compile(g, "union", [tools.forced(ctx.tool_format, f.name, f.parameters) for f in by_name.values()],
+                        cancel=cancel)
     except UsageError as e:
         raise bad(redact(str(e)), param="tool_choice") from None
 
 
-def _tools(r: ChatRequest, ctx: Context) -> list[dict] | None:
+def _tools(r: ChatRequest, ctx: Context, limits: Limits) -> list[dict] | None:
     """The tools to render in the prompt (None: no tools, or tool_choice "none")."""
     if r.tool_choice is not None and not r.tools:
         raise bad("tool_choice needs tools", param="tool_choice")
+    if r.tools and len(r.tools) > limits.max_tools:
+        raise bad(f"{len(r.tools):,} tools in one request; at most {limits.max_tools}", param="tools",
+                  code="too_many_tools")
+    if r.tools:
+        _schema_size([t.function.parameters for t in r.tools], "the tools' parameters", "tools", limits)
     if not r.tools or r.tool_choice == "none":
         return None
     if ctx.tool_format is None:
@@ -264,8 +303,10 @@ def _tools(r: ChatRequest, ctx: Context) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in r.tools]
 
 
-def parse_chat(body: object, info: ModelInfo, limits: Limits, chat, ctx: Context = Context()) -> Parsed:
-    """``chat(messages, tools) -> prompt ids`` (the checkpoint's template; may raise)."""
+def parse_chat(body: object, info: ModelInfo, limits: Limits, chat, ctx: Context = Context(),
+               cancel=None) -> Parsed:
+    """``chat(messages, tools) -> prompt ids`` (the checkpoint's template; may raise). The prompt's length is
+    checked before any grammar is compiled; ``cancel`` (an Event) stops a compilation when the client leaves."""
     r = validate(ChatRequest, body)
     check_model(r.model, info.name)
     if r.top_logprobs is not None and not r.logprobs:
@@ -273,11 +314,12 @@ def parse_chat(body: object, info: ModelInfo, limits: Limits, chat, ctx: Context
     if r.max_tokens is not None and r.max_completion_tokens is not None:
         raise bad("give max_tokens or max_completion_tokens, not both", param="max_tokens")
     stream, usage = _stream(r)
-    declared = _tools(r, ctx)
-    grammar = _tool_grammar(r, ctx)
-    if grammar is not None and r.response_format is not None and r.response_format.type != "text":
+    declared = _tools(r, ctx, limits)
+    forced = r.tool_choice not in (None, "none", "auto")
+    _tool_grammar(r, ctx, check_only=True)
+    if forced and r.response_format is not None and r.response_format.type != "text":
         raise bad("give response_format or a required tool call, not both", param="response_format")
-    grammar = grammar or _response_format(r, ctx)
+    _response_format(r, ctx, limits, check_only=True)
     messages = [template_message(m) for m in r.messages]
     try:
         prompt = chat(messages, declared)
@@ -289,9 +331,11 @@ def parse_chat(body: object, info: ModelInfo, limits: Limits, chat, ctx: Context
         raise bad("the chat template gave an empty prompt for these messages", param="messages")
     name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     want = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-    spec = GenSpec(tuple(prompt), _max_new(want, len(prompt), info, limits, None, name, "messages"),
-                   _sampling(r, info.vocab_size), _stops(r.stop, limits), (r.top_logprobs or 0) if r.logprobs else None,
-                   grammar)
+    max_new = _max_new(want, len(prompt), info, limits, None, name, "messages")
+    sampling, stops = _sampling(r, info.vocab_size), _stops(r.stop, limits)
+    grammar = (_tool_grammar(r, ctx, cancel=cancel) if forced else None) or _response_format(r, ctx, limits,
+                                                                                            cancel=cancel)
+    spec = GenSpec(tuple(prompt), max_new, sampling, stops, (r.top_logprobs or 0) if r.logprobs else None, grammar)
     return Parsed("chat", _choices([spec], r.n or 1, limits), stream, usage, bool(r.logprobs),
                   bool(r.return_tokens_as_token_ids), ctx.tool_format if declared else None)
 
@@ -318,7 +362,8 @@ def _ids(ids: list, vocab: int, where: str) -> list[int]:
     return list(ids)
 
 
-def parse_completion(body: object, info: ModelInfo, limits: Limits, encode, ctx: Context = Context()) -> Parsed:
+def parse_completion(body: object, info: ModelInfo, limits: Limits, encode, ctx: Context = Context(),
+                     cancel=None) -> Parsed:
     """``encode(text) -> ids`` (raises UsageError when the model has no tokenizer)."""
     r = validate(CompletionRequest, body)
     check_model(r.model, info.name)
@@ -338,8 +383,10 @@ def parse_completion(body: object, info: ModelInfo, limits: Limits, encode, ctx:
     for i, p in enumerate(prompts):
         if not p:
             raise bad(f"prompt{f'[{i}]' if len(prompts) > 1 else ''} is empty", param="prompt")
-    sampling, stops, grammar = _sampling(r, info.vocab_size), _stops(r.stop, limits), _response_format(r, ctx)
-    specs = [GenSpec(tuple(p), _max_new(r.max_tokens, len(p), info, limits, 16, "max_tokens", "prompt"), sampling,
-                     stops, r.logprobs, grammar) for p in prompts]
+    _response_format(r, ctx, limits, check_only=True)
+    sampling, stops = _sampling(r, info.vocab_size), _stops(r.stop, limits)
+    room = [_max_new(r.max_tokens, len(p), info, limits, 16, "max_tokens", "prompt") for p in prompts]
+    grammar = _response_format(r, ctx, limits, cancel=cancel)  # compiled only once the prompts fit
+    specs = [GenSpec(tuple(p), n, sampling, stops, r.logprobs, grammar) for p, n in zip(prompts, room, strict=True)]
     return Parsed("completion", _choices(specs, r.n or 1, limits), stream, usage, r.logprobs is not None,
                   bool(r.return_tokens_as_token_ids))

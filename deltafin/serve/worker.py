@@ -109,7 +109,9 @@ class Worker:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                self._take_up_layout()
                 fresh = self._admit()
+                self._take_up_layout()  # also after the wait for arrivals: place may have committed meanwhile
                 if fresh:
                     self._prefill(fresh)
                 if self.active:
@@ -118,6 +120,14 @@ class Worker:
                 log.exception("engine step failed")
                 self._fail(self.active, Failure(500, "internal error while generating; see the server log"))
                 self.active = []
+
+    def _take_up_layout(self) -> None:
+        """Between two steps (no read in flight): a 'deltafin place' that moved expert files committed a new
+        layout generation; reading from it now lets place delete the old files while requests keep working."""
+        packed = getattr(self.engine, "packed", None)
+        refresh = getattr(packed, "refresh", None)
+        if refresh is not None and refresh():
+            log.warning("took up the new layout of %s (generation %d)", packed.path, packed.generation)
 
     def _admit(self) -> list[Seq]:
         room = self.max_batch - len(self.active)

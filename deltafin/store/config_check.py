@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 from deltafin.errors import CheckpointError, DeltafinError
 
@@ -118,3 +119,30 @@ def _check_tiktoken(folder: str, vocab_size: int | None) -> None:
         what = "tokenizer_config.json's added tokens" if added and max(added) == top else RANKS_FILE
         raise CheckpointError(f"{os.path.join(folder, RANKS_FILE)}: token id {top} ({what}) does not fit the "
                               f"model's vocab_size {vocab_size}; the tokenizer belongs to another model")
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layers(tc: dict, names, has_experts: bool, where: str) -> None:
+    """The config's layer count and router width against the weights: a missing ``num_experts_per_tok`` would
+    run with a default, a wrong ``num_hidden_layers`` would skip or miss layers; both refused at pack."""
+    from deltafin.store.load_checks import TOP_K_KEYS
+
+    if has_experts and not any(isinstance(tc.get(k), int) for k in TOP_K_KEYS):
+        raise CheckpointError(f"{where}: lacks num_experts_per_tok (how many experts the router picks per token); "
+                              f"the model would run with a guess: add it to config.json")
+    n = tc.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise CheckpointError(f"{where}: lacks num_hidden_layers; add it to config.json")
+    found = {int(m.group(1)) for name in names for m in [_LAYER.search(name)] if m}
+    if not found:
+        return
+    extra = tc.get("num_nextn_predict_layers") or 0
+    missing = sorted(set(range(n)) - found)
+    if missing:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the weights have no layer {missing[0]} (they hold "
+                              f"layers 0-{max(found)}); fix config.json")
+    if max(found) >= n + extra:
+        raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the weights hold layer {max(found)} "
+                              f"({max(found) + 1 - extra} layers); fix config.json")

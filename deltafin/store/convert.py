@@ -65,10 +65,10 @@ def passthrough_sections(plan: PackPlan, layer: int, expert: int) -> list[tuple[
 
 
 def _role(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int, allow: bool) -> QTensor:
-    q = _role_record(ckpt, r, kinds, expert)
+    name = next(iter(kinds.values()))
+    where = f" (expert {expert})" if r.src.startswith("oss") or r.src == "bias" else ""
+    q = _role_record(ckpt, r, kinds, expert, None if allow else lambda w: check_finite(w, name, where))
     if not allow:
-        name = next(iter(kinds.values()))
-        where = f" (expert {expert})" if r.src.startswith("oss") or r.src == "bias" else ""
         if q.format == "mxfp4":
             check_mxfp4_scales(memoryview(q.scale.contiguous().reshape(-1).numpy()), name)
         else:
@@ -76,7 +76,9 @@ def _role(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int, a
     return q
 
 
-def _role_record(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> QTensor:
+def _role_record(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int, check=None) -> QTensor:
+    """``check(weight)`` sees every float weight before it is encoded (NaN does not survive into MXFP4's
+    scales, so it is caught here, whatever the codec)."""
     if r.src == "ct_mxfp4" and r.out == "mxfp4":  # released QAT bytes: copied unchanged
         return QTensor("mxfp4", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
     if r.src == "ct_int4" and r.out == "int4g32":
@@ -86,7 +88,10 @@ def _role_record(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert:
         return QTensor("mxfp4", r.shape, blocks.reshape(r.shape[0], -1), read_row(ckpt, kinds["scales"], expert))
     if r.src == "bias":
         return from_plain(read_row(ckpt, kinds["bias"], expert), r.out)
-    return from_plain(_dense(ckpt, r, kinds, expert), r.out)
+    w = _dense(ckpt, r, kinds, expert)
+    if check is not None:
+        check(w)
+    return from_plain(w, r.out)
 
 
 def _dense(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) -> torch.Tensor:

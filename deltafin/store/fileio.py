@@ -107,3 +107,14 @@ def peak_rss_bytes() -> int:
         pass
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def file_sha256(path: str) -> str:
+    """sha256 of a small file (config, tokenizer), read in blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

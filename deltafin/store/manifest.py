@@ -62,6 +62,13 @@ def resolve_under(root: str, rel: str) -> str:
     return full
 
 
+def leaf_under(root: str, rel: str) -> str:
+    """root/rel with its folders resolved under root (``resolve_under``) but its last part not followed: an
+    expert file that is a link is reported, or replaced itself, never taken for its target."""
+    folder = resolve_under(root, os.path.dirname(rel))
+    return os.path.join(folder, os.path.basename(rel))
+
+
 def validate(doc: dict, where: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
@@ -96,15 +103,24 @@ def validate(doc: dict, where: str) -> dict:
         locs, sums = ex["locations"].get(str(L)), ex["checksums"].get(str(L))
         if locs is None or sums is None or len(locs) != ex["num_experts"] or len(sums) != ex["num_experts"]:
             raise ManifestError(f"{where}: layer {L} has incomplete expert locations or checksums; repack the model")
-        if any(not isinstance(loc, list) or not loc or any(not isinstance(d, int) or not 0 <= d < n for d in loc)
-               for loc in locs):
+        if any(not isinstance(loc, list) or not loc or any(isinstance(d, bool) or not isinstance(d, int)
+                                                            or not 0 <= d < n for d in loc) for loc in locs):
             raise ManifestError(f"{where}: layer {L} names a drive that is not in the drive list; repack the model")
+        rep = next((e for e, loc in enumerate(locs) if len(set(loc)) != len(loc)), None)
+        if rep is not None:
+            raise ManifestError(f"{where}: layer {L} expert {rep} lists drive(s) {locs[rep]} more than once (one "
+                                f"copy counted twice); the manifest is damaged: repack the model, or run "
+                                f"'deltafin place' from a backup of {MANIFEST}")
     stripe = ex.get("stripe")
     if stripe is not None:
         if not isinstance(stripe, dict):
             raise ManifestError(f"{where}: manifest experts.stripe is not an object; repack the model")
         for L, st in stripe.items():
             _check_stripe(ex, L, st, n, where)
+    if "generation" in doc:
+        _int_field(where, "generation", doc["generation"], 0)
+    if "uid" in doc and not (isinstance(doc["uid"], str) and re.fullmatch(r"[0-9a-f]{32}", doc["uid"])):
+        raise _bad(where, "uid", doc["uid"], "32 hex digits")
     if ex.get("ranks") is not None:  # optional: expert ownership over the ranks of a cluster
         from deltafin.store.ranks import check_ranks
 

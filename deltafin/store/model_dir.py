@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -32,17 +31,21 @@ class PackedModel:
     _stripes: dict = field(default_factory=dict, repr=False)
     _folders: dict = field(default_factory=dict, repr=False)  # (drive, layer) -> resolved expert folder
 
+    _reader: object = field(default=None, repr=False)  # locks.ReaderLock on the layout generation read
+    _seen: tuple | None = field(default=None, repr=False)  # the manifest's (inode, size, mtime) when last read
+
     @classmethod
-    def open(cls, path: str, drive_map: dict[str, str] | None = None, only: set[str] | None = None) -> PackedModel:
-        """Open a packed model; ``only``: the drive labels that must be mounted here (a cluster rank's own)."""
+    def open(cls, path: str, drive_map: dict[str, str] | None = None, only: set[str] | None = None,
+             reader: bool = True) -> PackedModel:
+        """Open a packed model; ``only``: the drive labels that must be mounted here (a cluster rank's own).
+        ``reader``: hold the layout generation's reader lock, so 'deltafin place' waits before deleting
+        files this process may still read (writers open with False)."""
         path = os.path.abspath(path)
         doc = mf.load(path)
-        cfg_path = mf.resolve_under(path, doc["config"])
-        try:
-            with open(cfg_path) as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ManifestError(f"{cfg_path}: cannot read the model config ({e}); repack the model") from e
+        from deltafin.store.load_checks import check_against_config, check_distinct_drives, read_config
+
+        config = read_config(path, doc)
+        check_against_config(doc, config, os.path.join(path, mf.MANIFEST))
         drives = mf.drives(doc)
         drive_map = drive_map or {}
         unknown = set(drive_map) - {d.label for d in drives}
@@ -51,6 +54,7 @@ class PackedModel:
                                 f"are {[d.label for d in drives]}")
         drives = [mf.DriveEntry(d.label, os.path.abspath(drive_map.get(d.label, d.path)), d.gbps, d.measured)
                   for d in drives]
+        check_distinct_drives(drives, "--drive-map" if drive_map else os.path.join(path, mf.MANIFEST))
         for d in drives:
             if only is not None and d.label not in only:
                 continue
@@ -59,7 +63,49 @@ class PackedModel:
                     f"drive {d.label}: {d.path} holds no {doc['model_id']}/ folder; is the drive mounted? If it "
                     f"moved, pass --drive-map {d.label}=/new/mount/point"
                 )
-        return cls(path, doc, config, drives)
+        pm = cls(path, doc, config, drives)
+        pm._seen = _stamp(os.path.join(path, mf.MANIFEST))
+        if reader:
+            from deltafin.store.locks import ReaderLock
+
+            pm._reader = ReaderLock(path, int(doc.get("generation", 0)))
+        return pm
+
+    @property
+    def generation(self) -> int:
+        return int(self.doc.get("generation", 0))
+
+    def refresh(self) -> bool:
+        """Take up a new layout of the same model ('deltafin place' ran): True when the layout changed. Cheap
+        when nothing did (one stat). The caller makes sure no read is in flight."""
+        stamp = _stamp(os.path.join(self.path, mf.MANIFEST))
+        if stamp == self._seen or stamp is None:
+            return False
+        try:
+            doc = mf.load(self.path)
+        except ManifestError:
+            return False  # mid-rename or damaged: keep the layout in use; /health says what is wrong
+        self._seen = stamp
+        if int(doc.get("generation", 0)) == self.generation:
+            return False
+        same = (doc.get("uid") == self.doc.get("uid") and doc["model_id"] == self.model_id
+                and doc["experts"]["checksums"] == self.doc["experts"]["checksums"]
+                and [d["label"] for d in doc["drives"]] == [d.label for d in self.drives])
+        if not same:
+            return False  # another model or a repack: a restart takes it up; /health reports it
+        self.doc = doc
+        self._stripes.clear()
+        self._folders.clear()
+        if self._reader is not None:
+            self._reader.move(self.generation)
+        return True
+
+    def health(self, limit: int = 5) -> list[str]:
+        """What is wrong with the files this process reads: the manifest gone or replaced, drive folders or
+        expert files missing. Empty when all is there."""
+        from deltafin.store.health import problems
+
+        return problems(self, limit)
 
     @property
     def model_id(self) -> str:
@@ -103,7 +149,7 @@ class PackedModel:
             raise ManifestError(f"layer {layer} of {self.model_id} is striped over drives: expert {expert} has no "
                                 f"single file; use expert_files()")
         d = self.locations(layer, expert)[0] if drive is None else drive
-        return mf.resolve_under(self.drives[d].path, mf.expert_relpath(self.model_id, layer, expert))
+        return mf.leaf_under(self.drives[d].path, mf.expert_relpath(self.model_id, layer, expert))
 
     def piece_path(self, layer: int, expert: int, piece: Piece) -> str:
         rel = mf.piece_relpath(self.model_id, layer, expert, piece.offset, piece.nbytes)
@@ -111,8 +157,7 @@ class PackedModel:
         if folder is None:  # resolved once per drive and layer: the read path asks for every piece
             folder = self._folders[piece.drive, layer] = mf.resolve_under(self.drives[piece.drive].path,
                                                                           os.path.dirname(rel))
-        full = os.path.join(folder, os.path.basename(rel))
-        return mf.resolve_under(self.drives[piece.drive].path, rel) if os.path.islink(full) else full
+        return os.path.join(folder, os.path.basename(rel))
 
     def expert_files(self, layer: int, expert: int) -> list[ExpertFileRef]:
         """Every file of one expert: its pieces when the layer is striped, else each whole copy."""
@@ -150,3 +195,11 @@ class PackedModel:
         from deltafin.store.trunk import load_records
 
         return load_records(self.path, self.doc, progress)
+
+
+def _stamp(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

@@ -35,8 +35,11 @@ from deltafin.store.convert import (
     expert_tensors,
     passthrough_sections,
 )
+from deltafin.store import ownership as own
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
-from deltafin.store.fileio import peak_rss_bytes, return_freed_memory
+from deltafin.store.fileio import file_sha256, peak_rss_bytes, return_freed_memory
+from deltafin.store.load_checks import check_distinct_drives
+from deltafin.store.locks import LockedError, model_lock
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -74,6 +77,7 @@ class PackOptions:
     trace: str | None = None  # routing trace (JSONL) for the coactivation and replicas placements
     spare_gb: float | None = None  # replicas: GB per drive for extra copies (default: a tenth of its share)
     allow_nonfinite: bool = False  # pack NaN/inf weights as they are (refused by default: they are damage)
+    overwrite: bool = False  # OUT holds another checkpoint's model: remove it first (else refused)
 
 
 @dataclass
@@ -91,6 +95,7 @@ class PackSummary:
     peak_rss_bytes: int
     per_drive: dict[str, dict]
     moved: tuple[int, int] | None = None  # a re-run with new rates or placement: (files copied, files deleted)
+    removed: int = 0  # files of an old layout (a repack) or of the model replaced by --overwrite, deleted
 
     @property
     def write_gbps(self) -> float:
@@ -117,6 +122,21 @@ def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None
 
 
 def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
+    """Pack ``src`` into ``out``; one writer per model folder (``locks.model_lock``)."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"{out}: exists and is not a folder; OUT is the model folder to write: pass a new or "
+                         f"existing folder")
+    if os.path.isdir(out) and _prior_manifest(out) is None and not os.path.exists(os.path.join(out, STATE)):
+        stray = own.out_foreign(out, is_side_file)
+        if stray:
+            raise own.OwnershipError(f"{out} already holds files Deltafin did not write ({', '.join(stray)}); "
+                                     f"give a new or empty folder as OUT")
+    with model_lock(out, "pack"):
+        return _pack(src, out, drive_args, opts)
+
+
+def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> PackSummary:
     t0 = time.perf_counter()
     return_freed_memory()
     _check_policy(opts)
@@ -126,23 +146,34 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         raise CheckpointError(f"{ckpt.path}: shard(s) {', '.join(missing)} named in the index are missing; "
                               f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"{out}: exists and is not a folder; OUT is the model folder to write: pass a new or "
-                         f"existing folder")
-    os.makedirs(out, exist_ok=True)
-    prior = _prior_manifest(out)
+    identity = own.source_identity(ckpt)
+    if opts.model_id is not None:
+        mf.check_model_id(opts.model_id)
+    seen = _prior_manifest(out)  # what can be refused is refused before --overwrite removes anything
+    check_distinct_drives(drive_args or ([DriveArg(d.label, d.path, None) for d in mf.drives(seen)] if seen else []),
+                          "--drive")
+    prior, replaced = _settle_prior(out, ckpt, identity, opts)
     if not drive_args and prior is not None:  # a re-run (e.g. --repair) keeps the packed drives
         drive_args = [DriveArg(d.label, d.path, None if d.measured else d.gbps) for d in mf.drives(prior)]
     if not drive_args:
         drive_args = [DriveArg("d0", os.path.join(out, "experts"), None)]
+    check_distinct_drives(drive_args, "--drive")
     model_id = mf.check_model_id(opts.model_id or (prior or {}).get("model_id") or _default_id(out))
     digest = fingerprint(plan, drive_args, model_id, opts)
+    state = load_state(out, digest)
+    uid = (state or {}).get("uid") or (prior or {}).get("uid") or own.new_uid()
+    legacy = _legacy_folders(prior, state)
+    for a in drive_args:  # before anything is written: each drive folder must be free or this model's
+        folder = os.path.join(a.path, model_id)
+        own.check_claim(folder, uid, a.label, os.path.realpath(folder) in legacy)
     from deltafin.store.repack import move_to_new_rates, same_files_other_rates
 
     if same_files_other_rates(out, prior, plan, drive_args, model_id, opts, digest):
+        _readers_gone_or_refuse(out, prior)
         return move_to_new_rates(out, plan, drive_args, opts, digest)
-    state = load_state(out, digest) or state_from_manifest(prior, digest) or new_state(digest)
+    state = state or state_from_manifest(prior, digest) or new_state(digest)
+    state.setdefault("uid", uid)
+    state["identity"], state["model_id"] = identity, model_id
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
         layout = _plan_layout(plan, drives, opts)
@@ -150,22 +181,171 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         state["stripe"] = {str(L): st for L, st in layout.stripe.items()}
         state["placement"] = opts.placement
     state["drives"] = {d.label: [d.gbps, d.measured] for d in drives}
+    state["drive_paths"] = [d.path for d in drives]
     locations = {int(L): locs for L, locs in state["locations"].items()}
     job = _Job(ckpt, plan, out, drives, model_id, locations, state, opts)
-    job.remove_stale_tmp()
     job.check_space()
+    job._save_state(force=True)  # the uid first: a re-run after any failure from here finds its folders
+    for d in drives:
+        folder = os.path.join(d.path, model_id)
+        own.claim(folder, state["uid"], out, model_id, d.label, os.path.realpath(folder) in legacy)
+    job.remove_stale_tmp()
     if prior is not None and prior.get("fingerprint") != digest:
-        # other settings: files are about to be rewritten, so the old manifest must not outlive them
-        log.warning("%s: repacking with new settings; removing the old manifest first", out)
+        # other settings: files are about to be rewritten, so the old manifest must not outlive them; the old
+        # layout's files are listed in the state and removed once the new layout is verified
+        _readers_gone_or_refuse(out, prior)
+        state["replaces"] = _old_layout(prior)
+        job._save_state(force=True)
+        log.warning("%s: repacking with new settings; the old layout's files are removed once the new one is "
+                    "verified", out)
         os.unlink(os.path.join(out, mf.MANIFEST))
     job.write_all()
-    _copy_side_files(ckpt, out)
-    doc = job.manifest(src) | {"fingerprint": digest}
+    side = _copy_side_files(ckpt, out)
+    doc = job.manifest(src) | {"fingerprint": digest, "uid": state["uid"], "side_files": side,
+                               "generation": int((prior or {}).get("generation", 0)) + 1}
+    doc["source"]["identity"] = identity
+    doc["config_sha256"] = file_sha256(os.path.join(out, "config.json"))
     mf.write_json_atomic(os.path.join(out, mf.MANIFEST), doc)
+    removed = replaced.files
+    if state.get("replaces"):
+        removed += _remove_old_layout(out, doc, state["replaces"]).files
     os.unlink(os.path.join(out, STATE))
     peak = peak_rss_bytes()
     return PackSummary(out, model_id, plan.expert_files, job.written, job.skipped, job.repaired, plan.expert_bytes,
-                       job.bytes_written, plan.trunk_bytes, time.perf_counter() - t0, peak, job.per_drive())
+                       job.bytes_written, plan.trunk_bytes, time.perf_counter() - t0, peak, job.per_drive(),
+                       removed=removed)
+
+
+def _legacy_folders(prior: dict | None, state: dict | None) -> set[str]:
+    """Drive folders of this model packed before markers existed (its manifest has no uid): adopted."""
+    if prior is None or prior.get("uid") is not None or state is not None:
+        return set()
+    return {os.path.realpath(os.path.join(d.path, prior["model_id"])) for d in mf.drives(prior)}
+
+
+def _settle_prior(out: str, ckpt: Checkpoint, identity: str, opts: PackOptions):
+    """The model already in OUT, if it is this checkpoint's; another checkpoint's is refused, or removed first
+    with --overwrite (its expert files on every drive, counted). Returns (prior manifest or None, removal)."""
+    from deltafin.store.remove import RemoveReport, remove_model
+
+    prior = _prior_manifest(out)
+    state = _read_state(out)
+    recorded = (prior or {}).get("source", {}).get("identity") if prior else (state or {}).get("identity")
+    legacy_other = (prior is not None and recorded is None
+                    and os.path.realpath(prior.get("source", {}).get("path", "")) != os.path.realpath(ckpt.path))
+    other = (recorded is not None and recorded != identity) or legacy_other
+    if not other:
+        return prior, RemoveReport()
+    if not opts.overwrite:
+        if opts.repair:
+            own.check_same_source(recorded, identity, ckpt.path, out, (prior or {}).get("source", {}).get("path"))
+        what = (prior or {}).get("source", {}).get("path") or "another checkpoint"
+        raise own.OwnershipError(f"{out} holds another model (packed from {what}); pass --overwrite to replace it "
+                                 f"(its expert files are removed from every drive first), or give another OUT")
+    if prior is not None:
+        _readers_gone_or_refuse(out, prior)
+        rep = remove_model(out, prior, keep_out=True)
+    else:
+        rep = RemoveReport()
+    if state is not None and state.get("drive_paths") and state.get("model_id"):
+        rep.folders += _remove_old_layout(out, None, _state_layout(state)).folders
+    for name in (mf.MANIFEST, STATE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out, name))
+    log.warning("%s: --overwrite removed the model that was there: %d expert files (%d bytes)", out, rep.files,
+                rep.bytes)
+    return None, rep
+
+
+def _read_state(out: str) -> dict | None:
+    try:
+        import json
+
+        with open(os.path.join(out, STATE)) as f:
+            st = json.load(f)
+        return st if isinstance(st, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _old_layout(doc: dict) -> dict:
+    """What a repack must remove once the new layout is verified: the old layout's expert files."""
+    from deltafin.store.remove import drive_paths
+
+    keep = ("layers", "num_experts", "layouts", "locations", "placement", "stripe")
+    return {"model_id": doc["model_id"], "uid": doc.get("uid"), "drive_paths": drive_paths(doc),
+            "experts": {k: v for k, v in doc["experts"].items() if k in keep}}
+
+
+def _state_layout(state: dict) -> dict:
+    ex = {"layers": [int(L) for L in state.get("locations") or {}], "locations": state.get("locations") or {},
+          "stripe": state.get("stripe") or {}, "placement": state.get("placement", "bandwidth")}
+    return {"model_id": state["model_id"], "uid": state.get("uid"), "drive_paths": state["drive_paths"],
+            "experts": ex, "files_from_state": True}
+
+
+def _remove_old_layout(out: str, new: dict | None, old: dict):
+    """Delete the old layout's files that the new manifest ``new`` does not list (all of them when None),
+    once every file of the new layout has been read back and matched its checksum."""
+    from deltafin.store.remove import RemoveReport, layout_files, remove_files
+
+    rep = RemoveReport()
+    new_files: set[str] = set()
+    new_folders: set[str] = set()
+    if new is not None:
+        from deltafin.store.model_dir import PackedModel
+        from deltafin.store.verify import verify
+
+        pm = PackedModel.open(out, reader=False)
+        check = verify(pm, threads=4)
+        if not check.ok:
+            log.warning("%s: the new layout did not verify (%d bad files): the old layout's files are kept; run "
+                        "'deltafin verify' and repair", out, len(check.bad))
+            return rep
+        for folder, files in layout_files(new, [d.path for d in pm.drives]).items():
+            new_files |= set(files)
+            new_folders.add(folder)
+    doc = {"model_id": old["model_id"], "experts": old["experts"],
+           "drives": [{"label": f"d{i}", "path": p, "gbps": 1.0} for i, p in enumerate(old["drive_paths"])]}
+    if old.get("files_from_state"):
+        doc["experts"] = dict(old["experts"]) | {"num_experts": _state_experts(old["experts"]),
+                                                 "layouts": None}
+    for folder, files in _old_files(doc).items():
+        gone = {p: n for p, n in files.items() if p not in new_files}
+        rep.folders.append(remove_files(folder, gone, old.get("uid"), release=folder not in new_folders))
+    if rep.files:
+        log.warning("%s: removed %d files (%d bytes) of the old layout", out, rep.files, rep.bytes)
+    return rep
+
+
+def _state_experts(ex: dict) -> int:
+    return max((len(v) for v in ex["locations"].values()), default=0)
+
+
+def _old_files(doc: dict) -> dict[str, dict[str, int]]:
+    """The old layout's files: sizes from the manifest's layouts, or (an interrupted pack's state, which has
+    none) from the files on disk."""
+    from deltafin.store.remove import layout_files
+
+    paths = [d["path"] for d in doc["drives"]]
+    if doc["experts"].get("layouts") is not None:
+        return layout_files(doc, paths)
+    ex = doc["experts"]
+    sized = dict(ex) | {"layouts": {str(L): {"file_bytes": 0} for L in ex["layers"]}}
+    out = layout_files(doc | {"experts": sized}, paths)
+    for files in out.values():
+        for p in list(files):
+            files[p] = os.path.getsize(p) if os.path.isfile(p) else 0
+    return out
+
+
+def _readers_gone_or_refuse(out: str, doc: dict) -> None:
+    """Files are about to change under the same names: no reader may be using the model."""
+    from deltafin.store.locks import readers_gone
+
+    if not readers_gone(out, int(doc.get("generation", 0))):
+        raise LockedError(f"{out} is in use by a running deltafin (run, serve, batch, classify or verify); stop it "
+                          f"first, then pack again")
 
 
 def _check_policy(opts: PackOptions) -> None:
@@ -214,12 +394,12 @@ class _Job:
         self._lock = threading.Lock()
 
     def path(self, d: int, L: int, e: int) -> str:
-        return mf.resolve_under(self.drives[d].path, mf.expert_relpath(self.model_id, L, e))
+        return mf.leaf_under(self.drives[d].path, mf.expert_relpath(self.model_id, L, e))
 
     def files(self, L: int, e: int) -> list[tuple[int, str, int, int]]:
         """(drive, final path, offset, nbytes) of every file of one expert: whole copies or striped pieces."""
         keys = sorted(self.layout.files(L, e, self.plan.layouts[L].file_bytes))
-        return [(k[0], mf.resolve_under(self.drives[k[0]].path, relpath(self.model_id, L, e, k)), k[1], k[2])
+        return [(k[0], mf.leaf_under(self.drives[k[0]].path, relpath(self.model_id, L, e, k)), k[1], k[2])
                 for k in keys]
 
     def _done(self, L: int) -> dict[str, str]:
@@ -295,6 +475,12 @@ class _Job:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        was = self.state["trunk_files"].get(rel)
+        if was is not None and was.get("xxh3") != digest:
+            os.unlink(tmp)
+            raise CheckpointError(f"{full}: {self.ckpt.path} does not reproduce the packed trunk (checksum {digest}, "
+                                  f"packed {was.get('xxh3')}): this is not the checkpoint the model was packed from; "
+                                  f"repair from the original checkpoint")
         os.replace(tmp, full)
         ef.fsync_dir(os.path.dirname(full))
         self.bytes_written += size
@@ -323,6 +509,13 @@ class _Job:
                 staged = list(ex.map(lambda e: self._stage_expert(L, e), batch))
                 os.sync()  # one flush makes the whole batch durable before any final name appears
                 for e, digest, moves in staged:
+                    if str(e) in done and done[str(e)] != digest:
+                        for tmp, _final in moves:
+                            os.unlink(tmp)
+                        raise CheckpointError(
+                            f"layer {L} expert {e} from {self.ckpt.path} does not reproduce the packed bytes "
+                            f"(checksum {digest}, packed {done[str(e)]}): this is not the checkpoint the model was "
+                            f"packed from; repair from the original checkpoint")
                     for tmp, final in moves:
                         os.replace(tmp, final)
                     done[str(e)] = digest
@@ -334,11 +527,15 @@ class _Job:
         self._save_state(force=True)
 
     def _intact(self, L: int, e: int, digest: str) -> bool:
-        files = [f[1] for f in self.files(L, e)]
+        refs = self.files(L, e)
+        files = [f[1] for f in refs]
         for p in files:
             _check_not_folder(p)
-        if not all(os.path.isfile(p) for p in files):
-            return False
+        for _d, p, _off, nbytes in refs:  # a link, or a file of the wrong size, is rewritten unread
+            if os.path.islink(p) or not os.path.isfile(p) or os.path.getsize(p) != nbytes:
+                if os.path.lexists(p):
+                    log.warning("repair: %s is %s; rewriting it", p, "a link" if os.path.islink(p) else "the wrong size")
+                return False
         # a striped expert's pieces are checked together: only the whole expert has a checksum
         for group in ([files] if L in self.layout.stripe else [[p] for p in files]):
             data = b"".join(_read(p) for p in group)
@@ -427,8 +624,9 @@ def layout_format(layout: ef.ExpertLayout, sec: ef.Section) -> str:
 
 
 def _check_not_folder(path: str) -> None:
-    """Something other than a file under an expert's name is never replaced: it may be someone's data."""
-    if os.path.lexists(path) and not os.path.isfile(path):
+    """Something other than a file (or a link, which is replaced itself) under an expert's name is never
+    replaced: it may be someone's data."""
+    if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
         raise ExpertFileError(f"{path}: is a folder or special file, not an expert file; move it out of the way "
                               f"and re-run the same command")
 
@@ -442,10 +640,19 @@ def _trunk_file(group) -> str:
     return os.path.join("trunk", f"layer-{group:03d}.safetensors" if isinstance(group, int) else "global.safetensors")
 
 
-def _copy_side_files(ckpt: Checkpoint, out: str) -> None:
+def is_side_file(name: str) -> bool:
+    """A tokenizer, template or generation file a pack copies beside the manifest."""
+    return name in TOKENIZER_FILES or any(p.fullmatch(name) for p in TOKENIZER_PATTERNS)
+
+
+def _copy_side_files(ckpt: Checkpoint, out: str) -> list[str]:
+    """config.json and the side files, copied atomically; returns the side files' names (for rm)."""
+    copied = []
     for name in sorted(os.listdir(ckpt.path)):
-        if name in TOKENIZER_FILES or name == "config.json" or any(p.fullmatch(name) for p in TOKENIZER_PATTERNS):
+        if (is_side_file(name) or name == "config.json") and os.path.isfile(os.path.join(ckpt.path, name)):
             dst = os.path.join(out, name)
             tmp = dst + f".tmp-{os.getpid()}"
             shutil.copyfile(os.path.join(ckpt.path, name), tmp)
             os.replace(tmp, dst)
+            copied += [name] if name != "config.json" else []
+    return copied

@@ -21,6 +21,7 @@ Re-running after an interruption at any point first finishes the journaled chang
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -166,6 +167,7 @@ class PlaceReport:
     files_verified: int = 0  # files of the new layout read back and checked before any old copy was deleted
     files_deleted: int = 0
     bytes_deleted: int = 0
+    files_foreign: int = 0  # old files not deleted: their folder does not carry this model's marker
     experts_changed: int = 0
     resumed: bool = False
     seconds: float = 0.0
@@ -193,9 +195,35 @@ def place_model(model_dir: str, policy: str | None, *, trace_path: str | None = 
                 ranks: str | None = None) -> PlaceReport:
     """Change a packed model's placement to ``policy`` (or to the ownership of ``ranks``), moving only
     what must move (crash-safe)."""
+    from deltafin.store.locks import model_lock
+
     t0 = time.perf_counter()
-    resumed = resume(model_dir, drive_map, progress)
-    pm = PackedModel.open(model_dir, drive_map)
+    model_dir = os.path.abspath(model_dir)
+    check_writable(model_dir)
+    with model_lock(model_dir, "place"):
+        pm = PackedModel.open(model_dir, drive_map, reader=False)  # checks the drives before any change
+        for d in pm.drives:
+            check_writable(os.path.join(d.path, pm.model_id), f"drive {d.label}")
+        resumed = resume(model_dir, drive_map, progress)
+        return _place(model_dir, policy, trace_path, spare_gb, drive_map, progress, ranks, resumed, t0)
+
+
+def check_writable(folder: str, what: str = "the model folder") -> None:
+    """Placing writes a journal, new files and a manifest: a read-only folder is refused before any of it."""
+    if not os.path.isdir(folder):
+        return
+    probe = os.path.join(folder, f".deltafin-write-probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{what} {folder} is not writable ({e.strerror}); 'deltafin place' moves files and "
+                         f"rewrites the manifest there: fix its permissions (or mount it read-write) and run it "
+                         f"again") from None
+
+
+def _place(model_dir, policy, trace_path, spare_gb, drive_map, progress, ranks, resumed, t0) -> PlaceReport:
+    pm = PackedModel.open(model_dir, drive_map, reader=False)
     if ranks is not None:
         new = rank_layout(pm, ranks)
     else:
@@ -212,13 +240,13 @@ def resume(model_dir: str, drive_map: dict[str, str] | None = None, progress: bo
     if not os.path.exists(path):
         return False
     journal = _read_journal(path)
-    pm = PackedModel.open(model_dir, drive_map)
+    pm = PackedModel.open(model_dir, drive_map, reader=False)
     old, new = Layout.from_doc(journal["old"]), Layout.from_doc(journal["new"])
     now = Layout.from_doc(pm.doc["experts"])
     log.warning("%s: finishing an interrupted placement change to %r", model_dir, new.policy)
     if now.same_files(new):  # committed: only old files are left to delete
         _remove_tmp(pm)
-        _delete_old(pm, old, new, PlaceReport(new.policy), set())
+        _delete_old(pm, old, new, PlaceReport(new.policy), set(), journal.get("generation"))
         _remove_journal(pm)
     elif now.same_files(old):
         apply_layout(pm, new, progress=progress)
@@ -239,11 +267,13 @@ def apply_layout(pm: PackedModel, new: Layout, *, progress: bool = False) -> Pla
         return rep
     _remove_tmp(pm)
     _check_space(pm, old, new)
+    gen = pm.generation
     mf.write_json_atomic(os.path.join(pm.path, JOURNAL),
-                         {"format": "deltafin-place-journal", "version": 1, "old": old.to_doc(), "new": new.to_doc()})
+                         {"format": "deltafin-place-journal", "version": 1, "old": old.to_doc(), "new": new.to_doc(),
+                          "generation": gen})
     checked = _copy_new(pm, old, new, rep, progress)
     _commit(pm, new)
-    _delete_old(pm, old, new, rep, checked)
+    _delete_old(pm, old, new, rep, checked, gen)
     _remove_journal(pm)
     rep.per_drive = _per_drive(pm, new)
     return rep
@@ -274,7 +304,7 @@ def _changes(pm: PackedModel, old: Layout, new: Layout):
 
 
 def _path(pm: PackedModel, L: int, e: int, key: FileKey) -> str:
-    return mf.resolve_under(pm.drives[key[0]].path, relpath(pm.model_id, L, e, key))
+    return mf.leaf_under(pm.drives[key[0]].path, relpath(pm.model_id, L, e, key))
 
 
 def _check_space(pm: PackedModel, old: Layout, new: Layout) -> None:
@@ -402,15 +432,33 @@ def _commit(pm: PackedModel, new: Layout) -> None:
     doc = dict(pm.doc)
     experts = {k: v for k, v in doc["experts"].items() if k not in ("stripe", "locations", "placement", "ranks")}
     doc["experts"] = experts | new.to_doc()
+    doc["generation"] = pm.generation + 1  # readers (a server) take the new layout up between two steps
     mf.validate(doc, os.path.join(pm.path, mf.MANIFEST))
     mf.write_json_atomic(os.path.join(pm.path, mf.MANIFEST), doc)
     pm.doc = doc
     pm._stripes.clear()
 
 
-def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, checked: set[tuple[int, int]]) -> None:
+READERS_WAIT_S = 600.0  # how long place waits for readers of the old layout (a run to end, a server to move on)
+
+
+def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, checked: set[tuple[int, int]],
+                generation: int | None = None) -> None:
     """Delete the old layout's unused files; an expert's only once its new files are known good (``checked``,
-    else read back here: a resumed run deletes nothing it has not checked)."""
+    else read back here: a resumed run deletes nothing it has not checked), and only once no reader uses the
+    old layout (``generation``). Only files in folders carrying the model's marker are deleted."""
+    from deltafin.store.locks import gen_lock_path, readers_gone
+    from deltafin.store.ownership import owned_by
+
+    if generation is not None and not readers_gone(pm.path, generation, READERS_WAIT_S, lambda: log.warning(
+            "%s: waiting for the readers of the old layout (a deltafin run, serve or batch) to finish or move to "
+            "the new one before deleting its files", pm.path)):
+        raise DeltafinError(f"{pm.path}: the new layout is in place, but a process still reads the old one after "
+                            f"{READERS_WAIT_S:g} s, so its files are kept; run 'deltafin place' again later to "
+                            f"delete them")
+    uid = pm.doc.get("uid")
+    ours = {d: uid is None or owned_by(os.path.join(pm.drives[d].path, pm.model_id), uid)
+            for d in range(len(pm.drives))}
     folders = set()
     readers = [FileDriveReader(d.label, d.path) for d in pm.drives]
     for L, e, _add, drop in _changes(pm, old, new):
@@ -423,6 +471,9 @@ def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, che
             rep.files_verified += len(new.files(L, e, pm.file_bytes(L)))
         for key in drop:
             path = _path(pm, L, e, key)
+            if not ours[key[0]]:
+                rep.files_foreign += 1
+                continue
             if _remove(path):
                 rep.files_deleted += 1
                 rep.bytes_deleted += key[2]
@@ -430,6 +481,9 @@ def _delete_old(pm: PackedModel, old: Layout, new: Layout, rep: PlaceReport, che
     for folder in folders:
         if os.path.isdir(folder):
             ef.fsync_dir(folder)
+    if generation is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(gen_lock_path(pm.path, generation))
 
 
 def _remove(path: str) -> bool:

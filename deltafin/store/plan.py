@@ -13,7 +13,7 @@ from deltafin.errors import CheckpointError, UsageError
 from deltafin.quant import fp8
 from deltafin.store import shapes
 from deltafin.store.checkpoint import Checkpoint
-from deltafin.store.config_check import check_config, check_embedding, check_tokenizer
+from deltafin.store.config_check import check_config, check_embedding, check_layers, check_tokenizer
 from deltafin.store.expert_file import ExpertLayout, layout_for
 from deltafin.store.families import ExpertPart, Family, Skip, resolve
 
@@ -158,6 +158,7 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
     embed = next((t.source for t in trunk_entries if t.name == "model.embed_tokens.weight"), None)
     check_embedding(shape_of, embed, cfg, where)
     moe_layers = sorted({L for L, _ in grouped})
+    check_layers(tc, ckpt.weight_map, bool(moe_layers), where)
     num_experts = _num_experts(grouped, moe_layers, shape_of, family)
     roles = {L: _plan_roles(L, grouped, shape_of, experts, family) for L in moe_layers}
     _check_experts(grouped, moe_layers, num_experts, shape_of, family)

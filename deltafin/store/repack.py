@@ -46,7 +46,7 @@ def move_to_new_rates(out: str, plan: PackPlan, drive_args: list[DriveArg], opts
     t0 = time.perf_counter()
     resume(out, progress=opts.progress)
     drives = resolve_drives(out, drive_args)
-    pm = PackedModel.open(out)
+    pm = PackedModel.open(out, reader=False)
     log.info("%s: same files, new drive rates or placement; moving only what must move", out)
     rep = apply_layout(pm, _plan_layout(plan, drives, opts), progress=opts.progress)
     doc = dict(pm.doc)

@@ -18,6 +18,9 @@ from deltafin.store import expert_file as ef
 from deltafin.store.model_dir import PackedModel
 
 
+LINK = "a symbolic link, not an expert file Deltafin wrote; 'deltafin pack --repair' replaces the link itself"
+
+
 @dataclass
 class VerifyReport:
     files: int = 0
@@ -42,8 +45,13 @@ def verify(model: PackedModel, threads: int = 4, on_file: Callable[[int], None] 
         L, e, d = job
         if d is None:
             return _check_striped(model, readers, L, e)
-        path = model.expert_path(L, e, d)
         n = model.file_bytes(L)
+        try:
+            path = model.expert_path(L, e, d)
+        except DeltafinError as err:
+            return n, str(err), f"layer {L} expert {e} on drive {model.drives[d].label}"
+        if os.path.islink(path):
+            return n, LINK, path
         try:
             size = os.path.getsize(path)
             if size != n:
@@ -83,6 +91,8 @@ def _check_striped(model: PackedModel, readers, L: int, e: int) -> tuple[int, st
     where = f"layer {L} expert {e} ({', '.join(f.path for f in files)})"
     buf = aligned_buffer(n)
     for f in files:
+        if os.path.islink(f.path):
+            return n, LINK, f.path
         try:
             size = os.path.getsize(f.path)
             if size != f.nbytes:
