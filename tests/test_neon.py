@@ -11,7 +11,7 @@ import torch
 
 from deltafin.kernels import cpu
 from deltafin.quant import int8
-from deltafin.quant.record import QTensor, dequantize
+from deltafin.quant.record import dequantize
 from tests import kernel_harness as kh
 from tests.test_cpu_glu import ACTS, _act_inputs, _check_act
 from tests.test_kernels import U, _check_fmt, _records
