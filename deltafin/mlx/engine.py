@@ -1,0 +1,34 @@
+"""What ``runtime.engine.Engine`` calls for ``--device mlx``: the MLX model and its slab-backed expert source."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from deltafin.errors import UsageError
+from deltafin.kernels import mlx as km
+
+
+def default_here() -> bool:
+    """MLX is the default device on Apple Silicon (macOS arm64) where it is installed."""
+    return sys.platform == "darwin" and platform.machine() == "arm64" and not km.available()
+
+
+def open_mlx(packed, weights: dict, exact: bool, dtype: str, cache_bytes: int, threads: int, readers, verify: bool,
+             deadline):
+    """(model, expert source) of a packed model on MLX; checked before anything is converted."""
+    why = km.available()
+    if why:
+        raise UsageError(f"--device mlx: {why}")
+    from deltafin.mlx.model import FAMILIES, MLXDecoder
+    from deltafin.mlx.source import MLXExperts
+
+    if packed.family not in FAMILIES:
+        raise UsageError(f"--device mlx runs {', '.join(FAMILIES)} so far, not {packed.family}; use --device cpu")
+    model = MLXDecoder(packed.family, packed.text_config, weights, exact, dtype)
+    return model, MLXExperts(packed, cache_bytes, threads, readers, verify, deadline)
+
+
+def device_name() -> str:
+    """'mlx (gpu)' on a Mac's GPU, 'mlx (cpu)' on MLX's CPU build."""
+    return f"mlx ({km.mx().default_device().type.name})"
