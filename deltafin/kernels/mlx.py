@@ -93,9 +93,9 @@ def prepare(rec: QTensor | object, dtype) -> MXWeight:
             q = (rec.data.contiguous().numpy().view(np.uint8) ^ 0x80).view(np.uint32)  # q + 128, 4 a word
             s = m.broadcast_to(m.array(_np(rec.scale).reshape(R, 1)), (R, C // g)).astype(dtype)
             return MXWeight((R, C), m.array(q), s, -128 * s, g, 8, "affine")
-    from deltafin.models.base import dense
-
     import torch
+
+    from deltafin.models.base import dense
 
     t = rec if isinstance(rec, torch.Tensor) else dense(rec, torch.float32)
     want = m.bfloat16 if (isinstance(rec, QTensor) and rec.format == "int8" and dtype != m.float32) else dtype

@@ -14,17 +14,24 @@ def default_here() -> bool:
     return sys.platform == "darwin" and platform.machine() == "arm64" and not km.available()
 
 
-def open_mlx(packed, weights: dict, exact: bool, dtype: str, cache_bytes: int, threads: int, readers, verify: bool,
-             deadline):
-    """(model, expert source) of a packed model on MLX; checked before anything is converted."""
+def check(packed) -> None:
+    """Refuse, before the trunk loads, what the MLX engine cannot run: no MLX here, or a family not ported yet."""
     why = km.available()
     if why:
         raise UsageError(f"--device mlx: {why}")
-    from deltafin.mlx.model import FAMILIES, MLXDecoder
-    from deltafin.mlx.source import MLXExperts
+    from deltafin.mlx.model import FAMILIES
 
     if packed.family not in FAMILIES:
         raise UsageError(f"--device mlx runs {', '.join(FAMILIES)} so far, not {packed.family}; use --device cpu")
+
+
+def open_mlx(packed, weights: dict, exact: bool, dtype: str, cache_bytes: int, threads: int, readers, verify: bool,
+             deadline):
+    """(model, expert source) of a packed model on MLX (``check``ed first)."""
+    check(packed)
+    from deltafin.mlx.model import MLXDecoder
+    from deltafin.mlx.source import MLXExperts
+
     model = MLXDecoder(packed.family, packed.text_config, weights, exact, dtype)
     return model, MLXExperts(packed, cache_bytes, threads, readers, verify, deadline)
 

@@ -187,6 +187,10 @@ class Engine:
             keep_freed_memory()  # a CPU forward's large temporaries reuse freed blocks (see host_memory)
         own = None if self.cluster is None else own_drives(model_dir, self.cluster.rank)
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
+        if self.mlx:
+            from deltafin.mlx.engine import check
+
+            check(self.packed)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
         self.cache_bytes = self._cache_bytes(trunk_bytes)
         from deltafin.progress import bar
@@ -306,6 +310,11 @@ class Engine:
         """The compute path for model calls made in this block (``kernels.math``): fused kernels unless the options
         say exact, on the CPU with denormals flushed."""
         return kernels.math(self.opts.exact, self.device.type)
+
+    @property
+    def device_label(self) -> str:
+        """The device the step runs on, for start lines and stats ('mlx' for the MLX engine)."""
+        return "mlx" if self.mlx else str(self.device)
 
     @property
     def math_name(self) -> str:
@@ -451,7 +460,7 @@ class Engine:
         on_logits: Callable[[torch.Tensor], None] | None = None,
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text delta); fills ``self.last_stats``. ``state`` continues a conversation."""
-        stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=str(self.device),
+        stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=self.device_label,
                                            cache_bytes=self.cache_bytes, direct_io=self.source.direct)
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()
