@@ -182,3 +182,17 @@ def test_a_slot_is_never_overwritten_while_a_pending_computation_reads_it():
     _check(np.array(y)[0, 0], np.array(x), wa, 0 * wa, 136)  # the old expert's result
     with pytest.raises(MemoryError, match="does not fit"):
         slab.get(slab.slot_bytes + 1)
+
+
+def test_int8_rows_with_bfloat16_activations_keep_q_exact():
+    """With bfloat16 activations int8 rows are bf16 q (exact) times the float32 row scale after the product, not
+    affine 8-bit (whose s (q + 128) - 128 s MLX's CPU build forms in bfloat16, half a step off)."""
+    m = km.mx()
+    rec, w, _ = _random_record("int8", 130, 512, seed=3)
+    mw = km.prepare(rec, m.bfloat16)
+    assert not mw.quantized and mw.row_scale is not None
+    x = m.array(np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)).astype(m.bfloat16)
+    y = np.array(km.linear(x, mw).astype(m.float32))
+    xin = np.array(x.astype(m.float32)).astype(np.float64)
+    err = np.abs(y - xin @ w.T)
+    assert np.all(err <= 2.0**-6 * (np.abs(xin) @ np.abs(w).T))

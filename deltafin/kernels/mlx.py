@@ -27,7 +27,10 @@ import numpy as np
 
 from deltafin.quant.record import QTensor
 
-INT8_AS = os.environ.get("DELTAFIN_MLX_INT8", "affine")  # affine (8-bit, 1 byte a weight) or bf16 (2 bytes)
+# int8 rows: affine 8-bit (1 byte a weight) or bf16 rows (2 bytes, q exact) times the row's float32 scale; auto:
+# affine with float32 activations, bf16 rows with bfloat16 ones (MLX's CPU build forms s (q + 128) - 128 s in
+# bfloat16 there, half a quantization step off: 6.7% of the largest output on a 512 x 2048 matrix)
+INT8_AS = os.environ.get("DELTAFIN_MLX_INT8", "auto")
 USED: set[str] = set()
 
 
@@ -57,6 +60,7 @@ class MXWeight:
     group: int = 0
     bits: int = 0
     mode: str = ""
+    row_scale: object = None  # int8 rows kept as bf16 q: the float32 scale per output row, applied after
 
     @property
     def quantized(self) -> bool:
@@ -88,18 +92,21 @@ def prepare(rec: QTensor | object, dtype) -> MXWeight:
             s = m.array(_np(rec.scale)).astype(dtype)
             return MXWeight((R, C), m.array(rec.data.contiguous().numpy().view(np.uint32)), s, -8 * s, 32, 4,
                             "affine")
-        if rec.format == "int8" and C % 32 == 0 and INT8_AS == "affine":
+        affine = INT8_AS == "affine" or (INT8_AS == "auto" and dtype == m.float32)
+        if rec.format == "int8" and C % 32 == 0 and affine:
             g = 128 if C % 128 == 0 else 64 if C % 64 == 0 else 32
             q = (rec.data.contiguous().numpy().view(np.uint8) ^ 0x80).view(np.uint32)  # q + 128, 4 a word
             s = m.broadcast_to(m.array(_np(rec.scale).reshape(R, 1)), (R, C // g)).astype(dtype)
             return MXWeight((R, C), m.array(q), s, -128 * s, g, 8, "affine")
+        if rec.format == "int8":  # bf16 rows: q exact, the scale after the product
+            return MXWeight((R, C), m.array(rec.data.numpy()).astype(m.bfloat16),
+                            row_scale=m.array(_np(rec.scale).astype(np.float32)))
     import torch
 
     from deltafin.models.base import dense
 
     t = rec if isinstance(rec, torch.Tensor) else dense(rec, torch.float32)
-    want = m.bfloat16 if (isinstance(rec, QTensor) and rec.format == "int8" and dtype != m.float32) else dtype
-    return MXWeight(tuple(t.shape), dense_array(t, want))
+    return MXWeight(tuple(t.shape), dense_array(t, dtype))
 
 
 def linear(x, w: MXWeight, bias=None):
@@ -109,6 +116,9 @@ def linear(x, w: MXWeight, bias=None):
         USED.add(f"mlx:{w.mode}{w.bits}_linear")
         y = m.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True, group_size=w.group, bits=w.bits,
                                mode=w.mode)
+    elif w.row_scale is not None:
+        USED.add("mlx:int8_bf16_linear")
+        y = ((x @ w.w.T.astype(x.dtype)).astype(m.float32) * w.row_scale).astype(x.dtype)
     else:
         y = x @ w.w.T.astype(x.dtype)
     return y if bias is None else y + bias
