@@ -48,7 +48,7 @@ class ExpertSlab:
         with self._lock:
             if not self._free and self._fenced:
                 fences, self._fenced = self._fenced, []
-                km.mx().eval(*[f for f, _ in fences])  # their readers have run: the slots are free
+                km.mx().eval(*[f for f, _ in fences if f is not None])  # their readers have run: the slots are free
                 self.waits += 1
                 for _, slots in fences:
                     self._free.extend(slots)
@@ -89,7 +89,8 @@ class ExpertSlab:
         return s
 
     def fence(self, arr) -> None:
-        """``arr`` reads every slot given back since the last fence: they are free once it is evaluated."""
+        """``arr`` reads every slot given back since the last fence: they are free once it is evaluated (None: no
+        computation reads them)."""
         with self._lock:
             if self._unfenced:
                 self._fenced.append((arr, self._unfenced))
