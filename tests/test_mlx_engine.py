@@ -15,7 +15,7 @@ from deltafin.runtime.engine import Engine, EngineOptions
 from tests.tiny import pack_tiny
 
 pytestmark = pytest.mark.skipif(bool(km.available()), reason=km.available() or "mlx present")
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 PROMPT = [3, 17, 42, 99, 5, 200, 61]
 
 
@@ -96,5 +96,5 @@ def test_runs_are_bit_identical(packs):
 
 def test_a_family_mlx_does_not_run_yet_is_refused_before_loading(packs, tmp_path):
     model = pack_tiny(tmp_path, "deepseek_v3")
-    with pytest.raises(UsageError, match="--device mlx runs qwen3_moe, mixtral, olmoe so far, not deepseek_v3"):
+    with pytest.raises(UsageError, match="--device mlx runs qwen3_moe, mixtral, olmoe, gpt_oss so far, not deepseek_v3"):
         _engine(model, "mlx", True)

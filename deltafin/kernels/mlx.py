@@ -197,6 +197,15 @@ def _gather_dense(x, role: RoleView, idx):
     return x @ m.swapaxes(w, -1, -2)
 
 
+def slot_rows(roles: dict[str, RoleView], name: str, idx, like):
+    """A per-expert vector role (a bias [n]) of the routed slots as [T, k, 1, n] in like's dtype (0 if absent)."""
+    role = roles.get(name)
+    if role is None:
+        return 0
+    T, k = idx.shape
+    return mx().take(role.data, idx.reshape(-1), axis=0).reshape(T, k, 1, -1).astype(like.dtype)
+
+
 def glu(x, roles: dict[str, RoleView], idx, act: tuple = ("silu",)):
     """The routed experts of T tokens, k slots each: down(act(gate x, up x)) -> [T, k, D]. x [T, D]."""
     m = mx()

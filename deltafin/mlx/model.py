@@ -1,4 +1,4 @@
-"""The GQA families' trunk math in MLX (qwen3_moe, mixtral, olmoe), behind the Model API of ``models.base``.
+"""The GQA families' trunk math in MLX (qwen3_moe, mixtral, olmoe, gpt_oss), behind the Model API of ``models.base``.
 
 The carry is an MLX array [T, D] (``MXCarry``, which ``runtime.batch`` concatenates and splits); ids come in and
 logits go out as torch tensors, the step between is MLX: ``mx.fast.rms_norm``, ``mx.fast.rope`` (the family's
@@ -22,9 +22,9 @@ from deltafin.models.common import GQA_LAYER, QK_NORMS, take
 from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 _ROUTERS = {"qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
-            "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight")}
+            "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",)}
 _DENSE = {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
 
 
@@ -95,7 +95,7 @@ class MLXDecoder:
         self.exact = exact
         self.num_layers, self.vocab_size, self.eps = c.num_hidden_layers, c.vocab_size, c.rms_norm_eps
         self.H, self.Hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        rope = Rope(c.rope, c.head_dim, c.max_position_embeddings)
+        rope = Rope(c.rope, c.head_dim, getattr(c, "max_position_embeddings", None))
         self.rope_dims, self.rope_factor = rope.dim, rope.factor
         self.freqs = m.array((1.0 / rope.inv_freq.double()).float().numpy())
         top = take(weights, "", {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
@@ -125,6 +125,10 @@ class MLXDecoder:
         c = self.cfg
         return c.is_moe(i) if hasattr(c, "is_moe") else True
 
+    def _window(self, i: int) -> int | None:
+        c = self.cfg
+        return c.window(i) if hasattr(c, "window") else getattr(c, "sliding_window", None)
+
     def _layer(self, weights: dict, i: int) -> dict:
         names = dict(GQA_LAYER)
         if self.family in ("qwen3_moe", "olmoe"):
@@ -138,8 +142,11 @@ class MLXDecoder:
             if router is None:
                 take(weights, p, {"router": _ROUTERS[self.family][0]})  # names the missing tensor
             out["router"] = km.prepare(_plain(router), km.mx().float32)  # routing in float32, as the reference
+            out["router_b"] = self._vec(weights.get(p + "mlp.router.bias"))
         else:
             out |= {n: self._mat(r) for n, r in take(weights, p, _DENSE).items()}
+        if self.family == "gpt_oss":
+            out["sinks"] = self._vec(take(weights, p, {"sinks": "self_attn.sinks"})["sinks"])
         return out
 
     # ------------------------------------------------------------------ the Model API
@@ -176,11 +183,12 @@ class MLXDecoder:
         q, k, v = (m.transpose(t, (1, 0, 2))[None] for t in (q, k, v))  # [1, H|Hkv, T, d]
         q, k = self._rope(q, state.pos), self._rope(k, state.pos)
         K, V = state.layers[i].update(k, v, state.pos)  # [1, Hkv, S, d]
-        window = getattr(self.cfg, "sliding_window", None)
-        S = K.shape[2]
+        window, S = self._window(i), K.shape[2]
         mask = None if T == 1 and (window is None or S <= window) else \
             "causal" if window is None or S <= window else _causal_window(state.pos, T, S, window)
-        o = m.fast.scaled_dot_product_attention(q, K, V, scale=d**-0.5, mask=mask)  # [1, H, T, d]
+        sinks = lw.get("sinks")  # gpt-oss: a learned logit per head beside the keys
+        o = m.fast.scaled_dot_product_attention(q, K, V, scale=d**-0.5, mask=mask,
+                                                sinks=None if sinks is None else sinks.astype(q.dtype))
         o = m.transpose(o[0], (1, 0, 2)).reshape(T, H * d)
         return km.linear(o, lw["o"], lw["o_b"])  # [T, D]
 
@@ -205,9 +213,15 @@ class MLXDecoder:
     def _router(self, i: int, x) -> tuple[np.ndarray, np.ndarray]:
         """Softmax over the experts in float32 on the device, its top k on the host (the layer's one
         synchronisation): (ids [T, k] int64, weights [T, k] float32), ids by descending weight."""
-        m, c = km.mx(), self.cfg
-        probs = np.array(m.softmax(km.linear(x.astype(m.float32), self.layers[i]["router"]), axis=-1))  # [T, E]
+        m, c, lw = km.mx(), self.cfg, self.layers[i]
+        logits = km.linear(x.astype(m.float32), lw["router"], lw["router_b"])  # [T, E]
         k = c.num_experts_per_tok
+        if self.family == "gpt_oss":  # the top k of the logits, softmax over those
+            lg = np.array(logits)
+            ids = np.argsort(-lg, axis=-1, kind="stable")[:, :k]
+            w = np.exp(np.take_along_axis(lg, ids, -1) - np.take_along_axis(lg, ids[:, :1], -1))
+            return ids.astype(np.int64), (w / w.sum(-1, keepdims=True)).astype(np.float32)
+        probs = np.array(m.softmax(logits, axis=-1))  # [T, E]
         ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
         w = np.take_along_axis(probs, ids, axis=-1)
         if self.family == "mixtral" or getattr(c, "norm_topk_prob", False):
@@ -225,12 +239,21 @@ class MLXDecoder:
             wanted = sorted(set(ids.reshape(-1).tolist()))
             slot_of, views = experts.slots(i, wanted)
             idx = m.array(np.vectorize(slot_of.__getitem__, otypes=[np.uint32])(ids))  # [T, k] slots
-            ys = km.glu(x, views, idx)  # [T, k, D]
+            ys = self._gpt_oss_experts(x, views, idx) if self.family == "gpt_oss" else km.glu(x, views, idx)
             y = (ys * m.array(w)[:, :, None].astype(ys.dtype)).sum(axis=1)  # slot order: fixed
             experts.mlx_slab.fence(y)  # the slots read here are free once y is computed
         out = carry.x + y.astype(carry.x.dtype)
         m.async_eval(out)
         return MXCarry(out)
+
+    def _gpt_oss_experts(self, x, roles: dict, idx):
+        """gpt-oss' experts: interleaved gate/up rows with biases, the clamped SwiGLU, a biased down -> [T, k, D]."""
+        m, c = km.mx(), self.cfg
+        gu = km.gather_linear(x[:, None, None, :], roles["gate_up"], idx) + km.slot_rows(roles, "gate_up_bias", idx, x)
+        gate, up = m.minimum(gu[..., 0::2], c.swiglu_limit), m.clip(gu[..., 1::2], -c.swiglu_limit, c.swiglu_limit)
+        h = (up + 1) * (gate * m.sigmoid(gate * c.swiglu_alpha))
+        y = km.gather_linear(h, roles["down"], idx) + km.slot_rows(roles, "down_bias", idx, x)
+        return m.squeeze(y, 2)
 
     def head(self, carry: MXCarry) -> torch.Tensor:
         m = km.mx()
