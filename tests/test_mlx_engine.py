@@ -15,7 +15,7 @@ from deltafin.runtime.engine import Engine, EngineOptions
 from tests.tiny import pack_tiny
 
 pytestmark = pytest.mark.skipif(bool(km.available()), reason=km.available() or "mlx present")
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe_lite")
 PROMPT = [3, 17, 42, 99, 5, 200, 61]
 
 
@@ -94,7 +94,16 @@ def test_runs_are_bit_identical(packs):
     assert torch.equal(runs[0], runs[1])
 
 
-def test_a_family_mlx_does_not_run_yet_is_refused_before_loading(packs, tmp_path):
-    model = pack_tiny(tmp_path, "deepseek_v3")
-    with pytest.raises(UsageError, match="--device mlx runs qwen3_moe, mixtral, olmoe, gpt_oss so far, not deepseek_v3"):
-        _engine(model, "mlx", True)
+def test_a_family_mlx_does_not_run_yet_is_refused_before_loading(tmp_path, monkeypatch):
+    from deltafin.k3_tiny import write_tiny_k3
+    from deltafin.store.drives import parse_drives
+    from deltafin.store.pack import PackOptions, pack
+
+    write_tiny_k3(tmp_path / "src")
+    pack(str(tmp_path / "src"), str(tmp_path / "model"), parse_drives([f"{tmp_path}/d0=2"]), PackOptions(progress=False))
+    from deltafin.store.model_dir import PackedModel
+
+    monkeypatch.setattr(PackedModel, "trunk_records", lambda *a, **k: pytest.fail("the trunk loaded"))
+    with pytest.raises(UsageError, match="--device mlx runs qwen3_moe, mixtral, olmoe, gpt_oss, deepseek_v3 so far, "
+                                         "not kimi_k3; use --device cpu"):
+        _engine(str(tmp_path / "model"), "mlx", True)

@@ -32,6 +32,8 @@ def open_mlx(packed, weights: dict, exact: bool, dtype: str, cache_bytes: int, t
     from deltafin.mlx.model import MLXDecoder
     from deltafin.mlx.source import MLXExperts
 
+    if packed.family == "deepseek_v3":
+        from deltafin.mlx.deepseek import MLXDeepSeek as MLXDecoder  # noqa: N814 (the family's decoder)
     model = MLXDecoder(packed.family, packed.text_config, weights, exact, dtype)
     return model, MLXExperts(packed, cache_bytes, threads, readers, verify, deadline)
 

@@ -22,9 +22,10 @@ from deltafin.models.common import GQA_LAYER, QK_NORMS, take
 from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 _ROUTERS = {"qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
-            "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",)}
+            "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",),
+            "deepseek_v3": ("mlp.gate.weight",)}
 _DENSE = {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
 
 
@@ -44,13 +45,14 @@ class MXCarry:
 
 
 class MXKVCache:
-    """Keys and values [1, Hkv, capacity, d] of one layer, doubling when full."""
+    """Keys and values [1, Hkv, capacity, d] of one layer, doubling when full; ``values=False`` keeps keys alone
+    (MLA's latent rows)."""
 
-    def __init__(self, hkv: int, d: int, max_len: int, dtype):
+    def __init__(self, hkv: int, d: int, max_len: int, dtype, values: bool = True):
         m = km.mx()
         self.max_len, self.length = max_len, 0
         self.k = m.zeros((1, hkv, min(64, max_len), d), dtype=dtype)
-        self.v = m.zeros_like(self.k)
+        self.v = m.zeros_like(self.k) if values else None
 
     def update(self, k, v, pos: int):
         m = km.mx()
@@ -59,11 +61,13 @@ class MXKVCache:
         if end > self.k.shape[2]:
             cap = min(max(2 * self.k.shape[2], end), self.max_len)
             pad = [(0, 0), (0, 0), (0, cap - self.k.shape[2]), (0, 0)]
-            self.k, self.v = m.pad(self.k, pad), m.pad(self.v, pad)
+            self.k = m.pad(self.k, pad)
+            self.v = None if self.v is None else m.pad(self.v, pad)
         self.k[:, :, pos:end, :] = k
-        self.v[:, :, pos:end, :] = v
+        if self.v is not None:
+            self.v[:, :, pos:end, :] = v
         self.length = end
-        return self.k[:, :, :end, :], self.v[:, :, :end, :]
+        return self.k[:, :, :end, :], None if self.v is None else self.v[:, :, :end, :]
 
 
 def _causal_window(pos: int, T: int, S: int, window: int | None):
@@ -94,8 +98,8 @@ class MLXDecoder:
         self.dtype = m.float32 if exact or dtype == "f32" or (dtype == "auto" and not gpu) else m.bfloat16
         self.exact = exact
         self.num_layers, self.vocab_size, self.eps = c.num_hidden_layers, c.vocab_size, c.rms_norm_eps
-        self.H, self.Hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        rope = Rope(c.rope, c.head_dim, getattr(c, "max_position_embeddings", None))
+        self.H, self.Hkv, self.d = c.num_attention_heads, getattr(c, "num_key_value_heads", 0), getattr(c, "head_dim", 0)
+        rope = Rope(c.rope, self.d, getattr(c, "max_position_embeddings", None))
         self.rope_dims, self.rope_factor = rope.dim, rope.factor
         self.freqs = m.array((1.0 / rope.inv_freq.double()).float().numpy())
         top = take(weights, "", {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
@@ -129,14 +133,18 @@ class MLXDecoder:
         c = self.cfg
         return c.window(i) if hasattr(c, "window") else getattr(c, "sliding_window", None)
 
-    def _layer(self, weights: dict, i: int) -> dict:
+    def _attn_weights(self, weights: dict, p: str) -> dict:
+        """A layer's norms and attention records (``p`` its checkpoint prefix) as MLX arrays."""
         names = dict(GQA_LAYER)
         if self.family in ("qwen3_moe", "olmoe"):
             names |= QK_NORMS
-        p = f"model.layers.{i}."
         lw = take(weights, p, names, optional=("q_b", "k_b", "v_b", "o_b", "qn", "kn"))
         out = {n: self._mat(lw[n]) for n in ("q", "k", "v", "o")}
-        out |= {n: self._vec(lw.get(n)) for n in ("ln1", "ln2", "q_b", "k_b", "v_b", "o_b", "qn", "kn")}
+        return out | {n: self._vec(lw.get(n)) for n in ("ln1", "ln2", "q_b", "k_b", "v_b", "o_b", "qn", "kn")}
+
+    def _layer(self, weights: dict, i: int) -> dict:
+        p = f"model.layers.{i}."
+        out = self._attn_weights(weights, p)
         if self._is_moe(i):
             router = next((weights[p + n] for n in _ROUTERS[self.family] if weights.get(p + n) is not None), None)
             if router is None:
@@ -232,8 +240,7 @@ class MLXDecoder:
         m, lw = km.mx(), self.layers[i]
         x = self._mlp_input(i, carry)
         if not self._is_moe(i):
-            g, u = km.linear(x, lw["gate"]), km.linear(x, lw["up"])
-            y = km.linear(km.activation(g, u, ("silu",)), lw["down"])
+            y = self._swiglu(lw, "", x)
         else:
             ids, w = self._router(i, x)
             wanted = sorted(set(ids.reshape(-1).tolist()))
@@ -242,9 +249,20 @@ class MLXDecoder:
             ys = self._gpt_oss_experts(x, views, idx) if self.family == "gpt_oss" else km.glu(x, views, idx)
             y = (ys * m.array(w)[:, :, None].astype(ys.dtype)).sum(axis=1)  # slot order: fixed
             experts.mlx_slab.fence(y)  # the slots read here are free once y is computed
+            side = self._moe_side(i, x)
+            y = y if side is None else y + side.astype(y.dtype)
         out = carry.x + y.astype(carry.x.dtype)
         m.async_eval(out)
         return MXCarry(out)
+
+    def _swiglu(self, lw: dict, prefix: str, x):
+        """down(silu(gate x) up x) over a layer's records ``{prefix}gate/up/down``."""
+        g, u = km.linear(x, lw[prefix + "gate"]), km.linear(x, lw[prefix + "up"])
+        return km.linear(km.activation(g, u, ("silu",)), lw[prefix + "down"])
+
+    def _moe_side(self, i: int, x):
+        """What a MoE layer adds beside its routed experts (shared experts), or None."""
+        return None
 
     def _gpt_oss_experts(self, x, roles: dict, idx):
         """gpt-oss' experts: interleaved gate/up rows with biases, the clamped SwiGLU, a biased down -> [T, k, D]."""
