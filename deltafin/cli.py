@@ -141,7 +141,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", metavar="PATH")
     b = sub.add_parser("kernels", help="weight matmuls at Kimi K3's shapes: GB/s of weight bytes beside memory bandwidth")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mlx"])
     b.add_argument("--seconds", type=float, default=2.0, help="time per case")
     b.add_argument("--isa", choices=["native", "avx2", "avx2-novnni", "portable"], default=None,
                    help="CPU: the kernels built for less than this CPU has (what x86 machines without AVX-512 run); "

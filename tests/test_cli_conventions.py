@@ -95,7 +95,7 @@ def test_device_auto_picks_the_best_available():
 
     want = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     assert resolve_device("auto").type == want
-    with pytest.raises(UsageError, match="choose auto, cpu, cuda or mps"):
+    with pytest.raises(UsageError, match="choose auto, cpu, cuda, mps or mlx"):
         resolve_device("tpu")
 
 

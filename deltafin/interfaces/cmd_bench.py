@@ -4,6 +4,11 @@ from __future__ import annotations
 
 
 def run(args) -> int:
+    if args.bench in ("kernels", "decode") and getattr(args, "device", None) == "mlx":
+        from deltafin.mlx import bench as mlx_bench  # the MLX engine's own (deltafin/mlx/bench.py)
+
+        getattr(mlx_bench, args.bench)(args)
+        return 0
     if args.bench == "pack" and args.k3_slice:
         from deltafin.bench.k3_slice import run as bench_slice
 

@@ -13,7 +13,8 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
     """The flags of every command that loads a model; ``stats``/``routes``: only where they do something."""
     p.add_argument("model", help="packed model folder, or the id of a model 'deltafin list' shows")
     p.add_argument("--device", default="auto",
-                   help="auto (CUDA, then Apple MPS, then CPU), cpu, cuda or mps; the choice is printed at start")
+                   help="auto (MLX on Apple Silicon where installed, else CUDA, then Apple MPS, then CPU), cpu, cuda, "
+                        "mps or mlx (pip install -e '.[mlx]'); the choice is printed at start")
     p.add_argument("--cache-gb", type=float, default=None,
                    help="memory for cached experts (default: half of free memory after the trunk, printed at start; "
                         "GPU memory on CUDA)")
@@ -200,7 +201,7 @@ def start_line(eng, args) -> str:
 
     from deltafin import fmt
 
-    dev = f"{eng.device} (auto)" if args.device == "auto" else str(eng.device)
+    dev = f"{eng.device_label} (auto)" if args.device == "auto" else eng.device_label
     cache = "" if args.cache_gb is not None else " (half of free memory after the trunk)"
     return (f"[deltafin] {eng.packed.model_id} ({eng.packed.family}) on {dev}; trunk "
             f"{fmt.size(eng.packed.doc['trunk']['bytes'])} resident; expert cache {fmt.size(eng.cache_bytes)}{cache}; "

@@ -55,6 +55,13 @@ class FileDriveReader:
     O_DIRECT, such as tmpfs.
     """
 
+    def __new__(cls, *args, **kwargs):
+        if cls is FileDriveReader and sys.platform == "darwin":  # F_NOCACHE + pread, any alignment
+            from deltafin.io.darwin import DarwinDriveReader
+
+            return DarwinDriveReader(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, label: str, root: str, direct: bool = True):
         self.label = label
         self.root = root

@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import importlib
 import logging
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -89,6 +90,8 @@ def backend_name(device_type: str) -> str:
 def used() -> list[str]:
     """Every fused kernel run so far in this process, as ``backend:kernel``, for the stats line."""
     names = set(USED) | set(kc.USED)
+    mlx = sys.modules.get("deltafin.kernels.mlx")  # the MLX engine's kernels, where it ran
+    names |= set(mlx.USED) if mlx is not None else set()
     for dev, be in _BACKENDS.items():
         names |= {f"{backend_name(dev)}:{n}" for n in getattr(be, "USED", ())}
     return sorted(names)

@@ -17,6 +17,13 @@
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h> /* MXCSR (df_ftz), in the portable build too */
+#define DF_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define DF_PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define DF_NEON 1 /* arm64: NEON, with the dot-product (SDOT) and I8MM (USDOT) instructions where the target has them */
 #endif
 
 #define TT 32 /* tokens per tile: the accumulators of a tile stay in L1 */
@@ -153,6 +160,57 @@ static inline void v8_glu(int act, float beta, float lbeta, const float *g, cons
     }
     _mm256_maskstore_ps(h, m, y);
 }
+#elif defined(DF_NEON)
+/* The same on 4 NEON lanes, step for step (fused multiply-adds where the AVX2 code has them). */
+static inline float32x4_t n4_pow2(float32x4_t n) { /* n an integer in [-127, 127] */
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+
+static inline float32x4_t n4_expm1(float32x4_t x) {
+    x = vmaxq_f32(vdupq_n_f32(-100.0f), vminq_f32(vdupq_n_f32(100.0f), x)); /* NaN stays NaN */
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(LN2_HI));
+    r = vfmsq_f32(r, n, vdupq_n_f32(LN2_LO));
+    float32x4_t p = vdupq_n_f32(1.0f / 40320);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 5040), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 720), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    const float32x4_t q = vfmaq_f32(r, vmulq_f32(r, r), p), one = vdupq_n_f32(1.0f);
+    const float32x4_t s = n4_pow2(vmaxq_f32(n, vdupq_n_f32(-127.0f)));
+    const float32x4_t small = vfmaq_f32(vsubq_f32(s, one), s, q);
+    const float32x4_t n1 = vrndmq_f32(vmulq_f32(n, vdupq_n_f32(0.5f))), n2 = vsubq_f32(n, n1);
+    const float32x4_t big = vsubq_f32(vmulq_f32(vmulq_f32(vaddq_f32(q, one), n4_pow2(n1)), n4_pow2(n2)), one);
+    const float32x4_t y = vbslq_f32(vcgtq_f32(n, vdupq_n_f32(24.5f)), big, small);
+    return vbslq_f32(vceqq_f32(x, x), y, x); /* NaN kept */
+}
+
+static inline float32x4_t n4_sigmoid(float32x4_t g) {
+    return vdivq_f32(vdupq_n_f32(1.0f), vaddq_f32(vdupq_n_f32(2.0f), n4_expm1(vnegq_f32(g))));
+}
+
+static inline float32x4_t n4_tanh(float32x4_t y) {
+    const float32x4_t e = n4_expm1(vmulq_f32(vabsq_f32(y), vdupq_n_f32(-2.0f)));
+    const float32x4_t t = vdivq_f32(vnegq_f32(e), vaddq_f32(vdupq_n_f32(2.0f), e));
+    return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(t),
+                                           vandq_u32(vreinterpretq_u32_f32(y), vdupq_n_u32(0x80000000u))));
+}
+
+/* 4 lanes of h = act(g, u) into h (which may be g). */
+static inline void n4_glu(int act, float beta, float lbeta, const float *g, const float *u, float *h) {
+    const float32x4_t gv = vld1q_f32(g), uv = vld1q_f32(u), sg = n4_sigmoid(gv);
+    float32x4_t y;
+    if (act == GLU_SILU) {
+        y = vmulq_f32(vmulq_f32(gv, sg), uv);
+    } else {
+        const float32x4_t b = vdupq_n_f32(beta), lb = vdupq_n_f32(lbeta);
+        const float32x4_t tg = vmulq_f32(vmulq_f32(b, n4_tanh(vdivq_f32(gv, b))), sg);
+        y = vmulq_f32(tg, vmulq_f32(lb, n4_tanh(vdivq_f32(uv, lb))));
+    }
+    vst1q_f32(h, y);
+}
 #endif
 
 /* h[i] = act(g[i], u[i]) for n values (h may be g); the portable build takes libm's expm1f in the same formulas. */
@@ -169,6 +227,8 @@ static void glu_span(int act, float beta, float lbeta, const float *g, const flo
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         v8_glu(act, beta, lbeta, g + i, u + i, h + i, m);
     }
+#elif defined(DF_NEON)
+    for (; i + 4 <= n; i += 4) n4_glu(act, beta, lbeta, g + i, u + i, h + i); /* the last n % 4 below */
 #endif
     for (; i < n; i++) {
         const float sg = 1.0f / (2.0f + expm1f(-g[i]));
@@ -601,6 +661,65 @@ static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, con
     }
     return acc;
 }
+#elif defined(DF_NEON)
+/* The same on 128-bit NEON vectors (arm64: Apple M-series without MLX, Graviton, Ampere, Grace): a unit is a group's
+ * 4 blocks, one vector of even and one of odd columns each, and a run is the group (one vector of 4 block scales).
+ * A block's 4 int32 lanes hold exact partial sums with K's offset taken off through corr; two pairwise adds give the
+ * 4 block sums, one float multiply-add applies their scales. The products: USDOT with I8MM (unsigned table values x
+ * signed activations, as x86's vpdpbusd), SDOT with the dot-product extension (the table values, at most 24, are
+ * valid signed bytes), else widening multiplies and pairwise adds (|sum| <= 2 x 24 x 127 per int16 lane). */
+#define Q8_VEC 1
+#define Q8_RUN 4
+typedef float32x4_t q8f_t;
+typedef struct {
+    uint8x16_t lo[QG], hi[QG]; /* table values of block j's even and odd columns, 0 past the group's blocks */
+} q8u_t;
+typedef struct {
+    uint8x16_t tab;
+} q8k_t;
+
+static inline void q8_consts(q8k_t *k, const uint8_t *tab8) { k->tab = vld1q_u8(tab8); }
+static inline q8f_t q8f_zero(void) { return vdupq_n_f32(0.0f); }
+static inline q8f_t q8f_load(const float *p) { return vld1q_f32(p); }
+static inline q8f_t q8f_mul(q8f_t a, q8f_t b) { return vmulq_f32(a, b); }
+static inline float q8f_sum(q8f_t v) { return vaddvq_f32(v); }
+/* the 4 block scales from block i (0 past n, where the activation scales are 0 too), as float32 */
+static inline q8f_t q8_wscale_run(int kind, const void *scales, const float *e8m0, int64_t i, int n) {
+    float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < n; j++) f[j] = scale_at(scales, kind, e8m0, i + j);
+    return vld1q_f32(f);
+}
+static inline void q8_unit_decode(const uint8_t *w, int n, const q8k_t *k, q8u_t *u) {
+    const uint8x16_t m15 = vdupq_n_u8(15);
+    for (int j = 0; j < QG; j++) {
+        if (j >= n) { /* bytes past the group's blocks are not read */
+            u->lo[j] = u->hi[j] = vdupq_n_u8(0);
+            continue;
+        }
+        const uint8x16_t v = vld1q_u8(w + 16 * j);
+        u->lo[j] = vqtbl1q_u8(k->tab, vandq_u8(v, m15));
+        u->hi[j] = vqtbl1q_u8(k->tab, vshrq_n_u8(v, 4));
+    }
+}
+static inline int32x4_t q8_dot(int32x4_t c, uint8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+    return vusdotq_s32(c, w, x);
+#elif defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(c, vreinterpretq_s8_u8(w), x);
+#else
+    const int8x16_t s = vreinterpretq_s8_u8(w);
+    return vpadalq_s16(c, vmlal_high_s8(vmull_s8(vget_low_s8(s), vget_low_s8(x)), s, x));
+#endif
+}
+static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, const q8k_t *k, const int8_t *xe,
+                                const int8_t *xo, const int32_t *corr) {
+    (void)gi, (void)k;
+    int32x4_t s[QG];
+    for (int j = 0; j < QG; j++)
+        s[j] = q8_dot(q8_dot(vld1q_s32(corr + 4 * j), u->lo[j], vld1q_s8(xe + 16 * j)), u->hi[j], vld1q_s8(xo + 16 * j));
+    const int32x4_t b = vpaddq_s32(vpaddq_s32(s[0], s[1]), vpaddq_s32(s[2], s[3])); /* the 4 block sums */
+    return vfmaq_f32(acc, vcvtq_f32_s32(b), sc);
+}
 #endif
 
 static void q8_rows(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K,
@@ -626,7 +745,7 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
                     const int n = nb - g * QG < QG ? (int)(nb - g * QG) : QG;
                     for (int i = 0; i < 4; i++) {
                         q8u_t u;
-                        if (PF && r + 4 + i < r1) _mm_prefetch((const char *)(packed + (r + 4 + i) * H + g * 64), _MM_HINT_T0);
+                        if (PF && r + 4 + i < r1) DF_PREFETCH(packed + (r + 4 + i) * H + g * 64);
                         q8_unit_decode(packed + (r + i) * H + g * 64, n, &k, &u);
                         acc[i] = q8_unit_fma(acc[i], &u, sc[i], (int)(g - g0), &k, q->xe + g * Q8GB,
                                              q->xo + g * Q8GB, q->corr + g * 16);
@@ -647,7 +766,7 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
                 for (int64_t g = g0; g < g0 + GR && g < G; g++) {
                     const int n = nb - g * QG < QG ? (int)(nb - g * QG) : QG;
                     q8u_t u;
-                    if (PF && r + 1 < r1) _mm_prefetch((const char *)(row + H + g * 64), _MM_HINT_T0);
+                    if (PF && r + 1 < r1) DF_PREFETCH(row + H + g * 64);
                     q8_unit_decode(row + g * 64, n, &k, &u);
                     for (int64_t t = 0; t < nt; t++) {
                         const int64_t v = t0 + t;
@@ -742,7 +861,7 @@ static inline q8f_t a16_fma(q8f_t f, const a16w_t *W, const int16_t *xq, float d
     for (int j = 0; j < 4; j++) acc = _mm512_dpwssd_epi32(acc, W->w[j], _mm512_loadu_si512(xq + 32 * j));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d), f);
 }
-#elif defined(Q8_VEC) && !defined(Q8_VNNI)
+#elif defined(Q8_VEC) && !defined(Q8_VNNI) && defined(__AVX2__)
 /* AVX2: 16 columns a step, vpmaddwd (or AVX-VNNI's vpdpwssd) into 8 int32 lanes; the columns of a block past its
  * last whole step (a width that is not a multiple of 16) are summed in scalar code into lane 0 */
 #define A16_VEC 1
@@ -772,6 +891,32 @@ static inline q8f_t a16_fma(q8f_t f, const a16w_t *W, const int16_t *xq, float d
     acc = _mm256_add_epi32(acc, _mm256_setr_epi32(tail, 0, 0, 0, 0, 0, 0, 0));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d), f);
 }
+#elif defined(DF_NEON)
+/* NEON: 8 columns a step, widening int16 multiply-adds (vmlal_s16) into 4 int32 lanes (|sum| < 128 x 128 x 32767 <
+ * 2^31: exact); columns past the block's last whole step are summed in scalar code into lane 0 */
+#define A16_VEC 1
+typedef struct {
+    int16x8_t w[A16B / 8];
+    const int8_t *p;
+    int64_t n;
+} a16w_t;
+static inline void a16_wload(a16w_t *W, const int8_t *p, int64_t n) {
+    W->p = p;
+    W->n = n;
+    for (int64_t j = 0; j < n / 8; j++) W->w[j] = vmovl_s8(vld1_s8(p + 8 * j));
+}
+static inline q8f_t a16_fma(q8f_t f, const a16w_t *W, const int16_t *xq, float d) {
+    int32x4_t acc = vdupq_n_s32(0);
+    const int64_t nv = W->n / 8;
+    for (int64_t j = 0; j < nv; j++) {
+        const int16x8_t x = vld1q_s16(xq + 8 * j);
+        acc = vmlal_high_s16(vmlal_s16(acc, vget_low_s16(W->w[j]), vget_low_s16(x)), W->w[j], x);
+    }
+    int32_t tail = 0;
+    for (int64_t c = nv * 8; c < W->n; c++) tail += (int32_t)W->p[c] * xq[c];
+    acc = vsetq_lane_s32(vgetq_lane_s32(acc, 0) + tail, acc, 0);
+    return vfmaq_n_f32(f, vcvtq_f32_s32(acc), d);
+}
 #endif
 
 static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float *out, int64_t r0, int64_t r1,
@@ -788,8 +933,8 @@ static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float 
                 for (int i = 0; i < 4; i++) {
                     const int8_t *p = w + (r + i) * C + c0;
                     if (I8PF && r + 4 + i < r1) {
-                        _mm_prefetch((const char *)(p + 4 * C), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(p + 4 * C + 64), _MM_HINT_T0);
+                        DF_PREFETCH(p + 4 * C);
+                        DF_PREFETCH(p + 4 * C + 64);
                     }
                     a16w_t W;
                     a16_wload(&W, p, n);
@@ -807,8 +952,8 @@ static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float 
             for (int64_t b = 0; b < NB; b++) {
                 const int64_t c0 = b * A16B, n = C - c0 < A16B ? C - c0 : A16B;
                 if (I8PF && r + 1 < r1) {
-                    _mm_prefetch((const char *)(row + C + c0), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(row + C + c0 + 64), _MM_HINT_T0);
+                    DF_PREFETCH(row + C + c0);
+                    DF_PREFETCH(row + C + c0 + 64);
                 }
                 a16w_t W;
                 a16_wload(&W, row + c0, n);
@@ -1085,7 +1230,8 @@ int df_q8_vnni(void) {
 }
 
 /* The vector code of the one-token paths in this build, for reports: 4 AVX-512 (VNNI where the CPU has it), 3 AVX2
- * with AVX-VNNI, 2 AVX2, 0 plain C loops (auto-vectorised where the compiler can). */
+ * with AVX-VNNI, 2 AVX2; on arm64 NEON 7 with I8MM (USDOT), 6 with the dot-product extension (SDOT), 5 without;
+ * 0 plain C loops (auto-vectorised where the compiler can). */
 int df_isa(void) {
 #if defined(__AVX512F__)
     return 4;
@@ -1093,6 +1239,12 @@ int df_isa(void) {
     return 3;
 #elif defined(__AVX2__)
     return 2;
+#elif defined(DF_NEON) && defined(__ARM_FEATURE_MATMUL_INT8)
+    return 7;
+#elif defined(DF_NEON) && defined(__ARM_FEATURE_DOTPROD)
+    return 6;
+#elif defined(DF_NEON)
+    return 5;
 #else
     return 0;
 #endif
@@ -1898,8 +2050,8 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
 
 /* Denormals flushed to zero (FTZ) and read as zero (DAZ) in the calling thread and the OpenMP team of nthreads
  * (torch's and these kernels' one runtime, so its threads are torch's and MKL's too), on = 1, or both bits cleared,
- * on = 0; on < 0 changes nothing. Returns the calling thread's setting before: 1 when both bits were set. Off x86
- * a no-op returning -1.
+ * on = 0; on < 0 changes nothing. Returns the calling thread's setting before: 1 when both bits were set. On arm64
+ * FPCR's FZ bit (inputs and results alike); elsewhere a no-op returning -1.
  * Tiny values in a long model's prefill (Kimi K3's decays, e^-100 and below, and their products) otherwise make
  * the multiply units take their slow microcoded path. */
 int df_ftz(int on, int nthreads) {
@@ -1911,6 +2063,20 @@ int df_ftz(int on, int nthreads) {
     {
         const unsigned csr = _mm_getcsr();
         _mm_setcsr(on ? csr | bits : csr & ~bits);
+    }
+    return before;
+#elif defined(__aarch64__)
+    const uint64_t bit = (uint64_t)1 << 24; /* FPCR.FZ: denormal inputs and results of float arithmetic are zero */
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    const int before = (fpcr & bit) != 0;
+    if (on < 0) return before;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint64_t f;
+        __asm__ volatile("mrs %0, fpcr" : "=r"(f));
+        f = on ? f | bit : f & ~bit;
+        __asm__ volatile("msr fpcr, %0" : : "r"(f));
     }
     return before;
 #else

@@ -7,9 +7,13 @@ and kept under ``$DELTAFIN_CACHE`` (default ``~/.cache/deltafin``) keyed by the 
 CPU, so later processes load it at once. Without a C compiler the fast CPU path is off and the plain torch path
 runs (one warning says what to install). ``DELTAFIN_CPU_KERNELS=0`` turns the fast CPU path off.
 
-``DELTAFIN_CPU_ISA`` builds for less than this CPU has, to measure what other x86 machines run: ``avx2`` (no
+On arm64 (Apple M-series, Graviton, Ampere, Grace) the same source builds NEON code, with the dot-product
+extension's SDOT and I8MM's USDOT where the compiler's native target has them (``df_isa()`` says which).
+
+``DELTAFIN_CPU_ISA`` builds for less than this CPU has, to measure what other machines run. x86: ``avx2`` (no
 AVX-512: AVX2, with AVX-VNNI where this CPU has it), ``avx2-novnni`` (AVX2 alone) or ``portable`` (no AVX2: the
-plain C loops); unset or ``native``, everything this CPU has.
+plain C loops). arm64: ``neon`` (Armv8.0, no dot products), ``neon-dotprod`` (SDOT) or ``neon-i8mm`` (USDOT).
+Unset or ``native``, everything this CPU has.
 """
 
 from __future__ import annotations
@@ -136,7 +140,11 @@ def _compile_source(cc: str, extra: tuple[str, ...], out: Path, src: str) -> str
 
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx2-novnni": ("-mno-avx512f", "-mno-avxvnni"),
              "portable": ("-mno-avx512f", "-mno-avx2")}
-ISA_NAMES = {4: "avx512", 3: "avx2+avx-vnni", 2: "avx2", 0: "plain C"}  # df_isa()
+# arm64's, by target (the last -march given wins over -march=native)
+ARM_ISA_FLAGS = {"native": (), "neon": ("-march=armv8-a",), "neon-dotprod": ("-march=armv8.2-a+dotprod",),
+                 "neon-i8mm": ("-march=armv8.6-a+i8mm",)}
+ISA_NAMES = {4: "avx512", 3: "avx2+avx-vnni", 2: "avx2", 7: "neon+i8mm", 6: "neon+dotprod", 5: "neon",
+             0: "plain C"}  # df_isa()
 
 
 _ISA_SEEN: dict[str, tuple[str, ...]] = {}  # DELTAFIN_CPU_ISA's value -> its flags (library() runs per matmul)
@@ -152,17 +160,17 @@ def isa_flags() -> tuple[str, ...]:
 
 
 def _isa_flags(raw: str) -> tuple[str, ...]:
+    from deltafin.errors import UsageError
+
     name = raw.strip().lower() or "native"
-    if name not in ISA_FLAGS:
-        from deltafin.errors import UsageError
-
-        raise UsageError(f"DELTAFIN_CPU_ISA={name!r}: not a build this knows; use one of {', '.join(ISA_FLAGS)}")
-    if name != "native" and platform.machine() not in ("x86_64", "AMD64"):
-        from deltafin.errors import UsageError
-
-        raise UsageError(f"DELTAFIN_CPU_ISA={name}: an x86 build, and this machine is {platform.machine()}; unset "
-                         "DELTAFIN_CPU_ISA (its kernels are built for this CPU)")
-    return ISA_FLAGS[name]
+    arm = platform.machine() in ("arm64", "aarch64")
+    here, other = (ARM_ISA_FLAGS, ISA_FLAGS) if arm else (ISA_FLAGS, ARM_ISA_FLAGS)
+    if name in here:
+        return here[name]
+    if name in other:
+        raise UsageError(f"DELTAFIN_CPU_ISA={name}: an {'x86' if arm else 'arm64'} build, and this machine is "
+                         f"{platform.machine()}; use one of {', '.join(here)} or unset DELTAFIN_CPU_ISA")
+    raise UsageError(f"DELTAFIN_CPU_ISA={name!r}: not a build this knows; use one of {', '.join(here)}")
 
 
 def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:

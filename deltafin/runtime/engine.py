@@ -133,6 +133,8 @@ def compute_dtype(exact: bool, dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_device(name: str) -> torch.device:
+    if name == "mlx":  # MLX runs the step (deltafin/mlx); torch only carries ids in and logits out, on the host
+        return torch.device("cpu")
     if name == "auto":  # as the other local runners do: the GPU when there is one
         return torch.device("cuda" if torch.cuda.is_available() else
                             "mps" if torch.backends.mps.is_available() else "cpu")
@@ -141,7 +143,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "mps" and not torch.backends.mps.is_available():
         raise UsageError("--device mps: the Apple GPU is not available to torch here; use --device cpu")
     if name not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose auto, cpu, cuda or mps")
+        raise UsageError(f"--device {name!r} is not a device Deltafin runs on; choose auto, cpu, cuda, mps or mlx")
     return torch.device(name)
 
 
@@ -157,7 +159,10 @@ def _deadline(seconds: float | None):
 
 class Engine:
     def __init__(self, model_dir: str, opts: EngineOptions = EngineOptions()):
-        self.opts = opts
+        from deltafin.mlx.engine import default_here
+
+        self.mlx = opts.device == "mlx" or (opts.device == "auto" and default_here())
+        self.opts = opts = replace(opts, device="mlx") if self.mlx else opts
         self.device = resolve_device(opts.device)
         self.cluster = self.dist = None
         if world_from_env() > 1:  # launched by torchrun: this rank computes its share of the experts
@@ -182,6 +187,10 @@ class Engine:
             keep_freed_memory()  # a CPU forward's large temporaries reuse freed blocks (see host_memory)
         own = None if self.cluster is None else own_drives(model_dir, self.cluster.rank)
         self.packed = PackedModel.open(model_dir, opts.drive_map, only=own)
+        if self.mlx:
+            from deltafin.mlx.engine import check
+
+            check(self.packed)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
         self.cache_bytes = self._cache_bytes(trunk_bytes)
         from deltafin.progress import bar
@@ -189,6 +198,14 @@ class Engine:
         with bar(trunk_bytes, "loading trunk", enabled=opts.progress) as b:
             weights = {k: v.to(self.device) for k, v in self.packed.trunk_records(b.update).items()}
         self.dtype = compute_dtype(opts.exact, opts.dtype, self.device)
+        if self.mlx:  # the MLX engine's model and slab-backed source (deltafin/mlx/engine.py)
+            from deltafin.mlx.engine import open_mlx
+
+            self.model, self.source = open_mlx(self.packed, weights, opts.exact, opts.dtype, self.cache_bytes, opts.threads, None,
+                                               opts.verify_reads, _deadline(opts.read_deadline_s))
+            del weights
+            self._open_rest(opts)
+            return
         self.model = registry.build(self.packed.family, self.packed.text_config, weights, self.device, self.dtype)
         del weights  # the model holds the records now; stacking below then frees the originals it replaces
         stack = getattr(self.model, "stack_decode_projections", None)
@@ -204,6 +221,9 @@ class Engine:
                        for d in self.packed.drives]
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
                                        opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
+        self._open_rest(opts)
+
+    def _open_rest(self, opts: EngineOptions) -> None:
         from deltafin.runtime.tokenizer import load_codec
 
         self.codec = load_codec(self.packed.path, self.packed.config)
@@ -292,7 +312,16 @@ class Engine:
         return kernels.math(self.opts.exact, self.device.type)
 
     @property
+    def device_label(self) -> str:
+        """The device the step runs on, for start lines and stats ('mlx' for the MLX engine)."""
+        return "mlx" if self.mlx else str(self.device)
+
+    @property
     def math_name(self) -> str:
+        if self.mlx:
+            from deltafin.mlx.engine import device_name
+
+            return f"{device_name()}, {'exact float32' if self.opts.exact else str(self.model.dtype).rsplit('.', 1)[-1]} activations"
         if self.opts.exact:
             return "exact float32 reference (plain torch)"
         name = kernels.backend_name(self.device.type)
@@ -431,7 +460,7 @@ class Engine:
         on_logits: Callable[[torch.Tensor], None] | None = None,
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text delta); fills ``self.last_stats``. ``state`` continues a conversation."""
-        stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=str(self.device),
+        stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=self.device_label,
                                            cache_bytes=self.cache_bytes, direct_io=self.source.direct)
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from deltafin.errors import DriveError, NotEnoughSpaceError, UsageError
+from deltafin.io import darwin
 from deltafin.io.direct import FileDriveReader, aligned_buffer
 
 PROBE_BYTES = 256 << 20
@@ -73,6 +74,8 @@ def _existing(path: str) -> str:
 
 
 def free_bytes(path: str) -> int:
+    if darwin.active():  # statfs's f_bavail: what an unprivileged writer may use on the APFS container
+        return darwin.volume(_existing(path)).free
     return shutil.disk_usage(_existing(path)).free
 
 
@@ -82,6 +85,8 @@ def filesystem(path: str) -> int:
 
 
 def mount_point(path: str) -> str:
+    if darwin.active():
+        return darwin.volume(_existing(path)).mount
     p = os.path.realpath(_existing(path))
     dev = os.stat(p).st_dev
     while p != os.path.dirname(p) and os.stat(os.path.dirname(p)).st_dev == dev:
@@ -96,6 +101,9 @@ def require_drives(drives: list[DriveArg], create: bool, plan: bool = False) -> 
         if os.path.exists(d.path) and not os.path.isdir(d.path):
             raise DriveError(f"drive {d.label}: {d.path} is a file, not a folder; give the drive's folder")
         if not os.path.isdir(d.path):
+            if darwin.active() and (vol := darwin.unmounted(d.path)):
+                raise DriveError(f"drive {d.label}: {d.path} is on {vol}, which is not mounted; connect the drive "
+                                 "(ls /Volumes lists what is) or give another folder")
             if not create:
                 raise DriveError(f"drive {d.label}: {d.path} does not exist; is the drive mounted? Give an existing "
                                  f"folder, or pass --create to make it (on {mount_point(d.path)})")
@@ -153,6 +161,8 @@ def probe_read_gbps(path: str, label: str, nbytes: int = PROBE_BYTES, depth: int
     chunk = os.urandom(1 << 20) * (PROBE_READ >> 20)
     try:
         with open(f, "wb") as fh:
+            if darwin.active():  # written past the cache, so the reads below come from the drive
+                darwin.nocache(fh.fileno())
             for _ in range(nbytes // len(chunk)):
                 fh.write(chunk)
                 progress(len(chunk))
