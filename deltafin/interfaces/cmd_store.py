@@ -35,7 +35,7 @@ def _pack(args) -> int:
     from deltafin.store.pack import PackOptions, pack
 
     opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
-                       args.trace, args.spare_gb, args.allow_nonfinite)
+                       args.trace, args.spare_gb, args.allow_nonfinite, args.allow_unused)
     s = pack(args.src, args.out, drives, opts)
     from deltafin.store.catalog import record
 

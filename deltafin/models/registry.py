@@ -14,6 +14,9 @@ MODULES = {
     "olmoe": "deltafin.models.olmoe",
     "gpt_oss": "deltafin.models.gpt_oss",
     "kimi_k3": "deltafin.models.kimi_k3",
+    "kimi_k25": "deltafin.models.deepseek_v3",  # the text model is DeepSeek-V3's
+    "glm4_moe": "deltafin.models.glm4_moe",
+    "minimax_m2": "deltafin.models.minimax_m2",
 }
 
 

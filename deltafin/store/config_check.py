@@ -29,6 +29,9 @@ def check_config(family: str, tc: dict, where: str):
         raise CheckpointError(f"{where}: text_config is a JSON {type(tc).__name__}, not an object; re-download "
                               f"config.json")
     cls = module_for(family).Config
+    check = FAMILY_CHECKS.get(family)
+    if check is not None:
+        check(tc, where)
     kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     for key, val in tc.items():
         _check_value(where, key, val, kinds.get(key))
@@ -118,3 +121,72 @@ def _check_tiktoken(folder: str, vocab_size: int | None) -> None:
         what = "tokenizer_config.json's added tokens" if added and max(added) == top else RANKS_FILE
         raise CheckpointError(f"{os.path.join(folder, RANKS_FILE)}: token id {top} ({what}) does not fit the "
                               f"model's vocab_size {vocab_size}; the tokenizer belongs to another model")
+
+
+# ------------------------------------------------------------------------------------------ per family
+# Settings a family's code does not implement are refused, never read as the default: a checkpoint whose
+# model_type was set by hand to a near family would otherwise decode wrong without a word.
+
+
+def _refuse(where: str, key: str, val, allowed: tuple, why: str) -> None:
+    raise CheckpointError(f"{where}: {key} = {json.dumps(val)[:60]}, but this code implements only "
+                          f"{' or '.join(json.dumps(a) for a in allowed)}; {why}")
+
+
+def _only(tc: dict, where: str, key: str, allowed: tuple, why: str) -> None:
+    """``key`` absent, null, or one of ``allowed``."""
+    val = tc.get(key)
+    if val is not None and val not in allowed:
+        _refuse(where, key, val, allowed, why)
+
+
+def _no_indexer(tc: dict, where: str, family: str) -> None:
+    keys = [k for k in ("index_topk", "index_n_heads", "index_head_dim") if tc.get(k) is not None]
+    if keys:
+        raise CheckpointError(f"{where}: {', '.join(keys)} set: a DSA lightning indexer (DeepSeek-V3.2, GLM-5), which "
+                              f"the {family} code does not implement; set model_type to the checkpoint's own")
+
+
+def _check_noaux_router(family: str):
+    """DeepSeek-V3's router (deepseek_v3, kimi_k25, glm4_moe): sigmoid scores, top-k by the correction bias, no
+    indexer. A DeepSeek-V2-style router (softmax, greedy top-k) is another model."""
+    def check(tc: dict, where: str) -> None:
+        why = "a softmax or greedy top-k router is another model's (DeepSeek-V2): set model_type to the checkpoint's own"
+        _only(tc, where, "scoring_func", ("sigmoid",), why)
+        _only(tc, where, "topk_method", ("noaux_tc",), why)
+        _only(tc, where, "norm_topk_prob", (True, False), "it must be true or false")
+        _no_indexer(tc, where, family)
+    return check
+
+
+def _check_minimax_m2(tc: dict, where: str) -> None:
+    _only(tc, where, "scoring_func", ("sigmoid",), "MiniMax-M2 routes with sigmoid scores")
+    _only(tc, where, "use_routing_bias", (True,), "MiniMax-M2's router always adds its correction bias")
+    _only(tc, where, "use_qk_norm", (True,), "MiniMax-M2 always norms q and k")
+    _only(tc, where, "qk_norm_type", ("per_layer",), "q and k are normed over all heads at once")
+    kinds = tc.get("attn_type_list")
+    if isinstance(kinds, list) and any(k != 1 for k in kinds):
+        raise CheckpointError(f"{where}: attn_type_list holds layers of linear (lightning) attention (0), which the "
+                              f"minimax_m2 code does not implement (MiniMax-M1 / Text-01 are other models)")
+
+
+def _check_mixtral(tc: dict, where: str) -> None:
+    why = "a sigmoid router with a bias or QK-norm is MiniMax-M2 (model_type minimax_m2), not Mixtral"
+    _only(tc, where, "scoring_func", ("softmax",), why)
+    _only(tc, where, "use_routing_bias", (False,), why)
+    _only(tc, where, "use_qk_norm", (False,), why)
+    for key in ("rotary_dim", "partial_rotary_factor"):
+        val = tc.get(key)
+        full = tc.get("head_dim") or tc.get("hidden_size", 0) // max(1, tc.get("num_attention_heads") or 1)
+        if val is not None and val not in ((full,) if key == "rotary_dim" else (1, 1.0)):
+            raise CheckpointError(f"{where}: {key} = {val}: partial RoPE, which the Mixtral code does not implement; "
+                                  f"{why}")
+
+
+FAMILY_CHECKS = {
+    "deepseek_v3": _check_noaux_router("deepseek_v3"),
+    "kimi_k25": _check_noaux_router("kimi_k25"),
+    "glm4_moe": _check_noaux_router("glm4_moe"),
+    "minimax_m2": _check_minimax_m2,
+    "mixtral": _check_mixtral,
+}

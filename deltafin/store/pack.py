@@ -47,7 +47,7 @@ from deltafin.store.pack_state import (
 )
 from deltafin.store.place import Layout, plan_layout, relpath
 from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
-from deltafin.store.plan import PackPlan, build_plan
+from deltafin.store.plan import PackPlan, build_plan, refuse_unused
 from deltafin.store.safetensors_io import write_streamed
 from deltafin.store.trunk import trunk_intact
 
@@ -74,6 +74,7 @@ class PackOptions:
     trace: str | None = None  # routing trace (JSONL) for the coactivation and replicas placements
     spare_gb: float | None = None  # replicas: GB per drive for extra copies (default: a tenth of its share)
     allow_nonfinite: bool = False  # pack NaN/inf weights as they are (refused by default: they are damage)
+    allow_unused: bool = False  # pack trunk tensors the model code never reads (refused by default)
 
 
 @dataclass
@@ -126,6 +127,7 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         raise CheckpointError(f"{ckpt.path}: shard(s) {', '.join(missing)} named in the index are missing; "
                               f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
+    refuse_unused(plan, opts.allow_unused)
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"{out}: exists and is not a folder; OUT is the model folder to write: pass a new or "

@@ -20,7 +20,7 @@ from deltafin.store.families import ExpertPart, Family, Skip, resolve
 EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
-_SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe")
+_SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "kimi_k25", "glm4_moe", "minimax_m2")
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
@@ -72,6 +72,7 @@ class PackPlan:
     expert_names: dict[tuple[int, int | None], dict[str, dict[str, str]]]  # (L, E) -> role -> kind -> name
     skipped: list[tuple[str, str]] = field(default_factory=list)
     shapes_from: str = "headers"
+    unused: list[str] = field(default_factory=list)  # trunk tensors (checkpoint names) the model code never reads
 
     @property
     def expert_files(self) -> int:
@@ -163,8 +164,30 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
     _check_experts(grouped, moe_layers, num_experts, shape_of, family)
     layouts = {L: _layout(roles[L]) for L in moe_layers}
     plan = PackPlan(family, ckpt.config, tc, trunk_entries, moe_layers, num_experts, roles, layouts,
-                    dict(grouped), skipped, shape_of.source)
+                    dict(grouped), skipped, shape_of.source, unused_trunk(family.name, trunk_entries))
     return plan
+
+
+def unused_trunk(family: str, trunk: list[TrunkEntry]) -> list[str]:
+    """The trunk tensors (checkpoint names) that the family's model code never reads (its module's ``READS``):
+    a sign that the checkpoint is another architecture's (DeepSeek-V3.2's indexer read as DeepSeek-V3)."""
+    import re
+
+    from deltafin.models.registry import module_for
+
+    reads = re.compile("|".join(f"(?:{r})" for r in module_for(family).READS))
+    return [t.source for t in trunk if reads.fullmatch(t.name) is None]
+
+
+def refuse_unused(plan: PackPlan, allow: bool) -> None:
+    """One CheckpointError naming the trunk tensors the model would never read, unless ``allow``
+    (``pack --allow-unused``: they are then packed as they are)."""
+    if plan.unused and not allow:
+        n = len(plan.unused)
+        raise CheckpointError(
+            f"{n} trunk tensor(s) that the {plan.family.name} model code never reads, e.g. "
+            f"{', '.join(plan.unused[:3])}: the checkpoint is another architecture's (check model_type in "
+            f"config.json), or pack with --allow-unused to keep them anyway")
 
 
 def _check_experts(grouped, moe_layers: list[int], n: int, shape_of: _Shapes, family: Family) -> None:

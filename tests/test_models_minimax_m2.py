@@ -1,0 +1,31 @@
+"""MiniMax-M2 (``minimax_m2``) against transformers: QK-norm over all heads at once, partial RoPE, the sigmoid
+router with its correction bias and no groups, Mixtral-style expert names."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import tiny_families as tf
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m2")
+    tf.build("minimax_m2", root / "src")
+    return tf.pack_to(root, tf.DEFAULT)
+
+
+@pytest.mark.parametrize("overrides", [pytest.param({}, id="m2"), pytest.param({"rotary_dim": 16}, id="full-rope")])
+def test_matches_hugging_face(tmp_path, overrides):
+    hf = tf.build("minimax_m2", tmp_path / "src", **overrides)
+    tf.check_matches_hf(hf, tf.pack_to(tmp_path))
+
+
+def test_prompt_cache_batching_chunked_prefill(packed):
+    tf.check_prompt_cache_and_batch(packed)
+
+
+def test_fast_path_agrees_with_exact(packed):
+    assert tf.fast_path_agreement(packed) >= 0.99
