@@ -62,10 +62,18 @@ def test_minimax_m2_read_as_mixtral_is_refused(tmp_path):
         tf.pack_to(tmp_path)
 
 
+def test_qwen3_next_read_as_qwen3_moe_is_refused(tmp_path):
+    tf.build("qwen3_next", tmp_path / "src")
+    _relabel(tmp_path / "src", "qwen3_moe")
+    with pytest.raises(CheckpointError, match=r"qwen3_moe model code never reads.*linear_attn"):
+        tf.pack_to(tmp_path)
+
+
 @pytest.mark.parametrize("model_type, key, val", [("glm4_moe", "scoring_func", "softmax"),
                                                   ("glm4_moe", "topk_method", "greedy"),
                                                   ("minimax_m2", "use_routing_bias", False),
-                                                  ("minimax_m2", "attn_type_list", [0, 1, 1])])
+                                                  ("minimax_m2", "attn_type_list", [0, 1, 1]),
+                                                  ("qwen3_next", "attn_output_gate", False)])
 def test_settings_the_code_does_not_implement_are_refused(tmp_path, model_type, key, val):
     tf.build(model_type, tmp_path / "src")
     _relabel(tmp_path / "src", model_type, **{key: val})

@@ -28,12 +28,21 @@ NEW_TINY: dict[str, dict] = {
     "minimax_m2": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
                        num_experts_per_tok=2, rotary_dim=8, max_position_embeddings=256),
+    "qwen3_next": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                       max_position_embeddings=256),
     # the text model's settings; the vision tower is one small block
     "kimi_k25": dict(text_config={**TINY["deepseek_v3"], "model_type": "deepseek_v3"},
                      vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                                         num_attention_heads=2),
                      projection_hidden_size=32),
 }
+NEW_TINY["qwen3_5_moe"] = dict(text_config={k: v for k, v in NEW_TINY["qwen3_next"].items()},
+                               vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                  out_hidden_size=64))
 
 
 def build(model_type: str, path: Path, seed: int = 0, like: str | None = None, **overrides) -> torch.nn.Module:
@@ -50,6 +59,10 @@ def build(model_type: str, path: Path, seed: int = 0, like: str | None = None, *
         from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
 
         model = Kimi_K25ForConditionalGeneration(cfg).eval()
+    elif model_type == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+        model = Qwen3_5MoeForConditionalGeneration(cfg).eval()
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     randomise(model)

@@ -17,6 +17,8 @@ MODULES = {
     "kimi_k25": "deltafin.models.deepseek_v3",  # the text model is DeepSeek-V3's
     "glm4_moe": "deltafin.models.glm4_moe",
     "minimax_m2": "deltafin.models.minimax_m2",
+    "qwen3_next": "deltafin.models.qwen3_next",
+    "qwen3_5_moe": "deltafin.models.qwen3_next",  # the same hybrid, four linear-attention projections
 }
 
 

@@ -183,10 +183,17 @@ def _check_mixtral(tc: dict, where: str) -> None:
                                   f"{why}")
 
 
+def _check_qwen3_next(tc: dict, where: str) -> None:
+    _only(tc, where, "attn_output_gate", (True,), "Qwen3-Next and Qwen3.5 gate every full-attention output")
+    _only(tc, where, "hidden_act", ("silu",), "the short conv and the MLPs use SiLU")
+
+
 FAMILY_CHECKS = {
     "deepseek_v3": _check_noaux_router("deepseek_v3"),
     "kimi_k25": _check_noaux_router("kimi_k25"),
     "glm4_moe": _check_noaux_router("glm4_moe"),
     "minimax_m2": _check_minimax_m2,
     "mixtral": _check_mixtral,
+    "qwen3_next": _check_qwen3_next,
+    "qwen3_5_moe": _check_qwen3_next,
 }

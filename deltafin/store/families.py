@@ -25,9 +25,14 @@ ALIASES = {
     "kimi_k25": "kimi_k25",
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
 }
-# families whose text model sits under a multimodal config's ``text_config``
-TEXT_CONFIG_FAMILIES = ("kimi_k3", "kimi_k25")
+# families whose text model sits under a multimodal config's ``text_config``; the top level's
+# ``tie_word_embeddings`` decides the tie in the last two, as in transformers
+TEXT_CONFIG_FAMILIES = ("kimi_k3", "kimi_k25", "qwen3_5_moe")
+_TOP_LEVEL_TIE = ("kimi_k25", "qwen3_5_moe")
 SUPPORTED = sorted(ALIASES)
 
 
@@ -132,6 +137,10 @@ FAMILIES: dict[str, Family] = {
     ),
     "glm4_moe": Family("glm4_moe", "", _SWIGLU_RE, _SWIGLU),
     "minimax_m2": Family("minimax_m2", "", _per_expert("block_sparse_moe", "w1|w2|w3"), _W123),
+    "qwen3_next": Family("qwen3_next", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("mtp.",)),
+    # Qwen3.5-MoE: the text model under model.language_model., the vision tower under model.visual.
+    "qwen3_5_moe": Family("qwen3_5_moe", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("model.visual.", "mtp."),
+                          renames=(("model.language_model.", "model."),)),
 }
 
 
@@ -147,12 +156,12 @@ def resolve(config: dict) -> tuple[Family, dict]:
 
 
 def text_config_of(family: str, config: dict) -> dict:
-    """The settings the text model reads: ``text_config`` for the multimodal families (Kimi K2.5 with the
-    top level's ``tie_word_embeddings``, which decides the tie there), else the config itself."""
+    """The settings the text model reads: ``text_config`` for the multimodal families (Kimi K2.5 and
+    Qwen3.5 with the top level's ``tie_word_embeddings``, which decides the tie there), else the config itself."""
     if family not in TEXT_CONFIG_FAMILIES or not isinstance(config.get("text_config"), dict):
         return config
     text = config["text_config"]
-    if family == "kimi_k25" and "tie_word_embeddings" in config:
+    if family in _TOP_LEVEL_TIE and "tie_word_embeddings" in config:
         text = {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
     return text
 
