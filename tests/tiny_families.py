@@ -34,6 +34,10 @@ NEW_TINY: dict[str, dict] = {
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
                        max_position_embeddings=256),
+    # index_topk below the test prompts' length, so the indexer's choice matters
+    "deepseek_v32": {**TINY["deepseek_v3"], "index_topk": 4, "index_n_heads": 2, "index_head_dim": 16},
+    "glm_moe_dsa": {**TINY["glm4_moe_lite"], "index_topk": 4, "index_n_heads": 2, "index_head_dim": 16,
+                    "mlp_layer_types": ["dense", "sparse", "sparse"], "indexer_types": ["full", "shared", "full"]},
     # the text model's settings; the vision tower is one small block
     "kimi_k25": dict(text_config={**TINY["deepseek_v3"], "model_type": "deepseek_v3"},
                      vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,

@@ -88,11 +88,13 @@ class Config:
     hidden_act: str = "silu"
     model_type: str = "deepseek_v3"
 
+    SERVES = MODEL_TYPES  # the model types this config class reads (deepseek_v32.py: its own)
+
     def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
+        if self.model_type not in self.SERVES:
             raise UnsupportedArchitectureError(
-                f"model_type {self.model_type!r} is not served by deepseek_v3.py; "
-                f"it serves {', '.join(MODEL_TYPES)}"
+                f"model_type {self.model_type!r} is not served by {type(self).__module__}; "
+                f"it serves {', '.join(self.SERVES)}"
             )
         if self.scoring_func != "sigmoid":
             raise UnsupportedArchitectureError(

@@ -18,6 +18,7 @@ MODULES = {
     "glm4_moe": "deltafin.models.glm4_moe",
     "minimax_m2": "deltafin.models.minimax_m2",
     "qwen3_next": "deltafin.models.qwen3_next",
+    "deepseek_v32": "deltafin.models.deepseek_v32",  # DeepSeek-V3.2 and GLM-5 (glm_moe_dsa)
     "qwen3_5_moe": "deltafin.models.qwen3_next",  # the same hybrid, four linear-attention projections
 }
 

@@ -147,16 +147,34 @@ def _no_indexer(tc: dict, where: str, family: str) -> None:
                               f"the {family} code does not implement; set model_type to the checkpoint's own")
 
 
-def _check_noaux_router(family: str):
-    """DeepSeek-V3's router (deepseek_v3, kimi_k25, glm4_moe): sigmoid scores, top-k by the correction bias, no
-    indexer. A DeepSeek-V2-style router (softmax, greedy top-k) is another model."""
+def _check_noaux_router(family: str, indexer: bool = False):
+    """DeepSeek-V3's router (deepseek_v3, kimi_k25, glm4_moe, deepseek_v32): sigmoid scores, top-k by the
+    correction bias; an indexer only where the family has one. A DeepSeek-V2-style router (softmax, greedy top-k)
+    is another model."""
     def check(tc: dict, where: str) -> None:
         why = "a softmax or greedy top-k router is another model's (DeepSeek-V2): set model_type to the checkpoint's own"
         _only(tc, where, "scoring_func", ("sigmoid",), why)
         _only(tc, where, "topk_method", ("noaux_tc",), why)
         _only(tc, where, "norm_topk_prob", (True, False), "it must be true or false")
-        _no_indexer(tc, where, family)
+        if indexer:
+            _check_indexer(tc, where)
+        else:
+            _no_indexer(tc, where, family)
     return check
+
+
+def _check_indexer(tc: dict, where: str) -> None:
+    """DSA settings this code implements: the bf16-equivalent indexer (no FP8 scoring, no Hadamard rotation,
+    which leave the dot products as they are), every query choosing its own top k."""
+    missing = [k for k in ("index_topk", "index_n_heads", "index_head_dim") if tc.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{where}: lacks {', '.join(missing)}, which the DSA indexer needs; re-download "
+                              f"config.json")
+    kinds = tc.get("layer_types")
+    if isinstance(kinds, list) and set(kinds) - {"indexed_attention"}:
+        raise CheckpointError(f"{where}: layer_types names {sorted(set(kinds) - {'indexed_attention'})}; this code "
+                              f"implements DSA layers (indexed_attention) only")
+
 
 
 def _check_minimax_m2(tc: dict, where: str) -> None:
@@ -190,6 +208,7 @@ def _check_qwen3_next(tc: dict, where: str) -> None:
 
 FAMILY_CHECKS = {
     "deepseek_v3": _check_noaux_router("deepseek_v3"),
+    "deepseek_v32": _check_noaux_router("deepseek_v32", indexer=True),
     "kimi_k25": _check_noaux_router("kimi_k25"),
     "glm4_moe": _check_noaux_router("glm4_moe"),
     "minimax_m2": _check_minimax_m2,

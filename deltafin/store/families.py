@@ -26,6 +26,8 @@ ALIASES = {
     "glm4_moe": "glm4_moe",
     "minimax_m2": "minimax_m2",
     "qwen3_next": "qwen3_next",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "deepseek_v32",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
 }
@@ -137,6 +139,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "glm4_moe": Family("glm4_moe", "", _SWIGLU_RE, _SWIGLU),
     "minimax_m2": Family("minimax_m2", "", _per_expert("block_sparse_moe", "w1|w2|w3"), _W123),
+    "deepseek_v32": Family("deepseek_v32", "", _SWIGLU_RE, _SWIGLU),
     "qwen3_next": Family("qwen3_next", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("mtp.",)),
     # Qwen3.5-MoE: the text model under model.language_model., the vision tower under model.visual.
     "qwen3_5_moe": Family("qwen3_5_moe", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("model.visual.", "mtp."),

@@ -21,7 +21,7 @@ EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
 _SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "kimi_k25", "glm4_moe", "minimax_m2",
-                    "qwen3_next", "qwen3_5_moe")
+                    "qwen3_next", "qwen3_5_moe", "deepseek_v32")
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
