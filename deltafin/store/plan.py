@@ -91,6 +91,14 @@ class PackPlan:
     def trunk_bytes(self) -> int:
         return sum(t.out_bytes for t in self.trunk)
 
+    @property
+    def routed_bytes_per_token(self) -> int:
+        """Expert file bytes one decode token reads (num_experts_per_tok files in every MoE layer, none cached):
+        over the drives' aggregate read rate, the decode bound."""
+        tc = self.text_config
+        k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 0
+        return k * sum(self.layouts[L].file_bytes for L in self.moe_layers)
+
 
 class _Shapes:
     """(dtype, shape) of a checkpoint tensor: its shard's header when the shard is on disk, else config.json."""
@@ -101,6 +109,7 @@ class _Shapes:
         self.from_headers = len(self.present) == len(ckpt.shards())
         self.source = "headers" if self.from_headers else "headers+config.json" if self.present else "config.json"
         self._k3 = shapes.k3_shapes(tc) if family.name == "kimi_k3" and not self.from_headers else None
+        self.dtype = _config_dtype({**ckpt.config, **tc})  # a multimodal text_config may leave it to the top
 
     def on_disk(self, name: str) -> bool:
         return self.ckpt.weight_map[name] in self.present
@@ -120,8 +129,21 @@ class _Shapes:
             if got is None:
                 raise CheckpointError(f"{name}: no shape known from config.json for this tensor; download its shard")
             return got
-        if isinstance(part, ExpertPart) and part.kind == "weight" and part.role in ("gate", "up", "down"):
-            return _config_dtype(self.tc), shapes.swiglu_expert_shape(part.role, self.tc)
+        fp8 = name + "_scale_inv" in self.ckpt.weight_map  # DeepSeek-style FP8 blocks beside the weight
+        if isinstance(part, ExpertPart) and part.role in ("gate", "up", "down"):
+            if part.kind == "weight":
+                return "F8_E4M3" if fp8 else self.dtype, shapes.swiglu_expert_shape(part.role, self.tc)
+            got = shapes.expert_kind_shape(part.role, part.kind, self.tc)
+            if got is not None:
+                return got
+        elif isinstance(part, str) and self.family.name in shapes.CONFIG_SHAPED:
+            local = self.family.local_name(local)
+            shape = shapes.trunk_shape(self.family.name, local.removesuffix("_scale_inv"), self.tc)
+            if shape is not None and local.endswith("_scale_inv"):
+                return "F32", tuple(-(-n // 128) for n in shape)
+            if shape is not None:
+                dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if fp8 else self.dtype
+                return dt, shape
         raise CheckpointError(
             f"{self.ckpt.path}: shard {self.ckpt.weight_map[name]} is not on disk and {name}'s shape cannot be "
             f"derived from config.json; download the shards (only their headers are read for a plan)"
