@@ -26,7 +26,7 @@ def _index_only(src, names: list[str]) -> None:
         f.unlink()
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [*FAMILIES, "deepseek_v3", "glm4_moe_lite", "qwen3_moe", "mixtral", "olmoe"])
 def test_config_shapes_equal_the_headers(tmp_path, model_type):
     tf.kimi_k25(tmp_path) if model_type == "kimi_k25" else tf.build(model_type, tmp_path / "src")
     src = tmp_path / "src"

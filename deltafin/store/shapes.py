@@ -153,7 +153,7 @@ def _gqa(family: str, tc: dict) -> dict:
     d, H = tc["hidden_size"], tc["num_attention_heads"]
     Hkv, hd = tc.get("num_key_value_heads") or H, tc.get("head_dim") or d // H
     a = "self_attn."
-    whole = family == "minimax_m2"  # q/k norms over all heads at once
+    whole = family in ("minimax_m2", "olmoe")  # q/k norms over all heads at once
     return {a + "q_proj.weight": (H * hd, d), a + "k_proj.weight": (Hkv * hd, d), a + "v_proj.weight": (Hkv * hd, d),
             a + "o_proj.weight": (d, H * hd), a + "q_proj.bias": (H * hd,), a + "k_proj.bias": (Hkv * hd,),
             a + "v_proj.bias": (Hkv * hd,), a + "q_norm.weight": (H * hd if whole else hd,),
