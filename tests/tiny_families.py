@@ -145,7 +145,7 @@ def engine_greedy(eng: Engine, ids: list[int], n: int = NEW_TOKENS) -> tuple[tor
     """Expert-major prefill of the whole prompt (all its logits), then n - 1 streamed one-token steps."""
     st = eng.new_state()
     with torch.inference_mode():
-        first = eng.step([(torch.tensor(ids), st)], all_logits=True)[0]
+        first = eng.step([(torch.tensor(ids, device=eng.device), st)], all_logits=True)[0].cpu()
     tokens = [int(first[-1].argmax())]
     while len(tokens) < n:
         tokens.append(int(eng.forward([tokens[-1]], st).argmax()))
@@ -156,10 +156,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None) -> None:
+def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: str = "cpu") -> None:
     """Streaming engine (nothing cached: every expert read from the drives) == transformers, float32."""
     ids = ids or prompt()
-    eng = engine(model_dir)
+    eng = engine(model_dir, device=device)
     try:
         logits, tokens = engine_greedy(eng, ids)
     finally:
