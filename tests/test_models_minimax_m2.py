@@ -4,6 +4,7 @@ router with its correction bias and no groups, Mixtral-style expert names."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import tiny_families as tf
 
@@ -29,3 +30,19 @@ def test_prompt_cache_batching_chunked_prefill(packed):
 
 def test_fast_path_agrees_with_exact(packed):
     assert tf.fast_path_agreement(packed) >= 0.99
+
+
+def test_fp8_release_format_matches_hugging_face(tmp_path):
+    """As released: attention projections and experts FP8 in 128 x 128 blocks, dequantized on import."""
+    import transformers
+
+    tf.build("minimax_m2", tmp_path / "float")
+    tf.fp8_blocks(tmp_path, r"(self_attn\.[qkvo]_proj|experts\.\d+\.w[123])\.weight$")
+    from deltafin.store.checkpoint import Checkpoint
+    from deltafin.store.plan import build_plan
+
+    plan = build_plan(Checkpoint(str(tmp_path / "src")))
+    assert {r.src for rs in plan.roles.values() for r in rs} == {"fp8"}
+    assert {t.dtype for t in plan.trunk if ".self_attn." in t.name and "norm" not in t.name} == {"F8_E4M3"}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "float"), dtype=torch.float32).eval()
+    tf.check_matches_hf(hf, tf.pack_to(tmp_path))

@@ -96,6 +96,37 @@ def int4_experts(src: Path) -> dict[str, torch.Tensor]:
     return packed
 
 
+def fp8_blocks(root: Path, pattern: str) -> None:
+    """root/float (a saved checkpoint) -> root/src with the 2-D weights whose names match ``pattern`` as FP8 e4m3
+    in 128 x 128 blocks with their ``weight_scale_inv`` (MiniMax-M2's and DeepSeek-V3's release format); the scales
+    are powers of two, so the dequantized weights are exact in bf16 and root/float is rewritten with them."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from deltafin.quant import fp8
+
+    shutil.copytree(root / "float", root / "src")
+    sd = load_file(str(root / "float" / "model.safetensors"))
+    out = {}
+    for name, w in sd.items():
+        if w.dim() != 2 or re.search(pattern, name) is None:
+            out[name] = w
+            continue
+        _, s = fp8.quantize(w)
+        s = torch.exp2(torch.ceil(torch.log2(s)))  # a power of two at least amax / 448
+        full = s.repeat_interleave(fp8.BLOCK, 0)[: w.shape[0]].repeat_interleave(fp8.BLOCK, 1)[:, : w.shape[1]]
+        out[name], out[name + "_scale_inv"] = (w.float() / full).to(torch.float8_e4m3fn), s
+        sd[name] = fp8.dequantize(out[name], s).to(w.dtype)
+    save_file(sd, str(root / "float" / "model.safetensors"), metadata={"format": "pt"})
+    save_file(out, str(root / "src" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "src" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                  "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+    (root / "src" / "config.json").write_text(json.dumps(cfg))
+
+
 def kimi_k25(root: Path, **overrides):
     """A tiny Kimi K2.5 with INT4 experts at root/src; returns the reference loaded from the float twin."""
     import shutil
