@@ -52,6 +52,8 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the plan or summary as JSON")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="pack NaN/inf weights as they are (by default they are refused as damage, naming the tensor)")
+    p.add_argument("--allow-unused", action="store_true",
+                   help="pack trunk tensors the model code never reads (by default refused: a wrong model_type)")
     p.add_argument("--no-progress", action="store_true")
 
 

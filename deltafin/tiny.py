@@ -48,6 +48,13 @@ def build_tiny(model_type: str, path: str | os.PathLike, seed: int = 0, **overri
     kw.setdefault("pad_token_id", None)
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    randomise(model)
+    model.save_pretrained(str(path))
+    return model
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """Random weights rounded to bf16 (so a bf16 pack is lossless); biases and correction biases wide."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "e_score_correction_bias" in name or "bias" in name and p.dim() == 1:
@@ -60,8 +67,6 @@ def build_tiny(model_type: str, path: str | os.PathLike, seed: int = 0, **overri
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(torch.randn_like(b).to(torch.bfloat16).float() * 0.5)
-    model.save_pretrained(str(path))
-    return model
 
 
 CHAT_TEMPLATE = (

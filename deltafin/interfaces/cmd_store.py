@@ -37,7 +37,8 @@ def _pack(args) -> int:
     from deltafin.store.pack import PackOptions, pack
 
     opts = PackOptions(args.experts, args.trunk, args.placement, args.model_id, args.repair, not args.no_progress,
-                       args.trace, args.spare_gb, args.allow_nonfinite, getattr(args, "overwrite", False))
+                       args.trace, args.spare_gb, args.allow_nonfinite, getattr(args, "overwrite", False),
+                       args.allow_unused)
     s = pack(args.src, args.out, drives, opts)
     from deltafin.store.catalog import record
 

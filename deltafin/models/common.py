@@ -37,6 +37,15 @@ from deltafin.models.layers import KVCache, self_attention
 from deltafin.models.rope import Rope, rope_parameters
 from deltafin.quant.record import QTensor
 
+# Trunk names every decoder reads (a family's ``READS`` adds its own; ``store.plan.unused_trunk`` refuses the rest)
+READS_TOP = (
+    r"model\.(embed_tokens|norm)\.weight",
+    r"lm_head\.weight",
+    r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
+)
+READS_GQA = (r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)",)
+READS_QK_NORM = (r"model\.layers\.\d+\.self_attn\.(q|k)_norm\.weight",)
+
 # ------------------------------------------------------------------------------------------- MLP / MoE
 
 

@@ -16,6 +16,7 @@ from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import mla
 from deltafin.models.base import SequenceState, linear
 from deltafin.models.common import (
+    READS_TOP,
     DecoderLM,
     config_kwargs,
     require_keys,
@@ -44,6 +45,15 @@ REQUIRED = (
 # transformers' defaults where GLM-4.7-Flash differs from DeepSeek-V3
 GLM_DEFAULTS = dict(
     n_group=1, topk_group=1, routed_scaling_factor=1.8, rms_norm_eps=1e-5, first_k_dense_replace=1
+)
+# trunk names the model reads; pack refuses a checkpoint with others (``store.plan.unused_trunk``): the DSA
+# indexer of DeepSeek-V3.2 (``self_attn.indexer.*``) is not read here
+READS = (
+    *READS_TOP,
+    r"model\.layers\.\d+\.self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.(weight|bias)",
+    r"model\.layers\.\d+\.self_attn\.(q_a_layernorm|kv_a_layernorm)\.weight",
+    r"model\.layers\.\d+\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.weight",
+    r"model\.layers\.\d+\.mlp\.gate\.(weight|e_score_correction_bias)",
 )
 
 
@@ -78,11 +88,13 @@ class Config:
     hidden_act: str = "silu"
     model_type: str = "deepseek_v3"
 
+    SERVES = MODEL_TYPES  # the model types this config class reads (deepseek_v32.py: its own)
+
     def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
+        if self.model_type not in self.SERVES:
             raise UnsupportedArchitectureError(
-                f"model_type {self.model_type!r} is not served by deepseek_v3.py; "
-                f"it serves {', '.join(MODEL_TYPES)}"
+                f"model_type {self.model_type!r} is not served by {type(self).__module__}; "
+                f"it serves {', '.join(self.SERVES)}"
             )
         if self.scoring_func != "sigmoid":
             raise UnsupportedArchitectureError(

@@ -15,6 +15,8 @@ import torch
 from deltafin.errors import CheckpointError
 from deltafin.models.base import ExpertTensors, dense, linear
 from deltafin.models.common import (
+    READS_GQA,
+    READS_TOP,
     GQADecoder,
     config_kwargs,
     require_keys,
@@ -34,6 +36,12 @@ ROPE_DEFAULTS = dict(
     original_max_position_embeddings=4096,
 )
 ALIASES = {"num_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok"}
+READS = (  # trunk names the model reads (``store.plan.unused_trunk``)
+    *READS_TOP,
+    *READS_GQA,
+    r"model\.layers\.\d+\.self_attn\.sinks",
+    r"model\.layers\.\d+\.mlp\.router\.(weight|bias)",
+)
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,25 @@ from deltafin.models.base import (
     rms_norm,
     stack_rows,
 )
-from deltafin.models.common import DecoderLM, require_tensors, sigmoid_topk
+from deltafin.models.common import READS_TOP, DecoderLM, require_tensors, sigmoid_topk
 from deltafin.models.layers import GrowingCache
 
 # §6.2 disagreement 2: the official module declares A_log [num_heads], the checkpoint stores it zero-padded
 # to 128 entries, fla indexes it per head and sglang slices the first num_heads. We read entries
 # [A_LOG_FIRST_HEAD, A_LOG_FIRST_HEAD + num_heads), one per head, broadcast over the head's channels.
 A_LOG_FIRST_HEAD = 0
+READS = (  # trunk names the model reads (``store.plan.unused_trunk``)
+    *READS_TOP,
+    r"model\.output_attn_res_(norm|proj)\.weight",
+    r"model\.layers\.\d+\.(self_attention_res|mlp_res)_(norm|proj)\.weight",
+    r"model\.layers\.\d+\.self_attn\.(q|k|v|o|g|b|f_a|f_b|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?\.(weight|bias)",
+    r"model\.layers\.\d+\.self_attn\.((q|k|v)_conv1d\.weight|A_log|dt_bias)",
+    r"model\.layers\.\d+\.self_attn\.(o_norm|q_a_layernorm|kv_a_layernorm)\.weight",
+    r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight",
+    r"model\.layers\.\d+\.block_sparse_moe\.(gate\.weight|gate\.e_score_correction_bias)",
+    r"model\.layers\.\d+\.block_sparse_moe\.(routed_expert_(down_proj|up_proj|norm)|shared_experts\.(gate|up|down)_proj)"
+    r"\.weight",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.models.base import linear
-from deltafin.models.common import DecoderConfig, GQADecoder, softmax_topk, take
+from deltafin.models.common import READS_GQA, READS_TOP, DecoderConfig, GQADecoder, softmax_topk, take
 
 _ROUTERS = {
     "router": "block_sparse_moe.gate.weight",
     "router_mlp": "mlp.gate.weight",
 }  # checkpoint / transformers 5
+READS = (  # trunk names the model reads (``store.plan.unused_trunk``): MiniMax-M2's correction bias is not
+    *READS_TOP,
+    *READS_GQA,
+    r"model\.layers\.\d+\.(block_sparse_moe|mlp)\.gate\.weight",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,22 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.models.base import linear, rms_norm
-from deltafin.models.common import QK_NORMS, DecoderConfig, GQADecoder, softmax_topk
+from deltafin.models.common import (
+    QK_NORMS,
+    READS_GQA,
+    READS_QK_NORM,
+    READS_TOP,
+    DecoderConfig,
+    GQADecoder,
+    softmax_topk,
+)
+
+READS = (  # trunk names the model reads (``store.plan.unused_trunk``)
+    *READS_TOP,
+    *READS_GQA,
+    *READS_QK_NORM,
+    r"model\.layers\.\d+\.mlp\.gate\.weight",
+)
 
 
 @dataclass(frozen=True, slots=True)

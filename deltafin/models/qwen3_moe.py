@@ -9,10 +9,24 @@ from dataclasses import dataclass, field
 import torch
 
 from deltafin.models.base import linear, rms_norm
-from deltafin.models.common import QK_NORMS, DecoderConfig, GQADecoder, softmax_topk
+from deltafin.models.common import (
+    QK_NORMS,
+    READS_GQA,
+    READS_QK_NORM,
+    READS_TOP,
+    DecoderConfig,
+    GQADecoder,
+    softmax_topk,
+)
 
 _MOE = {"router": "mlp.gate.weight"}
 _DENSE = {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+READS = (  # trunk names the model reads (``store.plan.unused_trunk``)
+    *READS_TOP,
+    *READS_GQA,
+    *READS_QK_NORM,
+    r"model\.layers\.\d+\.mlp\.(gate|gate_proj|up_proj|down_proj)\.weight",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,12 @@ MODULES = {
     "olmoe": "deltafin.models.olmoe",
     "gpt_oss": "deltafin.models.gpt_oss",
     "kimi_k3": "deltafin.models.kimi_k3",
+    "kimi_k25": "deltafin.models.deepseek_v3",  # the text model is DeepSeek-V3's
+    "glm4_moe": "deltafin.models.glm4_moe",
+    "minimax_m2": "deltafin.models.minimax_m2",
+    "qwen3_next": "deltafin.models.qwen3_next",
+    "deepseek_v32": "deltafin.models.deepseek_v32",  # DeepSeek-V3.2 and GLM-5 (glm_moe_dsa)
+    "qwen3_5_moe": "deltafin.models.qwen3_next",  # the same hybrid, four linear-attention projections
 }
 
 

@@ -30,6 +30,9 @@ def check_config(family: str, tc: dict, where: str):
         raise CheckpointError(f"{where}: text_config is a JSON {type(tc).__name__}, not an object; re-download "
                               f"config.json")
     cls = module_for(family).Config
+    check = FAMILY_CHECKS.get(family)
+    if check is not None:
+        check(tc, where)
     kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     for key, val in tc.items():
         _check_value(where, key, val, kinds.get(key))
@@ -146,3 +149,98 @@ def check_layers(tc: dict, names, has_experts: bool, where: str) -> None:
     if max(found) >= n + extra:
         raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the weights hold layer {max(found)} "
                               f"({max(found) + 1 - extra} layers); fix config.json")
+
+
+# ------------------------------------------------------------------------------------------ per family
+# Settings a family's code does not implement are refused, never read as the default: a checkpoint whose
+# model_type was set by hand to a near family would otherwise decode wrong without a word.
+
+
+def _refuse(where: str, key: str, val, allowed: tuple, why: str) -> None:
+    raise CheckpointError(f"{where}: {key} = {json.dumps(val)[:60]}, but this code implements only "
+                          f"{' or '.join(json.dumps(a) for a in allowed)}; {why}")
+
+
+def _only(tc: dict, where: str, key: str, allowed: tuple, why: str) -> None:
+    """``key`` absent, null, or one of ``allowed``."""
+    val = tc.get(key)
+    if val is not None and val not in allowed:
+        _refuse(where, key, val, allowed, why)
+
+
+def _no_indexer(tc: dict, where: str, family: str) -> None:
+    keys = [k for k in ("index_topk", "index_n_heads", "index_head_dim") if tc.get(k) is not None]
+    if keys:
+        raise CheckpointError(f"{where}: {', '.join(keys)} set: a DSA lightning indexer (DeepSeek-V3.2, GLM-5), which "
+                              f"the {family} code does not implement; set model_type to the checkpoint's own")
+
+
+def _check_noaux_router(family: str, indexer: bool = False):
+    """DeepSeek-V3's router (deepseek_v3, kimi_k25, glm4_moe, deepseek_v32): sigmoid scores, top-k by the
+    correction bias; an indexer only where the family has one. A DeepSeek-V2-style router (softmax, greedy top-k)
+    is another model."""
+    def check(tc: dict, where: str) -> None:
+        why = "a softmax or greedy top-k router is another model's (DeepSeek-V2): set model_type to the checkpoint's own"
+        _only(tc, where, "scoring_func", ("sigmoid",), why)
+        _only(tc, where, "topk_method", ("noaux_tc",), why)
+        _only(tc, where, "norm_topk_prob", (True, False), "it must be true or false")
+        if indexer:
+            _check_indexer(tc, where)
+        else:
+            _no_indexer(tc, where, family)
+    return check
+
+
+def _check_indexer(tc: dict, where: str) -> None:
+    """DSA settings this code implements: the bf16-equivalent indexer (no FP8 scoring, no Hadamard rotation,
+    which leave the dot products as they are), every query choosing its own top k."""
+    missing = [k for k in ("index_topk", "index_n_heads", "index_head_dim") if tc.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{where}: lacks {', '.join(missing)}, which the DSA indexer needs; re-download "
+                              f"config.json")
+    kinds = tc.get("layer_types")
+    if isinstance(kinds, list) and set(kinds) - {"indexed_attention"}:
+        raise CheckpointError(f"{where}: layer_types names {sorted(set(kinds) - {'indexed_attention'})}; this code "
+                              f"implements DSA layers (indexed_attention) only")
+
+
+
+def _check_minimax_m2(tc: dict, where: str) -> None:
+    _only(tc, where, "scoring_func", ("sigmoid",), "MiniMax-M2 routes with sigmoid scores")
+    _only(tc, where, "use_routing_bias", (True,), "MiniMax-M2's router always adds its correction bias")
+    _only(tc, where, "use_qk_norm", (True,), "MiniMax-M2 always norms q and k")
+    _only(tc, where, "qk_norm_type", ("per_layer",), "q and k are normed over all heads at once")
+    kinds = tc.get("attn_type_list")
+    if isinstance(kinds, list) and any(k != 1 for k in kinds):
+        raise CheckpointError(f"{where}: attn_type_list holds layers of linear (lightning) attention (0), which the "
+                              f"minimax_m2 code does not implement (MiniMax-M1 / Text-01 are other models)")
+
+
+def _check_mixtral(tc: dict, where: str) -> None:
+    why = "a sigmoid router with a bias or QK-norm is MiniMax-M2 (model_type minimax_m2), not Mixtral"
+    _only(tc, where, "scoring_func", ("softmax",), why)
+    _only(tc, where, "use_routing_bias", (False,), why)
+    _only(tc, where, "use_qk_norm", (False,), why)
+    for key in ("rotary_dim", "partial_rotary_factor"):
+        val = tc.get(key)
+        full = tc.get("head_dim") or tc.get("hidden_size", 0) // max(1, tc.get("num_attention_heads") or 1)
+        if val is not None and val not in ((full,) if key == "rotary_dim" else (1, 1.0)):
+            raise CheckpointError(f"{where}: {key} = {val}: partial RoPE, which the Mixtral code does not implement; "
+                                  f"{why}")
+
+
+def _check_qwen3_next(tc: dict, where: str) -> None:
+    _only(tc, where, "attn_output_gate", (True,), "Qwen3-Next and Qwen3.5 gate every full-attention output")
+    _only(tc, where, "hidden_act", ("silu",), "the short conv and the MLPs use SiLU")
+
+
+FAMILY_CHECKS = {
+    "deepseek_v3": _check_noaux_router("deepseek_v3"),
+    "deepseek_v32": _check_noaux_router("deepseek_v32", indexer=True),
+    "kimi_k25": _check_noaux_router("kimi_k25"),
+    "glm4_moe": _check_noaux_router("glm4_moe"),
+    "minimax_m2": _check_minimax_m2,
+    "mixtral": _check_mixtral,
+    "qwen3_next": _check_qwen3_next,
+    "qwen3_5_moe": _check_qwen3_next,
+}

@@ -22,7 +22,19 @@ ALIASES = {
     "olmoe": "olmoe",
     "gpt_oss": "gpt_oss",
     "kimi_k3": "kimi_k3",
+    "kimi_k25": "kimi_k25",
+    "glm4_moe": "glm4_moe",
+    "minimax_m2": "minimax_m2",
+    "qwen3_next": "qwen3_next",
+    "deepseek_v32": "deepseek_v32",
+    "glm_moe_dsa": "deepseek_v32",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
 }
+# families whose text model sits under a multimodal config's ``text_config``; the top level's
+# ``tie_word_embeddings`` decides the tie in the last two, as in transformers
+TEXT_CONFIG_FAMILIES = ("kimi_k3", "kimi_k25", "qwen3_5_moe")
+_TOP_LEVEL_TIE = ("kimi_k25", "qwen3_5_moe")
 SUPPORTED = sorted(ALIASES)
 
 
@@ -55,6 +67,7 @@ class Family:
     skip_prefixes: tuple[str, ...] = ()
     roles: tuple[str, ...] = ("gate", "up", "down")
     routers: tuple[str, ...] = field(default=(".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight"))
+    renames: tuple[tuple[str, str], ...] = ()  # (old, new) prefixes of text names, normalised before anything else
 
     def classify(self, name: str) -> ExpertPart | Skip | str:
         """ExpertPart for expert tensors, Skip for unused ones, else the trunk name."""
@@ -63,13 +76,19 @@ class Family:
                 return Skip(f"not part of the text model ({p}*)")
         if not name.startswith(self.prefix):
             return Skip(f"outside the text model prefix {self.prefix!r}")
-        local = name[len(self.prefix) :]
+        local = self.local_name(name[len(self.prefix) :])
         m = self.expert_re.fullmatch(local)
         if m is None:
             return local
         d = m.groupdict()
         expert = int(d["expert"]) if d.get("expert") is not None else None
         return _normalise(ExpertPart(int(d["layer"]), expert, self.role_of[d["sub"]], d["kind"]))
+
+    def local_name(self, local: str) -> str:
+        for old, new in self.renames:
+            if local.startswith(old):
+                return new + local[len(old) :]
+        return local
 
     def is_router(self, trunk_name: str) -> bool:
         return trunk_name.endswith(self.routers)
@@ -108,6 +127,23 @@ FAMILIES: dict[str, Family] = {
         _W123,
         skip_prefixes=("vision_tower.", "mm_projector."),
     ),
+    # Kimi K2.5 / K2.6: the DeepSeek-V3 text model under language_model.; transformers 5 writes its layers as
+    # ``model.blocks.N`` (the released checkpoints: ``model.layers.N``)
+    "kimi_k25": Family(
+        "kimi_k25",
+        "language_model.",
+        _SWIGLU_RE,
+        _SWIGLU,
+        skip_prefixes=("vision_tower.", "mm_projector.", "model.mm_projector.", "model.vision_tower."),
+        renames=(("model.blocks.", "model.layers."),),
+    ),
+    "glm4_moe": Family("glm4_moe", "", _SWIGLU_RE, _SWIGLU),
+    "minimax_m2": Family("minimax_m2", "", _per_expert("block_sparse_moe", "w1|w2|w3"), _W123),
+    "deepseek_v32": Family("deepseek_v32", "", _SWIGLU_RE, _SWIGLU),
+    "qwen3_next": Family("qwen3_next", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("mtp.",)),
+    # Qwen3.5-MoE: the text model under model.language_model., the vision tower under model.visual.
+    "qwen3_5_moe": Family("qwen3_5_moe", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("model.visual.", "mtp."),
+                          renames=(("model.language_model.", "model."),)),
 }
 
 
@@ -119,8 +155,18 @@ def resolve(config: dict) -> tuple[Family, dict]:
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
         )
     family = FAMILIES[ALIASES[model_type]]
-    text = config.get("text_config", config) if family.name == "kimi_k3" else config
-    return family, text
+    return family, text_config_of(family.name, config)
+
+
+def text_config_of(family: str, config: dict) -> dict:
+    """The settings the text model reads: ``text_config`` for the multimodal families (Kimi K2.5 and
+    Qwen3.5 with the top level's ``tie_word_embeddings``, which decides the tie there), else the config itself."""
+    if family not in TEXT_CONFIG_FAMILIES or not isinstance(config.get("text_config"), dict):
+        return config
+    text = config["text_config"]
+    if family in _TOP_LEVEL_TIE and "tie_word_embeddings" in config:
+        text = {**text, "tie_word_embeddings": config["tie_word_embeddings"]}
+    return text
 
 
 def _normalise(part: ExpertPart) -> ExpertPart:

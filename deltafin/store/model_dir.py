@@ -11,6 +11,7 @@ from deltafin.io.schedule import Piece
 from deltafin.quant.record import QTensor
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
+from deltafin.store.families import text_config_of
 
 
 class ExpertFileRef(NamedTuple):
@@ -117,7 +118,7 @@ class PackedModel:
 
     @property
     def text_config(self) -> dict:
-        return self.config.get("text_config", self.config) if self.family == "kimi_k3" else self.config
+        return text_config_of(self.family, self.config)
 
     @property
     def moe_layers(self) -> list[int]:

@@ -50,7 +50,7 @@ from deltafin.store.pack_state import (
 )
 from deltafin.store.place import Layout, plan_layout, relpath
 from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
-from deltafin.store.plan import PackPlan, build_plan
+from deltafin.store.plan import PackPlan, build_plan, refuse_unused
 from deltafin.store.safetensors_io import write_streamed
 from deltafin.store.trunk import trunk_intact
 
@@ -78,6 +78,7 @@ class PackOptions:
     spare_gb: float | None = None  # replicas: GB per drive for extra copies (default: a tenth of its share)
     allow_nonfinite: bool = False  # pack NaN/inf weights as they are (refused by default: they are damage)
     overwrite: bool = False  # OUT holds another checkpoint's model: remove it first (else refused)
+    allow_unused: bool = False  # pack trunk tensors the model code never reads (refused by default)
 
 
 @dataclass
@@ -146,6 +147,7 @@ def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> 
         raise CheckpointError(f"{ckpt.path}: shard(s) {', '.join(missing)} named in the index are missing; "
                               f"download them, then re-run")
     plan = build_plan(ckpt, opts.experts, opts.trunk)
+    refuse_unused(plan, opts.allow_unused)
     identity = own.source_identity(ckpt)
     if opts.model_id is not None:
         mf.check_model_id(opts.model_id)

@@ -20,7 +20,8 @@ from deltafin.store.families import ExpertPart, Family, Skip, resolve
 EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
-_SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe")
+_SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "kimi_k25", "glm4_moe", "minimax_m2",
+                    "qwen3_next", "qwen3_5_moe", "deepseek_v32")
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
@@ -72,6 +73,7 @@ class PackPlan:
     expert_names: dict[tuple[int, int | None], dict[str, dict[str, str]]]  # (L, E) -> role -> kind -> name
     skipped: list[tuple[str, str]] = field(default_factory=list)
     shapes_from: str = "headers"
+    unused: list[str] = field(default_factory=list)  # trunk tensors (checkpoint names) the model code never reads
 
     @property
     def expert_files(self) -> int:
@@ -89,6 +91,14 @@ class PackPlan:
     def trunk_bytes(self) -> int:
         return sum(t.out_bytes for t in self.trunk)
 
+    @property
+    def routed_bytes_per_token(self) -> int:
+        """Expert file bytes one decode token reads (num_experts_per_tok files in every MoE layer, none cached):
+        over the drives' aggregate read rate, the decode bound."""
+        tc = self.text_config
+        k = tc.get("num_experts_per_tok") or tc.get("num_experts_per_token") or 0
+        return k * sum(self.layouts[L].file_bytes for L in self.moe_layers)
+
 
 class _Shapes:
     """(dtype, shape) of a checkpoint tensor: its shard's header when the shard is on disk, else config.json."""
@@ -99,6 +109,7 @@ class _Shapes:
         self.from_headers = len(self.present) == len(ckpt.shards())
         self.source = "headers" if self.from_headers else "headers+config.json" if self.present else "config.json"
         self._k3 = shapes.k3_shapes(tc) if family.name == "kimi_k3" and not self.from_headers else None
+        self.dtype = _config_dtype({**ckpt.config, **tc})  # a multimodal text_config may leave it to the top
 
     def on_disk(self, name: str) -> bool:
         return self.ckpt.weight_map[name] in self.present
@@ -118,8 +129,21 @@ class _Shapes:
             if got is None:
                 raise CheckpointError(f"{name}: no shape known from config.json for this tensor; download its shard")
             return got
-        if isinstance(part, ExpertPart) and part.kind == "weight" and part.role in ("gate", "up", "down"):
-            return _config_dtype(self.tc), shapes.swiglu_expert_shape(part.role, self.tc)
+        fp8 = name + "_scale_inv" in self.ckpt.weight_map  # DeepSeek-style FP8 blocks beside the weight
+        if isinstance(part, ExpertPart) and part.role in ("gate", "up", "down"):
+            if part.kind == "weight":
+                return "F8_E4M3" if fp8 else self.dtype, shapes.swiglu_expert_shape(part.role, self.tc)
+            got = shapes.expert_kind_shape(part.role, part.kind, self.tc)
+            if got is not None:
+                return got
+        elif isinstance(part, str) and self.family.name in shapes.CONFIG_SHAPED:
+            local = self.family.local_name(local)
+            shape = shapes.trunk_shape(self.family.name, local.removesuffix("_scale_inv"), self.tc)
+            if shape is not None and local.endswith("_scale_inv"):
+                return "F32", tuple(-(-n // 128) for n in shape)
+            if shape is not None:
+                dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if fp8 else self.dtype
+                return dt, shape
         raise CheckpointError(
             f"{self.ckpt.path}: shard {self.ckpt.weight_map[name]} is not on disk and {name}'s shape cannot be "
             f"derived from config.json; download the shards (only their headers are read for a plan)"
@@ -164,8 +188,30 @@ def build_plan(ckpt: Checkpoint, experts: str = "auto", trunk: str = "int8") -> 
     _check_experts(grouped, moe_layers, num_experts, shape_of, family)
     layouts = {L: _layout(roles[L]) for L in moe_layers}
     plan = PackPlan(family, ckpt.config, tc, trunk_entries, moe_layers, num_experts, roles, layouts,
-                    dict(grouped), skipped, shape_of.source)
+                    dict(grouped), skipped, shape_of.source, unused_trunk(family.name, trunk_entries))
     return plan
+
+
+def unused_trunk(family: str, trunk: list[TrunkEntry]) -> list[str]:
+    """The trunk tensors (checkpoint names) that the family's model code never reads (its module's ``READS``):
+    a sign that the checkpoint is another architecture's (DeepSeek-V3.2's indexer read as DeepSeek-V3)."""
+    import re
+
+    from deltafin.models.registry import module_for
+
+    reads = re.compile("|".join(f"(?:{r})" for r in module_for(family).READS))
+    return [t.source for t in trunk if reads.fullmatch(t.name) is None]
+
+
+def refuse_unused(plan: PackPlan, allow: bool) -> None:
+    """One CheckpointError naming the trunk tensors the model would never read, unless ``allow``
+    (``pack --allow-unused``: they are then packed as they are)."""
+    if plan.unused and not allow:
+        n = len(plan.unused)
+        raise CheckpointError(
+            f"{n} trunk tensor(s) that the {plan.family.name} model code never reads, e.g. "
+            f"{', '.join(plan.unused[:3])}: the checkpoint is another architecture's (check model_type in "
+            f"config.json), or pack with --allow-unused to keep them anyway")
 
 
 def _check_experts(grouped, moe_layers: list[int], n: int, shape_of: _Shapes, family: Family) -> None:

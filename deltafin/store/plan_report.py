@@ -79,6 +79,7 @@ def plan_report(ckpt: Checkpoint, drives: list[DriveArg], experts: str, trunk: s
         "expert_bytes": plan.expert_bytes,
         "expert_formats": sorted({r.out for rs in plan.roles.values() for r in rs}),
         "trunk_bytes": plan.trunk_bytes,
+        "routed_bytes_per_token": plan.routed_bytes_per_token,
         "trunk_tensors": len(plan.trunk),
         "trunk_int8_tensors": sum(t.format == "int8" for t in plan.trunk),
         "skipped_tensors": len(plan.skipped),
@@ -103,6 +104,8 @@ def format_plan(r: dict) -> str:
         f"{fmt.size(r['expert_bytes'])} ({'/'.join(r['expert_formats'])})",
         f"  trunk        {fmt.size(r['trunk_bytes'])} ({r['trunk_tensors']:,} tensors, "
         f"{r['trunk_int8_tensors']:,} int8)",
+        f"  per token    {fmt.size(r['routed_bytes_per_token'])} of routed experts: at most "
+        f"{25e9 / max(r['routed_bytes_per_token'], 1):.2f} tok/s at 25 GB/s of reads (none cached)",
         "  drives:",
     ]
     for label, d in r["per_drive"].items():

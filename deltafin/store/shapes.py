@@ -109,3 +109,91 @@ def swiglu_expert_shape(role: str, tc: dict) -> tuple[int, int]:
     d = tc["hidden_size"]
     I = tc.get("moe_intermediate_size") or tc["intermediate_size"]
     return (d, I) if role == "down" else (I, d)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_MLA_FAMILIES = ("deepseek_v3", "kimi_k25", "deepseek_v32")
+# families whose trunk shapes config.json gives (``trunk_shape``); Kimi K3 has its own table above
+CONFIG_SHAPED = (*_MLA_FAMILIES, "glm4_moe", "minimax_m2", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe")
+
+
+def trunk_shape(family: str, local: str, tc: dict) -> tuple[int, ...] | None:
+    """Logical shape of trunk tensor ``local`` (packed name) of a ``family`` model from its text config, for a plan
+    from config.json and the index alone; None for a name the family does not have."""
+    d, v = tc["hidden_size"], tc["vocab_size"]
+    top = {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d), "model.norm.weight": (d,)}
+    m = _LAYER.fullmatch(local)
+    if m is None:
+        return top.get(local)
+    table = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    table |= _mla(tc) if family in _MLA_FAMILIES else _qwen3_next(tc) if family in ("qwen3_next", "qwen3_5_moe") \
+        else _gqa(family, tc)
+    table |= _mlp(family, tc)
+    return table.get(m.group(2))
+
+
+def _mla(tc: dict) -> dict:
+    d, H = tc["hidden_size"], tc["num_attention_heads"]
+    dn, r, dv, R = tc["qk_nope_head_dim"], tc["qk_rope_head_dim"], tc["v_head_dim"], tc["kv_lora_rank"]
+    qr = tc.get("q_lora_rank")
+    a = "self_attn."
+    out = {a + "kv_a_proj_with_mqa.weight": (R + r, d), a + "kv_a_layernorm.weight": (R,),
+           a + "kv_b_proj.weight": (H * (dn + dv), R), a + "o_proj.weight": (d, H * dv),
+           a + "q_proj.weight": (H * (dn + r), d)}
+    if qr:
+        out |= {a + "q_a_proj.weight": (qr, d), a + "q_a_layernorm.weight": (qr,), a + "q_b_proj.weight": (H * (dn + r), qr)}
+    if tc.get("index_topk"):
+        Hi, Di, i = tc["index_n_heads"], tc["index_head_dim"], a + "indexer."
+        out |= {i + "wq_b.weight": (Hi * Di, qr), i + "wk.weight": (Di, d), i + "k_norm.weight": (Di,),
+                i + "k_norm.bias": (Di,), i + "weights_proj.weight": (Hi, d)}
+    return out
+
+
+def _gqa(family: str, tc: dict) -> dict:
+    d, H = tc["hidden_size"], tc["num_attention_heads"]
+    Hkv, hd = tc.get("num_key_value_heads") or H, tc.get("head_dim") or d // H
+    a = "self_attn."
+    whole = family in ("minimax_m2", "olmoe")  # q/k norms over all heads at once
+    return {a + "q_proj.weight": (H * hd, d), a + "k_proj.weight": (Hkv * hd, d), a + "v_proj.weight": (Hkv * hd, d),
+            a + "o_proj.weight": (d, H * hd), a + "q_proj.bias": (H * hd,), a + "k_proj.bias": (Hkv * hd,),
+            a + "v_proj.bias": (Hkv * hd,), a + "q_norm.weight": (H * hd if whole else hd,),
+            a + "k_norm.weight": (Hkv * hd if whole else hd,)}
+
+
+def _qwen3_next(tc: dict) -> dict:
+    d, H = tc["hidden_size"], tc["num_attention_heads"]
+    Hkv, hd = tc["num_key_value_heads"], tc.get("head_dim") or d // H
+    Hk, Hv, dk, dv = (tc[f"linear_{n}"] for n in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    C, a, s = 2 * Hk * dk + Hv * dv, "linear_attn.", "self_attn."
+    return {s + "q_proj.weight": (2 * H * hd, d), s + "k_proj.weight": (Hkv * hd, d), s + "v_proj.weight": (Hkv * hd, d),
+            s + "o_proj.weight": (d, H * hd), s + "q_norm.weight": (hd,), s + "k_norm.weight": (hd,),
+            a + "in_proj_qkvz.weight": (C + Hv * dv, d), a + "in_proj_ba.weight": (2 * Hv, d),
+            a + "in_proj_qkv.weight": (C, d), a + "in_proj_z.weight": (Hv * dv, d), a + "in_proj_b.weight": (Hv, d),
+            a + "in_proj_a.weight": (Hv, d), a + "conv1d.weight": (C, 1, tc.get("linear_conv_kernel_dim", 4)),
+            a + "A_log": (Hv,), a + "dt_bias": (Hv,), a + "norm.weight": (dv,), a + "out_proj.weight": (d, Hv * dv)}
+
+
+def _mlp(family: str, tc: dict) -> dict:
+    """Dense MLP, router, correction bias and shared experts."""
+    d = tc["hidden_size"]
+    E = tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts")
+    inter = tc.get("intermediate_size")
+    out = {"mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d), "mlp.down_proj.weight": (d, inter),
+           "mlp.gate.weight": (E, d), "mlp.gate.e_score_correction_bias": (E,),
+           "block_sparse_moe.gate.weight": (E, d), "block_sparse_moe.e_score_correction_bias": (E,)}
+    if family in ("qwen3_next", "qwen3_5_moe"):
+        S, pre = tc["shared_expert_intermediate_size"], "mlp.shared_expert."
+        out["mlp.shared_expert_gate.weight"] = (1, d)
+    else:
+        S, pre = (tc.get("n_shared_experts") or 0) * (tc.get("moe_intermediate_size") or 0), "mlp.shared_experts."
+    out |= {pre + "gate_proj.weight": (S, d), pre + "up_proj.weight": (S, d), pre + "down_proj.weight": (d, S)}
+    return out
+
+
+def expert_kind_shape(role: str, kind: str, tc: dict) -> tuple[str, tuple[int, ...]] | None:
+    """(dtype, shape) of a released-quantized SwiGLU expert tensor: compressed-tensors INT4 group 32
+    (``weight_packed`` / ``weight_scale`` / ``weight_shape``) or DeepSeek FP8's ``weight_scale_inv``."""
+    out, inn = swiglu_expert_shape(role, tc)
+    return {"weight_packed": ("I32", (out, inn // 8)), "weight_scale": ("BF16", (out, inn // 32)),
+            "weight_shape": ("I32", (2,)),
+            "weight_scale_inv": ("F32", (-(-out // 128), -(-inn // 128)))}.get(kind)

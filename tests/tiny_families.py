@@ -1,0 +1,236 @@
+"""Tiny random models of the families added beside the original six (Kimi K2.5, GLM-4.5, MiniMax-M2), built
+from transformers' own config classes and saved with save_pretrained, and the checks every family's test file
+runs on them: greedy tokens and prompt logits of the streaming engine against transformers (float32, lossless
+codecs), the prompt cache, batching, and the fast path's teacher-forced agreement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from deltafin.runtime.engine import Engine, EngineOptions
+from deltafin.runtime.prompt_cache import PromptCache
+from deltafin.store.drives import parse_drives
+from deltafin.store.pack import PackOptions, pack
+from deltafin.tiny import TINY, randomise
+
+LOSSLESS = PackOptions(experts="bf16", trunk="bf16", progress=False)
+DEFAULT = PackOptions(progress=False)  # int8 trunk, MXFP4 experts (INT4 kept as released)
+NEW_TOKENS = 32
+
+NEW_TINY: dict[str, dict] = {
+    "glm4_moe": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                     n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256),
+    "minimax_m2": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                       num_experts_per_tok=2, rotary_dim=8, max_position_embeddings=256),
+    "qwen3_next": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                       max_position_embeddings=256),
+    # index_topk below the test prompts' length, so the indexer's choice matters
+    "deepseek_v32": {**TINY["deepseek_v3"], "index_topk": 4, "index_n_heads": 2, "index_head_dim": 16},
+    "glm_moe_dsa": {**TINY["glm4_moe_lite"], "index_topk": 4, "index_n_heads": 2, "index_head_dim": 16,
+                    "mlp_layer_types": ["dense", "sparse", "sparse"], "indexer_types": ["full", "shared", "full"]},
+    # the text model's settings; the vision tower is one small block
+    "kimi_k25": dict(text_config={**TINY["deepseek_v3"], "model_type": "deepseek_v3"},
+                     vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=2),
+                     projection_hidden_size=32),
+}
+NEW_TINY["qwen3_5_moe"] = dict(text_config={k: v for k, v in NEW_TINY["qwen3_next"].items()},
+                               vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                  out_hidden_size=64))
+
+
+def build(model_type: str, path: Path, seed: int = 0, like: str | None = None, **overrides) -> torch.nn.Module:
+    """Build, randomise and save a tiny ``model_type`` (with the settings of ``like``'s tiny model when given);
+    returns the transformers model (the reference)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = {**(NEW_TINY | TINY)[like or model_type], **overrides}
+    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        kw.setdefault(k, None)
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    if model_type == "kimi_k25":
+        from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
+
+        model = Kimi_K25ForConditionalGeneration(cfg).eval()
+    elif model_type == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+        model = Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    randomise(model)
+    model.save_pretrained(str(path))
+    return model
+
+
+def int4_experts(src: Path) -> dict[str, torch.Tensor]:
+    """Rewrite a saved checkpoint's routed experts as compressed-tensors pack-quantized INT4 group 32 (as
+    Kimi K2.5 is released), after writing the dequantized values back (so the reference reads the same)."""
+    from safetensors.torch import load_file, save_file
+
+    from deltafin.quant import int4
+
+    f = src / "model.safetensors"
+    sd = load_file(str(f))
+    packed = {}
+    for name in [n for n in sd if ".experts." in n and n.endswith("_proj.weight")]:
+        p, s = int4.quantize_ref(sd[name].float().numpy())
+        p, s = torch.from_numpy(p), torch.from_numpy(s).to(torch.bfloat16)
+        sd[name] = int4.dequantize(p, s).to(sd[name].dtype)
+        base = name.removesuffix("weight")
+        packed[base + "weight_packed"] = p
+        packed[base + "weight_scale"] = s
+        packed[base + "weight_shape"] = torch.tensor(list(sd[name].shape), dtype=torch.int32)
+    save_file(sd, str(f), metadata={"format": "pt"})  # the dequantized float copy, for the reference
+    return packed
+
+
+def fp8_blocks(root: Path, pattern: str) -> None:
+    """root/float (a saved checkpoint) -> root/src with the 2-D weights whose names match ``pattern`` as FP8 e4m3
+    in 128 x 128 blocks with their ``weight_scale_inv`` (MiniMax-M2's and DeepSeek-V3's release format); the scales
+    are powers of two, so the dequantized weights are exact in bf16 and root/float is rewritten with them."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from deltafin.quant import fp8
+
+    shutil.copytree(root / "float", root / "src")
+    sd = load_file(str(root / "float" / "model.safetensors"))
+    out = {}
+    for name, w in sd.items():
+        if w.dim() != 2 or re.search(pattern, name) is None:
+            out[name] = w
+            continue
+        _, s = fp8.quantize(w)
+        s = torch.exp2(torch.ceil(torch.log2(s)))  # a power of two at least amax / 448
+        full = s.repeat_interleave(fp8.BLOCK, 0)[: w.shape[0]].repeat_interleave(fp8.BLOCK, 1)[:, : w.shape[1]]
+        out[name], out[name + "_scale_inv"] = (w.float() / full).to(torch.float8_e4m3fn), s
+        sd[name] = fp8.dequantize(out[name], s).to(w.dtype)
+    save_file(sd, str(root / "float" / "model.safetensors"), metadata={"format": "pt"})
+    save_file(out, str(root / "src" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "src" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                  "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+    (root / "src" / "config.json").write_text(json.dumps(cfg))
+
+
+def kimi_k25(root: Path, **overrides):
+    """A tiny Kimi K2.5 with INT4 experts at root/src; returns the reference loaded from the float twin."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    build("kimi_k25", root / "float", **overrides)
+    packed = int4_experts(root / "float")
+    hf = transformers.models.kimi_k25.modeling_kimi_k25.Kimi_K25ForConditionalGeneration.from_pretrained(
+        str(root / "float"), dtype=torch.float32).eval()
+    shutil.copytree(root / "float", root / "src")
+    sd = {n: t for n, t in load_file(str(root / "src" / "model.safetensors")).items()
+          if not (".experts." in n and n.endswith("_proj.weight"))}
+    save_file({**sd, **packed}, str(root / "src" / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = root / "src" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                      "num_bits": 4, "group_size": 32, "symmetric": True, "type": "int"}}}}
+    cfg_path.write_text(json.dumps(cfg))
+    return hf
+
+
+def pack_to(root: Path, opts: PackOptions = LOSSLESS) -> str:
+    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]), opts)
+    return str(root / "model")
+
+
+def prompt(n: int = 7, seed: int = 1) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids: list[int], n: int = NEW_TOKENS) -> tuple[torch.Tensor, list[int]]:
+    x = torch.tensor([ids])
+    logits = hf(x).logits[0].float()
+    out = hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return logits, out[0, len(ids):].tolist()
+
+
+def engine(model_dir: str, **kw) -> Engine:
+    return Engine(model_dir, EngineOptions(**{"cache_gb": 0.0, "max_len": 128, "threads": 2, **kw}))
+
+
+def engine_greedy(eng: Engine, ids: list[int], n: int = NEW_TOKENS) -> tuple[torch.Tensor, list[int]]:
+    """Expert-major prefill of the whole prompt (all its logits), then n - 1 streamed one-token steps."""
+    st = eng.new_state()
+    with torch.inference_mode():
+        first = eng.step([(torch.tensor(ids, device=eng.device), st)], all_logits=True)[0].cpu()
+    tokens = [int(first[-1].argmax())]
+    while len(tokens) < n:
+        tokens.append(int(eng.forward([tokens[-1]], st).argmax()))
+    return first, tokens
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: str = "cpu") -> None:
+    """Streaming engine (nothing cached: every expert read from the drives) == transformers, float32."""
+    ids = ids or prompt()
+    eng = engine(model_dir, device=device)
+    try:
+        logits, tokens = engine_greedy(eng, ids)
+    finally:
+        eng.close()
+    ref_logits, ref_tokens = hf_greedy(hf, ids)
+    assert rel_err(logits, ref_logits) < 1e-4
+    assert tokens == ref_tokens
+
+
+def check_prompt_cache_and_batch(model_dir: str) -> None:
+    """A restored prefix continues like a full prefill; two sequences in one pass equal each alone; a chunked
+    prefill equals the one-shot one."""
+    a, b = prompt(10, 2), prompt(4, 3)
+    eng = engine(model_dir, cache_gb=0.05)
+    try:
+        ref_st = eng.new_state()
+        (ref_lg,), _ = eng.prefill([a + b], [ref_st])
+        pc = PromptCache(64 << 20)
+        st = eng.new_state()
+        (lg,), _ = eng.prefill([a], [st])
+        assert pc.store(a, st, lg)
+        st2 = eng.new_state()
+        assert pc.resume(a + b, st2)[0] == len(a)
+        (lg2,), _ = eng.prefill([b], [st2])
+        torch.testing.assert_close(lg2, ref_lg, rtol=1e-4, atol=1e-4)
+        nxt = int(ref_lg.argmax())
+        torch.testing.assert_close(eng.forward([nxt], st2), eng.forward([nxt], ref_st), rtol=1e-4, atol=1e-4)
+        s1, s2, s3, s4 = (eng.new_state() for _ in range(4))
+        both = eng.forward_batch([(a, s1), (b, s2)])
+        torch.testing.assert_close(both[0], eng.forward(a, s3), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(both[1], eng.forward(b, s4), rtol=1e-5, atol=1e-5)
+        assert torch.equal(eng.forward(a, eng.new_state()), eng.forward(a, eng.new_state()))  # run to run
+        chunked = eng.new_state()
+        eng.forward(a[:4], chunked)
+        torch.testing.assert_close(eng.forward(a[4:], chunked), eng.forward(a, eng.new_state()), rtol=1e-5, atol=1e-5)
+    finally:
+        eng.close()
+
+
+def fast_path_agreement(model_dir: str, vocab: int = 256) -> float:
+    from tests.test_fast_path import _agreement
+
+    return _agreement(model_dir, vocab)
