@@ -116,11 +116,11 @@ def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None
     return entries
 
 
-def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
+def pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
     t0 = time.perf_counter()
     return_freed_memory()
     _check_policy(opts)
-    ckpt = Checkpoint(src)
+    ckpt = src if isinstance(src, Checkpoint) else Checkpoint(src)  # deltafin pull passes one that streams
     missing = [sh for sh in ckpt.shards() if not ckpt.has_shard(sh)]
     if missing:
         raise CheckpointError(f"{ckpt.path}: shard(s) {', '.join(missing)} named in the index are missing; "
@@ -160,7 +160,7 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         os.unlink(os.path.join(out, mf.MANIFEST))
     job.write_all()
     _copy_side_files(ckpt, out)
-    doc = job.manifest(src) | {"fingerprint": digest}
+    doc = job.manifest(ckpt.path) | {"fingerprint": digest}
     mf.write_json_atomic(os.path.join(out, mf.MANIFEST), doc)
     os.unlink(os.path.join(out, STATE))
     peak = peak_rss_bytes()
