@@ -80,7 +80,7 @@ class Model:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             if not prompt:
                 raise UsageError("the prompt is an empty list of token ids; give at least one id")
-            vocab = self.engine.packed.text_config.vocab_size
+            vocab = int(self.engine.packed.text_config["vocab_size"])
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise UsageError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

@@ -300,7 +300,8 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "max_tokens", None) is not None:
         checks.check_max_tokens(args.max_tokens)
     if hasattr(args, "io_threads") or hasattr(args, "cache_gb"):
-        checks.check_engine_numbers(getattr(args, "cache_gb", None), getattr(args, "io_threads", None),
+        cache = getattr(args, "cache_gb", None)  # simulate's --cache-gb is a list of sizes, checked there
+        checks.check_engine_numbers(cache if isinstance(cache, (int, float)) else None, getattr(args, "io_threads", None),
                                     getattr(args, "max_len", None),
                                     getattr(args, "threads", None) if args.command in CLUSTER_COMMANDS else None)
     for flag in ("stats_json", "json", "record_routes"):

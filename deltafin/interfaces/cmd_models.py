@@ -26,10 +26,11 @@ TINY_ALIASES = {"kimi_k3": "kimi_k3", "k3": "kimi_k3", "deepseek": "deepseek_v3"
                 "glm": "glm4_moe_lite", "glm-4.7-flash": "glm4_moe_lite", "qwen3": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
-def add_tiny_args(p) -> None:
-    from deltafin.tiny import TINY
+TINY_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "kimi_k3")  # tiny.TINY
 
-    p.add_argument("family", help=f"one of {', '.join([*TINY, 'kimi_k3'])} (also {', '.join(TINY_ALIASES)})")
+
+def add_tiny_args(p) -> None:
+    p.add_argument("family", help=f"one of {', '.join(TINY_FAMILIES)} (also {', '.join(TINY_ALIASES)})")
     p.add_argument("out", help="folder to write the checkpoint to (config.json, safetensors, tokenizer); "
                                "then 'deltafin pack OUT MODEL'")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -47,15 +48,16 @@ def _tiny(args) -> int:
     from deltafin.tiny import TINY
 
     family = TINY_ALIASES.get(args.family.lower(), args.family.lower())
-    if family not in TINY and family != "kimi_k3":
-        raise UsageError(f"tiny {args.family}: no such family; choose one of {', '.join([*TINY, 'kimi_k3'])}")
+    if family not in TINY_FAMILIES:
+        raise UsageError(f"tiny {args.family}: no such family; choose one of {', '.join(TINY_FAMILIES)}")
+    assert set(TINY_FAMILIES) == {*TINY, "kimi_k3"}
     out = os.path.abspath(args.out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"tiny {args.family} {args.out}: exists and is not an empty folder; give a new folder")
     if family == "kimi_k3":
-        from deltafin.k3_tiny import write_tiny_k3, write_tiny_k3_tokenizer
+        from deltafin.k3_tiny import TINY_TOKENIZER_VOCAB, write_tiny_k3, write_tiny_k3_tokenizer
 
-        write_tiny_k3(out, seed=args.seed)
+        write_tiny_k3(out, seed=args.seed, **({} if args.no_tokenizer else {"vocab_size": TINY_TOKENIZER_VOCAB}))
         if not args.no_tokenizer:
             write_tiny_k3_tokenizer(out)
     else:

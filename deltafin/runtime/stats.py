@@ -44,7 +44,7 @@ class RunStats:
         io = "direct I/O" if self.direct_io else "buffered I/O (the filesystem refused direct I/O)"
         total = max(self.io_wait_s + self.expert_math_s + self.trunk_math_s, 1e-9)
         lines = [
-            f"{len(self.tokens)} tokens at {self.decode_tok_s:.2f} tok/s; first token after {fmt.duration(self.ttft_s)} "
+            f"{len(self.tokens)} tokens at {self.decode_tok_s:.2f} tok/s; time to first token {fmt.duration(self.ttft_s)} "
             f"(prompt of {self.prompt_tokens} tokens read at {self.prefill_tok_s:.1f} tok/s)",
             f"time: waiting on I/O {fmt.duration(self.io_wait_s)} ({self.io_wait_s / total:.0%}), expert math "
             f"{fmt.duration(self.expert_math_s)} ({self.expert_math_s / total:.0%}), rest of the model (trunk math) "
