@@ -28,8 +28,8 @@ class ChatSession:
     """The conversation, the model state that has read it, and the commands that change both."""
 
     def __init__(self, eng, args, out=None):
-        from deltafin.interfaces.session import chat_kwargs, sampling_params
         from deltafin.interfaces.prompt import stop_strings
+        from deltafin.interfaces.session import chat_kwargs, sampling_params
 
         self.eng, self.args = eng, args
         self.opts = chat_kwargs(eng, args)  # --think/--no-think, --effort
