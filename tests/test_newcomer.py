@@ -157,3 +157,24 @@ def test_python_api(model):
     assert out.tokens[: len(want)] == want
     with pytest.raises(UsageError, match="cache_gb= -1"):
         deltafin.load(model, cache_gb=-1)
+
+
+def test_chat_prints_one_stats_line_per_turn(model, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/stats\nagain\n"))
+    assert cli.main(["chat", model, "-n", "4", "--greedy", "--cache-gb", "0.01"]) == 0
+    cap = capsys.readouterr()
+    turns = [line for line in cap.err.splitlines() if line.endswith("/stats for more]")]
+    assert len(turns) == 2 and all(line.startswith("[") and "tok/s" in line for line in turns)
+    assert "waiting on I/O" not in cap.err  # the full block only on /stats
+    assert "waiting on I/O" in cap.out and "context:" in cap.out
+    assert "math on" not in cap.out  # kernel names only with -v
+
+
+def test_stats_name_kernels_only_with_verbose():
+    from deltafin.runtime.stats import RunStats
+
+    st = RunStats(tokens=[1, 2], kernels=["cpu:mxfp4_gemm_silu"], cache_bytes=10**10, cache_hit_rate=0.88)
+    assert "cpu:mxfp4_gemm_silu" not in st.summary() and "cpu:mxfp4_gemm_silu" in st.summary(verbose=True)
+    assert "88% of expert lookups found in memory (expert cache limit 10.0 GB)" in st.summary()
