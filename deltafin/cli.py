@@ -11,6 +11,8 @@ import sys
 # subcommand -> (module under deltafin.interfaces, help line)
 COMMANDS = {
     "demo": ("cmd_demo", "build a small random MoE model, pack it over two drives, verify and inspect it"),
+    "pull": ("cmd_pull", "download a Hugging Face repo and pack each shard as it lands (--delete-source: "
+                         "peak disk is the pack plus a few shards)"),
     "pack": ("cmd_store", "pack a Hugging Face checkpoint into a model dir + one file per expert over drives"),
     "verify": ("cmd_store", "re-read every expert file and check its checksum"),
     "inspect": ("cmd_store", "show what a packed model holds, where, and what streams per token"),
@@ -24,7 +26,10 @@ COMMANDS = {
     "simulate": ("cmd_drives", "what-ifs for Kimi K3 over drive sets: tok/s, time to first token, scaling plots"),
     "list": ("cmd_models", "list packed models: size, drives, where their files are"),
     "rm": ("cmd_models", "remove a packed model: its expert folders on every drive and its model folder"),
+    "tiny": ("cmd_models", "write a tiny random checkpoint of a family (to try pack, run and serve on)"),
 }
+# commands whose first positional is a model: -m/--model MODEL goes there too (llama.cpp's and mlx-lm's habit)
+MODEL_FIRST = ("run", "chat", "serve", "batch", "classify", "verify", "inspect", "rm", "place")
 
 
 def _add_pack(p: argparse.ArgumentParser) -> None:
@@ -201,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "streaming routed experts from SSDs.")
     ap.add_argument("--version", action="version", version=f"deltafin {__version__}")
     _add_logging(ap, top=True)
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if name == "pack":
@@ -217,11 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "bench":
             _add_bench(p)
         elif name in ("run", "chat"):
-            from deltafin.interfaces.cmd_run import add_engine_args, add_prompt_args, add_sampling_args
+            from deltafin.interfaces import cmd_run
 
-            add_engine_args(p)
-            add_sampling_args(p)
-            add_prompt_args(p, name)
+            cmd_run.add_prompt_args(p, name)
+            cmd_run.add_sampling_args(p)
+            cmd_run.add_engine_args(p)
         elif name in ("serve", "batch", "classify"):
             from deltafin.interfaces import cmd_jobs, cmd_serve
 
@@ -231,13 +236,28 @@ def build_parser() -> argparse.ArgumentParser:
             from deltafin.interfaces import cmd_drives
 
             (cmd_drives.add_place_args if name == "place" else cmd_drives.add_simulate_args)(p)
-        elif name in ("list", "rm"):
+        elif name in ("list", "rm", "tiny"):
             from deltafin.interfaces import cmd_models
 
-            (cmd_models.add_list_args if name == "list" else cmd_models.add_rm_args)(p)
+            {"list": cmd_models.add_list_args, "rm": cmd_models.add_rm_args, "tiny": cmd_models.add_tiny_args}[name](p)
+        elif name == "pull":
+            from deltafin.interfaces.cmd_pull import add_pull_args
+
+            add_pull_args(p)
+        if name in ("run", "chat"):
+            cmd_run.order_groups(p)
     _finish(ap, top=True)
     return ap
 
+
+# what re-running an interrupted command does
+RESUMABLE = {
+    "pack": "re-run the same command to resume: finished expert files are kept",
+    "pull": "re-run the same command to resume: packed shards are not downloaded again",
+    "place": "re-run the same command to finish the move (it is journaled)",
+    "batch": "re-run the same command to resume: ids already in the output are skipped",
+    "classify": "re-run the same command to resume: ids already in the output are skipped",
+}
 
 # commands that run under torchrun: rank 0 runs them, the other ranks follow its steps (interfaces/cmd_dist.py)
 CLUSTER_COMMANDS = ("run", "chat", "serve", "batch", "classify")
@@ -249,8 +269,69 @@ def _log_level(args: argparse.Namespace) -> int:
     return logging.INFO if getattr(args, "verbose", False) else logging.WARNING
 
 
+def habits(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Flags other runners' users type, rewritten to Deltafin's: ``-m MODEL`` becomes the model positional,
+    ``-ngl N`` / ``--n-gpu-layers N`` becomes ``--device`` (there is no per-layer offload). Returns the new argv
+    and the notes to print."""
+    cmd = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if cmd is None:
+        return argv, []
+    head, rest, notes, model = argv[: cmd + 1], [], [], None
+    it = iter(argv[cmd + 1 :])
+    for a in it:
+        flag, eq, val = a.partition("=")
+        if flag in ("-m", "--model") and argv[cmd] in MODEL_FIRST:
+            model = val if eq else next(it, None)
+            if model is None:
+                notes.append(f"error: {flag} needs a model: {flag} MODEL")
+        elif flag in ("-ngl", "--n-gpu-layers", "--gpu-layers"):
+            n = val if eq else next(it, "")
+            if "--device" in argv:
+                notes.append(f"{flag} {n}: ignored; --device already says where the trunk and the expert cache go")
+                continue
+            device = "cpu" if n.strip() == "0" else "auto"
+            notes.append(f"{flag} {n}: Deltafin has no per-layer GPU offload; the whole trunk and the expert cache go "
+                         f"to one device, so this means --device {device} (auto: CUDA, then Apple MPS, then CPU)")
+            rest += ["--device", device]
+        else:
+            rest.append(a)
+    if model is not None:
+        rest.insert(0, model)
+    return head + rest, notes
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Numbers and output paths any command may take, checked before its module runs (and loads a model)."""
+    from deltafin.interfaces import checks
+
+    if getattr(args, "max_tokens", None) is not None:
+        checks.check_max_tokens(args.max_tokens)
+    if hasattr(args, "io_threads") or hasattr(args, "cache_gb"):
+        cache = getattr(args, "cache_gb", None)  # simulate's --cache-gb is a list of sizes, checked there
+        checks.check_engine_numbers(cache if isinstance(cache, (int, float)) else None, getattr(args, "io_threads", None),
+                                    getattr(args, "max_len", None),
+                                    getattr(args, "threads", None) if args.command in CLUSTER_COMMANDS else None)
+    for flag in ("stats_json", "json", "record_routes"):
+        v = getattr(args, flag, None)
+        if isinstance(v, str):
+            checks.check_output_path(v, "--" + flag.replace("_", "-"))
+    if args.command == "serve":
+        checks.check_port(args.port)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv, notes = habits(list(sys.argv[1:] if argv is None else argv))
+    for n in notes:
+        print(f"deltafin: {n}", file=sys.stderr)
+    if any(n.startswith("error:") for n in notes):
+        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        print("\nfirst steps: 'deltafin demo' (a small random model end to end); 'deltafin COMMAND --help' for a "
+              "command's flags")
+        return 0
     logging.basicConfig(level=_log_level(args), format="%(levelname)s %(message)s")
     world, rank = int(os.environ.get("WORLD_SIZE", "1") or 1), int(os.environ.get("RANK", "0") or 0)
     name = getattr(args, "module", None) or COMMANDS[args.command][0]
@@ -261,12 +342,14 @@ def main(argv: list[str] | None = None) -> int:
 
     where = f"deltafin {args.command}" + (f" (rank {rank} of {world})" if world > 1 else "")
     try:
+        check_args(args)
         return int(module.run(args) or 0)
     except DeltafinError as e:
         print(f"{where}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"deltafin {args.command}: interrupted", file=sys.stderr)
+        again = RESUMABLE.get(args.command)
+        print(f"deltafin {args.command}: interrupted" + (f"; {again}" if again else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into e.g. `head`, which closed early
         sys.stderr.close()

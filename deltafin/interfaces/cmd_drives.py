@@ -161,8 +161,14 @@ def _simulate(args) -> int:
           f"{fmt.size(shape.expert_bytes)}, {shape.top_k} routed per token ({fmt.size(shape.bytes_per_token)} "
           f"per token uncached); base drives {args.drives} ({fmt.gbps(sum(d.gbps for d in drives))} summed)",
           file=sys.stderr)
-    records = run_scenarios(shape, tokens=args.tokens, prompt=args.prompt, seed=args.seed, drives=drives,
-                            cache_gb=cache_gb)
+    from deltafin.progress import bar
+    from deltafin.sim.scenarios import scenario_configs
+
+    n = len(scenario_configs(shape, tokens=args.tokens, prompt=args.prompt, seed=args.seed, drives=drives,
+                             cache_gb=cache_gb))
+    with bar(n, "simulate", unit="scenario") as b:
+        records = run_scenarios(shape, tokens=args.tokens, prompt=args.prompt, seed=args.seed, drives=drives,
+                                cache_gb=cache_gb, on_done=b.update)
     print(format_table(records))
     print("bound: tok/s if every drive read at its rate all the time (summed rate / bytes read per token); "
           "used: the fraction of the summed read rate decode achieved; p50/p99: per-layer read makespan")
@@ -204,8 +210,12 @@ def _simulate_cluster(args) -> int:
           f"trunk on each, {machine.reserve_gb:g} GB headroom, the rest caches owned experts), drives {args.drives} "
           f"({sum(d.gbps for d in machine.drives):.1f} GB/s) each, {machine.mem_gbps:g} GB/s memory, "
           f"{args.hop_us:g} us per collective step", file=sys.stderr)
-    recs = cluster_table(_numbers(args.machines, "--machines", int), _numbers(args.net_gbit, "--net-gbit"),
-                         machine, args.hop_us, args.tokens, args.prompt, args.seed, shape)
+    from deltafin.progress import bar
+
+    counts, nets = _numbers(args.machines, "--machines", int), _numbers(args.net_gbit, "--net-gbit")
+    with bar(len(counts) * len(nets), "simulate", unit="cluster") as b:
+        recs = cluster_table(counts, nets, machine, args.hop_us, args.tokens, args.prompt, args.seed, shape,
+                             on_done=b.update)
     print(format_cluster(recs))
     print("cached: share of all experts resident in the machines' memory; bound: tok/s with every drive reading "
           "all the time, one machine's memory pass and the network (max of the first two, plus the third); TTFT: "

@@ -59,9 +59,8 @@ def _write_stats(args, doc: dict) -> None:
 def _batch(args) -> int:
     from deltafin.interfaces.cmd_run import open_engine, sampling_params
     from deltafin.jobs.batch import BatchRun, Defaults, load_batch
-    from deltafin.jobs.results import ResultLog
-
     from deltafin.jobs.files import check_output, open_regular
+    from deltafin.jobs.results import ResultLog
     from deltafin.store.locks import output_lock
 
     os.close(open_regular(args.input, "input file"))

@@ -20,8 +20,56 @@ def add_rm_args(p) -> None:
     p.add_argument("-y", "--yes", action="store_true", help="do not ask; needed when stdin is not a terminal")
 
 
+# `deltafin tiny` names: the Hugging Face model_type, and the names users know the families by
+TINY_ALIASES = {"kimi_k3": "kimi_k3", "k3": "kimi_k3", "deepseek": "deepseek_v3", "kimi_k2": "deepseek_v3",
+                "glm": "glm4_moe_lite", "glm-4.7-flash": "glm4_moe_lite", "qwen3": "qwen3_moe", "gpt-oss": "gpt_oss"}
+
+
+TINY_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "kimi_k3")  # tiny.TINY
+
+
+def add_tiny_args(p) -> None:
+    p.add_argument("family", help=f"one of {', '.join(TINY_FAMILIES)} (also {', '.join(TINY_ALIASES)})")
+    p.add_argument("out", help="folder to write the checkpoint to (config.json, safetensors, tokenizer); "
+                               "then 'deltafin pack OUT MODEL'")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--no-tokenizer", action="store_true", help="leave the byte-level tokenizer out")
+
+
 def run(args) -> int:
+    if args.command == "tiny":
+        return _tiny(args)
     return _list(args) if args.command == "list" else _rm(args)
+
+
+def _tiny(args) -> int:
+    """A tiny randomly initialised checkpoint of a family, written as Hugging Face writes one."""
+    from deltafin.tiny import TINY
+
+    family = TINY_ALIASES.get(args.family.lower(), args.family.lower())
+    if family not in TINY_FAMILIES:
+        raise UsageError(f"tiny {args.family}: no such family; choose one of {', '.join(TINY_FAMILIES)}")
+    assert set(TINY_FAMILIES) == {*TINY, "kimi_k3"}
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise UsageError(f"tiny {args.family} {args.out}: exists and is not an empty folder; give a new folder")
+    if family == "kimi_k3":
+        from deltafin.k3_tiny import TINY_TOKENIZER_VOCAB, write_tiny_k3, write_tiny_k3_tokenizer
+
+        write_tiny_k3(out, seed=args.seed, **({} if args.no_tokenizer else {"vocab_size": TINY_TOKENIZER_VOCAB}))
+        if not args.no_tokenizer:
+            write_tiny_k3_tokenizer(out)
+    else:
+        from deltafin.tiny import build_tiny, save_byte_tokenizer
+
+        vocab = {} if args.no_tokenizer else {"vocab_size": 320}  # the byte tokenizer needs 258 ids
+        build_tiny(family, out, seed=args.seed, **vocab)
+        if not args.no_tokenizer:
+            save_byte_tokenizer(out, 320)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if os.path.isfile(os.path.join(out, f)))
+    print(f"wrote a tiny random {family} checkpoint ({size / 1e6:.1f} MB) to {out}; next: deltafin pack {args.out} "
+          f"MODEL_DIR, then deltafin run MODEL_DIR -p 'hello'")
+    return 0
 
 
 def describe(model_dir: str, drive_map: dict[str, str] | None = None) -> dict:

@@ -1,6 +1,6 @@
 """Model arguments as users of other runners give them: a folder, the id of a packed model (as
 ``deltafin list`` shows), or a Hugging Face repo id (``org/name``) found in the local Hugging Face cache.
-Nothing is ever downloaded."""
+Nothing is downloaded here ('deltafin pull' downloads)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,23 @@ def resolve_checkpoint(arg: str) -> str:
         return arg
     snap = hf_cached(arg)
     if snap is None:
-        raise UsageError(f"{arg}: no such folder, and not a Hugging Face repo in the local cache; download it first "
-                         f"(hf download {arg}) or give the checkpoint folder")
+        top = arg.split("/", 1)[0]
+        if os.path.isdir(top):  # a local folder with a mistyped name inside it, not a repo id
+            raise UsageError(f"{arg}: no such folder in {top}/; check the name (ls {top})")
+        raise UsageError(f"{arg}: no such folder, and not a Hugging Face repo in the local cache; download and pack "
+                         f"it with 'deltafin pull {arg} OUT', or give the checkpoint folder")
     return snap
 
 
 def resolve_packed(arg: str) -> str:
     """A packed model folder, or the id of a packed model recorded by 'deltafin pack'."""
     if os.path.exists(arg):
+        from deltafin.store.manifest import MANIFEST
+
+        if os.path.isfile(os.path.join(arg, "config.json")) and not os.path.exists(os.path.join(arg, MANIFEST)) \
+                and not os.path.exists(os.path.join(arg, "pack-state.json")):
+            raise UsageError(f"{arg} is a Hugging Face checkpoint, not a packed model; pack it first: "
+                             f"deltafin pack {arg} OUT (then use OUT)")
         return arg
     from deltafin.store.catalog import find
 

@@ -30,8 +30,8 @@ class ChatSession:
     """The conversation, the model state that has read it, and the commands that change both."""
 
     def __init__(self, eng, args, out=None):
-        from deltafin.interfaces.cmd_run import chat_kwargs, sampling_params
         from deltafin.interfaces.prompt import stop_strings
+        from deltafin.interfaces.session import chat_kwargs, sampling_params
 
         self.eng, self.args = eng, args
         self.opts = chat_kwargs(eng, args)  # --think/--no-think, --effort
@@ -126,13 +126,15 @@ class ChatSession:
         st = getattr(self.eng, "last_stats", None)
         self.say(f"context: {self.state.pos:,} of {self.max_len:,} tokens used; {len(self.messages)} messages")
         if st is not None and st.tokens:
-            self.say(st.summary())
+            from deltafin.interfaces.session import verbose
+
+            self.say(st.summary(verbose(self.args)))
 
     # -- a turn -------------------------------------------------------------------------------------
     def turn(self, user: str) -> bool:
         """Reply to one user message, streaming the text; stops at Ctrl-C or at the end of the context.
         True when a reply ran to its end (its statistics are in ``eng.last_stats``)."""
-        from deltafin.interfaces.cmd_run import Printer, _turn_tokens
+        from deltafin.interfaces.session import Printer, turn_tokens
 
         eng = self.eng
         was_stale = self.stale
@@ -141,7 +143,7 @@ class ChatSession:
             new = extension(self.fed, eng.codec.chat(self.messages, **self.opts))
             self.stale = False
         else:
-            new = _turn_tokens(eng, self.messages, user, self.pending, self.opts)
+            new = turn_tokens(eng, self.messages, user, self.pending, self.opts)
         replay = new is None  # the state's tokens are not a prefix of the rendered conversation: re-read it all
         if replay:
             self.state, self.fed, new = eng.new_state(), [], eng.codec.chat(self.messages, **self.opts)
@@ -254,9 +256,9 @@ def run_chat(eng, args) -> int:
                     break
                 continue
             if session.turn(line):
-                from deltafin.interfaces.cmd_run import _report
+                from deltafin.interfaces.session import report
 
-                _report(eng, args)
+                report(eng, args, one_line=True)
     finally:
         if save is not None:
             with contextlib.suppress(OSError):

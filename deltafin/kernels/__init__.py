@@ -164,6 +164,7 @@ def swiglu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Te
     return glu(x, gate, up, down, ("silu",))
 
 
+EXP_LIMIT = 80.0  # KDA: largest exponent a decay factor may take: K * e^80 stays far below float32's max (e^88.7)
 EXP_FLOOR = -87.0  # e^-87 = 1.6e-38, just above float32's smallest normal (1.18e-38)
 
 

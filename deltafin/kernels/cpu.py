@@ -23,12 +23,12 @@ that of its own GEMM call bit for bit. Up to GEMM_TOKENS the Q8 path does the sa
 
 4-bit weights up to ``FUSED_TOKENS`` tokens take the Q8 path by default: each token's row is quantized to int8
 per block of 32 (one float scale d = max|x| / 127 per block) and the block sums run in int8 x int8 -> int32
-(AVX-512 VNNI): 2-3.5x faster than decoding to float on a K3 expert matrix. It rounds the activations
+(AVX-512 VNNI), several times faster than decoding to float. It rounds the activations
 (|x - d q| <= d / 2 per element), so it is the fast path only; ``DELTAFIN_CPU_Q8=0`` selects the float decode
 loop. On a CPU with AVX-512 but no VNNI the float loop stays the default (it is vectorized there). x86 CPUs without
 AVX-512 (most laptops and desktops) run the same Q8, int16-activation and int16 GEMM paths on 256-bit AVX2 vectors,
-with AVX-VNNI's dot products where the CPU has them: on a K3 expert at one token 14-15 GB/s against 1.4-2 GB/s for
-the plain C loops (``deltafin bench kernels --isa avx2``, which builds for such a machine on this one).
+with AVX-VNNI's dot products where the CPU has them (``deltafin bench kernels --isa avx2`` builds and measures them
+on a machine that has more; figures in docs/BENCHMARKS.md).
 
 int8 rows up to ``FUSED_TOKENS`` tokens take int16 activations on the same switch (``i16_enabled``): one
 scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extended into VNNI's int16 dot product
@@ -36,7 +36,7 @@ scale d = max|x| / 32767 per block of 128 columns, the weight bytes sign-extende
 rounding (|x - d q| <= d / 2) is 256 times finer than the 4-bit path's 8-bit activations, which changed greedy
 tokens of a tiny Kimi K3 when applied to its int8 trunk. Past GEMM_TOKENS (``GEMM_TOKENS_INT8_AVX2`` on AVX2;
 ``int8_gemm``) int8 rows take the 4-bit GEMM's code with the rows sign-extended to int16 in its decode and the row's scale in each block's place: the
-same int16 activations per block of 32, 2-3x the decoded tile and torch's matmul at 512 tokens on K3's trunk shapes.
+same int16 activations per block of 32, faster than the decoded tile and torch's matmul on K3's trunk shapes.
 """
 
 from __future__ import annotations
@@ -53,31 +53,15 @@ from deltafin.kernels import native
 from deltafin.quant import int4, mxfp4
 from deltafin.quant.record import QTensor
 
-# Measured on a K3 expert (3072 x 3584, 2 cores): the fused loop costs ~4 ms per token, a decoded tile ~37 ms
-# once plus ~1.7 ms per token in the BLAS matmul, so the tile pays from about 16 tokens. Tiles under ~500 rows
-# made the matmul 2-3x slower (short BLAS calls), hence 8 MB tiles.
+# Token counts where one kernel overtakes another (timings that set them: docs/BENCHMARKS.md, "CPU kernel
+# switch points"). The fused loop up to FUSED_TOKENS; a decoded tile of TILE_BYTES and torch's matmul past it.
 FUSED_TOKENS = 16
-# 4-bit matrices of more tokens take the int16 GEMM where it is built (AVX-512 VNNI + VBMI, or AVX2). On a K3 expert matrix,
-# one thread: 2.0 vs 2.5 ms for the Q8 loop at 6 tokens, 2.1 vs 3.1 at 8, 2.8 vs 4.0 at 16, but 1.7 vs 1.2 at 4;
-# 2.1-2.5x faster than the decoded tile at 64-128 tokens. Measured again after the Q8 loop took its second int8
-# term on AVX-512 (K3 expert matrices, medians, GEMM vs Q8): two threads 0.94 vs 0.91 ms at 3 tokens, 0.92 vs 1.16
-# at 4, 0.98 vs 1.53 at 5; one thread 1.91 vs 1.92 at 3, 1.84 vs 2.33 at 4, 2.01 vs 3.06 at 5. int8 rows alike
-# (7168 x 7168, GEMM vs the int16-activation loop): two threads 4.04 vs 4.04 ms at 3, 3.88 vs 4.31 at 4, 4.06 vs
-# 4.89 at 5; one thread 8.05 vs 7.93 at 3, 7.83 vs 8.82 at 4. Hence the GEMM from 4 tokens.
-GEMM_TOKENS = 3
-# On an AVX2 build the 4-bit Q8 loop stays ahead longer (K3 expert, 2 threads: 2.7 vs 3.3 ms at 6 tokens, 3.8 vs 4.5
-# at 8, 5.5 vs 4.5 at 11, 5.6 vs 5.2 at 12, 7.0 vs 6.1 at 16). A prompt of Kimi K3 gives its experts ~9 tokens each.
-GEMM_TOKENS_AVX2 = 10
-# Its int8 rows take the GEMM from 3 tokens (7168 x 7168, two threads, medians, GEMM vs the int16-activation
-# loop: with AVX-VNNI 3.50 vs 2.80 ms at 1 token, 3.92 vs 4.50 at 2, 4.19 vs 5.95 at 3; AVX2 alone 4.66 vs 4.89 at
-# 2, 5.64 vs 6.00 at 3, 6.61 vs 7.19 at 4): two tokens stay on the loop, where the fastest calls of each tie.
-GEMM_TOKENS_INT8_AVX2 = 2
+GEMM_TOKENS = 3  # 4-bit and int8 matrices take the int16 GEMM from 4 tokens (AVX-512 builds)
+GEMM_TOKENS_AVX2 = 10  # AVX2 builds: the 4-bit Q8 loop stays ahead longer (a Kimi K3 prompt gives ~9 tokens an expert)
+GEMM_TOKENS_INT8_AVX2 = 2  # AVX2 builds: int8 rows take the GEMM from 3 tokens
 TILE_BYTES = 8 << 20
-# Smaller matrices run on the calling thread: waking the others costs more. With idle OpenMP threads asleep
-# (OMP_WAIT_POLICY=PASSIVE; deltafin/__init__.py now lets them spin briefly first) a wake took ~100 us or
-# more on the 2-core VM, so a
-# Qwen3-MoE expert (768 x 2048 MXFP4, 2.4 MB with gate/up/down fused) ran slower on two threads (410-630 us)
-# than on one (290-330 us); from ~4M weights (K3's trunk and experts, any matrix over ~2-4 MB) two threads win.
+# Matrices under SERIAL_ELEMENTS weights run on the calling thread: waking the others costs more than the
+# split saves (timings: docs/BENCHMARKS.md, "CPU kernel switch points").
 SERIAL_ELEMENTS = 1 << 22
 _E2M1 = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
 _INT4 = torch.arange(16, dtype=torch.float32) - 8  # stored as q + 8
@@ -322,10 +306,7 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
     every core busy together, and larger ones pay three barriers a layer instead of three an expert. The experts it
     does not take (past the Q8 path's tokens, another shape or format than the first one's) are None in the list,
     for the caller to run alone; None instead of a list where fewer than two remain, or with one thread, or no Q8
-    path. On the 2-core VM: Qwen3-MoE's 768 x 2048 MXFP4 experts, 8 a layer, 0.17-0.26 ms an expert against
-    0.37-0.44 one at a time (each on one thread), and a warm step of that model on 2 / 3 tokens (each expert on its
-    own) 43-50 / 62-65 ms against 68 / 77; Kimi K3's (17.5 MB), 16 a layer, 1.05-1.20 ms against 1.25-1.35 (each
-    split over both threads)."""
+    path. Timings: docs/BENCHMARKS.md, "CPU kernel switch points"."""
     lib = lib or native.library()
     threads = torch.get_num_threads()
     if len(experts) < 2 or threads < 2 or not q8_enabled(lib):
@@ -375,9 +356,8 @@ def denormals_flushed(lib=None) -> Iterator[None]:
     compute threads (one OpenMP runtime with the kernels'), then the setting before comes back. The fast path
     only: the exact path keeps IEEE arithmetic. Denormals come up in a real model's prefill (Kimi K3's decays of
     e^-100 and less, an activation's far tails) and take the multiply units' slow path (a batched matmul with
-    denormal inputs took 0.67 s against 14 ms flushed on the 2-core VM). On a K3 slice's 512-token prefill, three
-    runs alternated with and without: expert math 1.6-1.9 s against 2.0-2.1 s, trunk math within the machine's
-    noise (12.9-16.8 s against 13.0-13.3 s). Nothing is done where the kernels did not build or off x86."""
+    denormal inputs run many times slower; figures in docs/BENCHMARKS.md). Nothing is done where the kernels did
+    not build or off x86."""
     lib = lib or native.library()
     if lib is None or lib.df_ftz(-1, 0) != 0:  # no kernels, not x86, or already flushed by a block outside
         yield
@@ -391,10 +371,7 @@ def denormals_flushed(lib=None) -> Iterator[None]:
 
 def int8_gemm(T: int, C: int, lib=None) -> bool:
     """Whether int8 rows take the int16 GEMM at T tokens of width C: past gemm_tokens(int8=True), whole blocks of 32, where
-    the build has it. On a K3 trunk matrix (7168 x 7168, two threads) it took 3.9 / 5.3 / 6.3 ms at 6 / 12 / 16 tokens
-    against 7.0 / 8.9 / 11.6 for the int16-activation loop, and 128 ms at 512 tokens against 252 for the tile decoded
-    to float32 and torch's matmul; the loop stays ahead at one and two tokens (1.2 against 2.5 ms) and ties at
-    three (see GEMM_TOKENS)."""
+    the build has it (timings: docs/BENCHMARKS.md, "CPU kernel switch points")."""
     return C % 32 == 0 and gemm_enabled(lib) and T > gemm_tokens(lib, int8=True)
 
 

@@ -76,8 +76,7 @@ def grouped_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fetch
 def kda_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, b: torch.Tensor, sub: int):
     """KDA's in-chunk products L and P (``kda._products``'s contract) in one Triton pass, or None where the
     sub-block is too small for the kernel's tiles and the torch form applies. Callers ask ``enabled`` first."""
-    from deltafin.kernels import triton_kda
-    from deltafin.models.kda import EXP_LIMIT
+    from deltafin.kernels import EXP_LIMIT, triton_kda
 
     if not triton_kda.products_fit(k.shape[2], k.shape[3], sub):
         return None

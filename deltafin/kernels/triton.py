@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from deltafin.kernels import triton_gemv
+from deltafin.kernels.triton_gemv import sum_cast  # noqa: F401  (re-exported: triton_moe, tests)
 from deltafin.kernels.triton_tiles import (
     FMT_INT4G32,
     FMT_INT8,
@@ -50,35 +50,6 @@ def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
         acc = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     out = y_ptr + pid_k * T * N + offs_t[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_t < T)[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _sum_cast_kernel(x_ptr, y_ptr, N, stride_r, stride_m, R: tl.constexpr, BN: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    """y[m, n] = sum over r in order of x[r, m, n] (float32), stored in y's dtype. PDL: launched early
-    (``triton_gemv.PDL``); waits here for the kernel before it."""
-    if PDL:
-        gdc_wait()
-    m, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs = pid_n * BN + tl.arange(0, BN)
-    mask = offs < N
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for r in range(R):
-        acc += tl.load(x_ptr + r * stride_r + m * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * N + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def sum_cast(x: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
-    """x [R, M, N] (rows of N contiguous) summed over R in order, in float32, cast to dtype: [M, N] in one
-    launch (torch takes two: the sum, then the cast), for split-K partial sums and the grouped experts'
-    k terms of a token. pdl: a programmatic dependent launch (the kernel before it must allow it)."""
-    R, M, N = x.shape
-    assert x.stride(-1) == 1
-    y = torch.empty((M, N), device=x.device, dtype=dtype)
-    bn = min(1024, triton.next_power_of_2(N))
-    _sum_cast_kernel[(M, triton.cdiv(N, bn))](x, y, N, x.stride(0), x.stride(1), R=R, BN=bn, PDL=pdl,
-                                              num_warps=4, **triton_gemv.pdl_launch(pdl))
-    return y
 
 
 @triton.jit

@@ -368,8 +368,6 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
         h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0), RS=rs,
         I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
         num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
-    from deltafin.kernels.triton import sum_cast  # (triton imports this module)
-
     return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype, pdl)  # each token's k rows in pair order, one launch
 
 
@@ -456,3 +454,32 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: dict | Non
         BN=c["BN"], BK=c["BK"], MAGIC=c.get("magic", True), num_warps=c["num_warps"],
         num_stages=c.get("num_stages", 3))
     return y.reshape(*lead, N)
+
+
+@triton.jit
+def _sum_cast_kernel(x_ptr, y_ptr, N, stride_r, stride_m, R: tl.constexpr, BN: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """y[m, n] = sum over r in order of x[r, m, n] (float32), stored in y's dtype. PDL: launched early
+    (``triton_gemv.PDL``); waits here for the kernel before it."""
+    if PDL:
+        gdc_wait()
+    m, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = pid_n * BN + tl.arange(0, BN)
+    mask = offs < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for r in range(R):
+        acc += tl.load(x_ptr + r * stride_r + m * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * N + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_cast(x: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+    """x [R, M, N] (rows of N contiguous) summed over R in order, in float32, cast to dtype: [M, N] in one
+    launch (torch takes two: the sum, then the cast), for split-K partial sums and the grouped experts'
+    k terms of a token. pdl: a programmatic dependent launch (the kernel before it must allow it)."""
+    R, M, N = x.shape
+    assert x.stride(-1) == 1
+    y = torch.empty((M, N), device=x.device, dtype=dtype)
+    bn = min(1024, triton.next_power_of_2(N))
+    _sum_cast_kernel[(M, triton.cdiv(N, bn))](x, y, N, x.stride(0), x.stride(1), R=R, BN=bn, PDL=pdl,
+                                              num_warps=4, **pdl_launch(pdl))
+    return y

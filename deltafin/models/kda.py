@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltafin.kernels import exp_
+from deltafin.kernels import EXP_LIMIT, exp_
 
 L2_EPS = 1e-6  # §3.1 step 4 (fla l2norm): x / sqrt(sum(x^2) + 1e-6), eps added to the sum, not the mean
 CHUNK = 64  # §3.1 chunked prefill: fla naive_chunk_kda uses 64-token chunks
 SUB = 16  # sub-block of a chunk inside which decays are factored through one reference (see _intra)
-EXP_LIMIT = 80.0  # largest exponent a factor may take: K * e^80 stays far below float32's max (e^88.7)
 ProductsFn = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]  # a kernel backend's kda_products
 SEGMENT = 8192  # tokens whose chunks are batched at once (bounds the temporaries: ~12 x T*H*K floats)
 

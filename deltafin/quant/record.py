@@ -76,8 +76,11 @@ def from_plain(w: torch.Tensor, fmt: str) -> QTensor:
 
 
 def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
-    """x @ W^T for a weight stored as [out, in] in any format; computes in x's dtype. Goes through the kernel
-    dispatch point (``deltafin.kernels``): the plain torch path unless the caller turned the fast path on."""
-    from deltafin.kernels import matmul as dispatch  # kernels imports this module
-
-    return dispatch(x, w)
+    """x @ W^T for a weight stored as [out, in] in any format, in x's dtype: the plain reference every fused
+    kernel is tested against (int8 as (x @ q^T) * s, every other format dequantized first). The kernels'
+    dispatch point, ``deltafin.kernels.matmul``, picks a fused kernel where one applies."""
+    if isinstance(w, torch.Tensor):
+        return x @ w.to(x.dtype).T
+    if w.format == "int8":
+        return int8.matmul(x, w.data, w.scale)
+    return x @ dequantize(w, x.dtype).T

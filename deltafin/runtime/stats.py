@@ -36,23 +36,28 @@ class RunStats:
         d["bytes_read_per_token"] = self.bytes_read / max(len(self.tokens), 1)
         return d
 
-    def summary(self) -> str:
+    def summary(self, verbose: bool = False) -> str:
+        """Where the run's time went and what it read, in a few lines; ``verbose`` adds the prefill plan
+        and the kernels that ran."""
         from deltafin import fmt
 
         io = "direct I/O" if self.direct_io else "buffered I/O (the filesystem refused direct I/O)"
         total = max(self.io_wait_s + self.expert_math_s + self.trunk_math_s, 1e-9)
         lines = [
-            f"{len(self.tokens)} tokens; prompt {self.prompt_tokens} tokens, time to first token "
-            f"{fmt.duration(self.ttft_s)} ({self.prefill_tok_s:.1f} tok/s prefill, chunk {self.prefill_chunk}, read "
-            f"amplification {self.prefill_read_amplification:.2f}); decode {self.decode_tok_s:.2f} tok/s",
+            f"{len(self.tokens)} tokens at {self.decode_tok_s:.2f} tok/s; time to first token {fmt.duration(self.ttft_s)} "
+            f"(prompt of {self.prompt_tokens} tokens read at {self.prefill_tok_s:.1f} tok/s)",
             f"time: waiting on I/O {fmt.duration(self.io_wait_s)} ({self.io_wait_s / total:.0%}), expert math "
-            f"{fmt.duration(self.expert_math_s)} ({self.expert_math_s / total:.0%}), trunk math "
+            f"{fmt.duration(self.expert_math_s)} ({self.expert_math_s / total:.0%}), rest of the model (trunk math) "
             f"{fmt.duration(self.trunk_math_s)} ({self.trunk_math_s / total:.0%})",
-            f"read {fmt.size(self.bytes_read)} in {self.reads:,} reads ({io}); cache hit rate "
-            f"{self.cache_hit_rate:.1%} of {fmt.size(self.cache_bytes)}",
+            f"read {fmt.size(self.bytes_read)} of experts from the drives in {self.reads:,} reads ({io}); "
+            f"{self.cache_hit_rate:.0%} of expert lookups found in memory (expert cache limit "
+            f"{fmt.size(self.cache_bytes)})",
         ]
-        lines.append(f"math on {self.device}: " + (", ".join(self.kernels) if self.kernels
-                                                   else "plain torch path (float32 reference or no fast path)"))
+        if verbose:
+            lines.append(f"prefill: chunks of {self.prefill_chunk} tokens, read amplification "
+                         f"{self.prefill_read_amplification:.2f} (bytes read / bytes of the distinct experts)")
+            lines.append(f"math on {self.device}: " + (", ".join(self.kernels) if self.kernels
+                                                       else "plain torch path (float32 reference or no fast path)"))
         run_s = max(total, 1e-9)
         for label, d in self.per_drive.items():
             rated = f", rated {fmt.gbps(d['rated_gbps'])}" if d.get("rated_gbps") else ""
@@ -62,3 +67,10 @@ class RunStats:
             lines.append(f"  drive {label}: {d['reads']:,} reads, {fmt.size(d['bytes'])}, {rate}{rated}"
                          + (f", {d['errors']} failed reads" if d.get("errors") else ""))
         return "\n".join(lines)
+
+    def line(self) -> str:
+        """One line for a chat turn: speed, first token, bytes read, cache."""
+        from deltafin import fmt
+
+        return (f"[{len(self.tokens)} tokens, {self.decode_tok_s:.2f} tok/s, first token {fmt.duration(self.ttft_s)}, "
+                f"{fmt.size(self.bytes_read)} read, {self.cache_hit_rate:.0%} from memory; /stats for more]")

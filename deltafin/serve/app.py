@@ -34,8 +34,8 @@ from deltafin.serve.protocol import (
     Limits,
     ModelInfo,
     Parsed,
-    parse_chat,
     clip,
+    parse_chat,
     parse_completion,
     redact,
 )

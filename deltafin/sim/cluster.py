@@ -177,11 +177,16 @@ def _prefill(cfg: ClusterConfig, trunk_layer_s: float) -> dict:
 
 def cluster_table(machines: tuple[int, ...] = (1, 2, 4, 8, 12), gbits: tuple[float, ...] = (10.0, 100.0),
                   machine: Machine = Machine(), hop_us: float = 25.0, tokens: int = 8, prompt: int = 512,
-                  seed: int = 0, shape: MoEShape = KIMI_K3) -> list[dict]:
-    """One record per (network, machine count)."""
-    return [simulate_cluster(ClusterConfig(n, Network(g, hop_us), machine, shape, tokens=tokens, prompt=prompt,
-                                           seed=seed))
-            for g in gbits for n in machines]
+                  seed: int = 0, shape: MoEShape = KIMI_K3, on_done=None) -> list[dict]:
+    """One record per (network, machine count); ``on_done(1)`` after each (progress)."""
+    out = []
+    for g in gbits:
+        for n in machines:
+            out.append(simulate_cluster(ClusterConfig(n, Network(g, hop_us), machine, shape, tokens=tokens,
+                                                      prompt=prompt, seed=seed)))
+            if on_done is not None:
+                on_done(1)
+    return out
 
 
 def format_cluster(records: list[dict]) -> str:

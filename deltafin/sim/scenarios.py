@@ -65,17 +65,21 @@ def _scaled_like(drives: tuple[DriveModel, ...], base: tuple[DriveModel, ...]) -
 
 def run_scenarios(shape: MoEShape = KIMI_K3, *, tokens: int = 8, prompt: int = 512, seed: int = 0,
                   drives: tuple[DriveModel, ...] | str | None = None,
-                  cache_gb: tuple[float, ...] = CACHE_GB[1:]) -> list[dict]:
+                  cache_gb: tuple[float, ...] = CACHE_GB[1:], on_done=None) -> list[dict]:
     """Simulate every standard scenario; one dict per scenario (see ``simulate`` for the keys).
 
     ``drives`` may be an ``--emulate-drives`` spec string. Kimi K3 at full scale takes about a
-    minute; fewer ``tokens`` or ``prompt=0`` (no prefill) make it quicker.
+    minute; fewer ``tokens`` or ``prompt=0`` (no prefill) make it quicker. ``on_done(n)`` is called as
+    scenarios finish (progress), after ``on_done.total`` is set when it has that attribute.
     """
     if isinstance(drives, str):
         drives = parse_spec(drives)
     out = []
-    for cfg in scenario_configs(shape, tokens=tokens, prompt=prompt, seed=seed, drives=drives, cache_gb=cache_gb):
+    cfgs = scenario_configs(shape, tokens=tokens, prompt=prompt, seed=seed, drives=drives, cache_gb=cache_gb)
+    for cfg in cfgs:
         rec = simulate(cfg)
+        if on_done is not None:
+            on_done(1)
         log.info("%s: %.3f tok/s (%.0f%% of summed read rate)", rec["name"], rec["tok_s"],
                  100 * rec["aggregate_fraction"])
         out.append(rec)

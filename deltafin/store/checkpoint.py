@@ -93,6 +93,10 @@ class Checkpoint:
     def has_shard(self, shard: str) -> bool:
         return os.path.exists(os.path.join(self.path, shard))
 
+    def shard_path(self, shard: str) -> str:
+        """Where a shard's bytes are read from (a streamed download waits here until the shard has landed)."""
+        return os.path.join(self.path, shard)
+
     def _header(self, shard: str) -> dict[str, TensorInfo]:
         if shard in self._headers:
             return self._headers[shard]
@@ -176,6 +180,6 @@ def read_into(ckpt: Checkpoint, name: str, out: memoryview, row: int | tuple[int
     size, off = per_row * (b - a), ti.offset + per_row * a
     if len(out) != size:
         raise CheckpointError(f"{name}: {size} bytes do not fit a {len(out)}-byte section; the plan is stale")
-    p = os.path.join(ckpt.path, ti.shard)
+    p = ckpt.shard_path(ti.shard)
     what = name if row is None else f"{name}[{row}]" if isinstance(row, int) else f"{name}[{a}:{b}]"
     read_exact(p, out, off, CheckpointError, "the shard is truncated or unreadable: download it again", what)

@@ -170,7 +170,10 @@ def out_foreign(out: str, side_files) -> list[str]:
 
 def source_identity(ckpt) -> str:
     """A digest that tells this checkpoint's weights apart from another of the same architecture, read in a
-    few MiB per shard (headers, sizes, the first and last MiB of data), not the whole checkpoint."""
+    few MiB per shard (headers, sizes, the first and last MiB of data), not the whole checkpoint. A checkpoint
+    still being downloaded (``deltafin pull``) gives its own, from the Hub's checksums."""
+    if hasattr(ckpt, "source_identity"):
+        return ckpt.source_identity()
     h = hashlib.sha256()
     with open(os.path.join(ckpt.path, "config.json"), "rb") as f:
         h.update(f.read(1 << 24))

@@ -27,6 +27,7 @@ from deltafin.errors import CheckpointError, ExpertFileError, ManifestError, Usa
 from deltafin.io.pool import BufferPool
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
+from deltafin.store import ownership as own
 from deltafin.store.checkpoint import Checkpoint, read_into
 from deltafin.store.convert import (
     TrunkStream,
@@ -35,7 +36,6 @@ from deltafin.store.convert import (
     expert_tensors,
     passthrough_sections,
 )
-from deltafin.store import ownership as own
 from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
 from deltafin.store.fileio import file_sha256, peak_rss_bytes, return_freed_memory
 from deltafin.store.load_checks import check_distinct_drives
@@ -122,7 +122,7 @@ def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None
     return entries
 
 
-def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
+def pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
     """Pack ``src`` into ``out``; one writer per model folder (``locks.model_lock``)."""
     out = os.path.abspath(out)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -137,11 +137,11 @@ def pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions = Pac
         return _pack(src, out, drive_args, opts)
 
 
-def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> PackSummary:
+def _pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: PackOptions) -> PackSummary:
     t0 = time.perf_counter()
     return_freed_memory()
     _check_policy(opts)
-    ckpt = Checkpoint(src)
+    ckpt = src if isinstance(src, Checkpoint) else Checkpoint(src)  # deltafin pull passes one that streams
     missing = [sh for sh in ckpt.shards() if not ckpt.has_shard(sh)]
     if missing:
         raise CheckpointError(f"{ckpt.path}: shard(s) {', '.join(missing)} named in the index are missing; "
@@ -203,7 +203,7 @@ def _pack(src: str, out: str, drive_args: list[DriveArg], opts: PackOptions) -> 
         os.unlink(os.path.join(out, mf.MANIFEST))
     job.write_all()
     side = _copy_side_files(ckpt, out)
-    doc = job.manifest(src) | {"fingerprint": digest, "uid": state["uid"], "side_files": side,
+    doc = job.manifest(ckpt.path) | {"fingerprint": digest, "uid": state["uid"], "side_files": side,
                                "generation": int((prior or {}).get("generation", 0)) + 1}
     doc["source"]["identity"] = identity
     doc["config_sha256"] = file_sha256(os.path.join(out, "config.json"))

@@ -17,7 +17,6 @@ from deltafin.io.direct import FileDriveReader, aligned_buffer, read_file
 from deltafin.store import expert_file as ef
 from deltafin.store.model_dir import PackedModel
 
-
 LINK = "a symbolic link, not an expert file Deltafin wrote; 'deltafin pack --repair' replaces the link itself"
 
 
