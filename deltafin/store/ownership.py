@@ -153,7 +153,7 @@ def release(folder: str, uid: str) -> bool:
 
 # what a pack writes into OUT: the manifest, its progress records, side files, the trunk, the default drive
 OUT_NAMES = {"deltafin.json", "pack-state.json", "place-journal.json", "config.json", "trunk", "experts",
-             ".deltafin.lock"}
+             ".deltafin.lock", "source"}  # source: where deltafin pull downloads the checkpoint
 _OUT_TEMP = re.compile(r"(.+\.tmp-\d+(-\d+)?|\.deltafin-gen-\d+\.lock|\.deltafin-write-probe-\d+|\.deltafin-probe-\d+)")
 
 
