@@ -138,3 +138,16 @@ def test_bench_ingest_refuses_bad_arguments_in_one_line(argv, needle, capsys):
     assert main(["bench", "ingest", *argv]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dir", "/no/such/folder"], "/no/such/folder"),
+    (["--experts", "4", "--k", "8"], "--k 8"),
+])
+def test_bench_decode_and_prefill_refuse_bad_arguments_in_one_line(argv, needle, capsys):
+    from deltafin.cli import main
+
+    for bench in ("decode", "prefill"):
+        assert main(["bench", bench, *argv]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0]

@@ -148,7 +148,17 @@ class SyntheticRun:
 @contextmanager
 def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[SyntheticRun]:
     """Write the synthetic model for a benchmark (``args``: dir, layers, experts, seed, threads), yield it,
-    and remove it afterwards."""
+    and remove it afterwards. The arguments are checked first, each mistake one line."""
+    from deltafin.errors import UsageError
+
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise UsageError(f"bench {name}: --dir {args.dir}: no such folder; create it (mkdir -p {args.dir}) or pick "
+                         f"another")
+    if args.layers < 1 or args.experts < 1 or getattr(args, "k", 1) < 1:
+        raise UsageError(f"bench {name}: --layers, --experts and --k must be at least 1")
+    if getattr(args, "k", 0) > args.experts:
+        raise UsageError(f"bench {name}: --k {args.k} routes more experts than a layer has (--experts {args.experts}); "
+                         f"lower --k or raise --experts")
     work = tempfile.mkdtemp(prefix=f"deltafin-bench-{name}-", dir=args.dir)
     try:
         root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
