@@ -139,7 +139,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default=None, help="scratch folder")
     b.add_argument("--json", metavar="PATH")
-    from deltafin.bench.ingest import add_args as add_ingest_args
+    from deltafin.bench.ingest_cli import add_args as add_ingest_args
 
     add_ingest_args(sub)
     b = sub.add_parser("grammar", help="constrained decoding's token mask per token beside the lm_head's cost")
