@@ -90,9 +90,10 @@ def test_the_threads_a_checked_read_takes_follow_the_hash_and_read_rates(tmp_pat
         files[name] = os.urandom(parts * 8192)
         (tmp_path / name).write_bytes(files[name])
     done: queue.SimpleQueue = queue.SimpleQueue()
-    for name in "ab":
-        pool.submit(0, str(tmp_path / name), len(files[name]), name, done,
-                    check=_checksum(tmp_path / name, files[name]))
+    with pool._exec[0]._cv:  # both queued before any thread takes a part (the condition's lock is reentrant)
+        for name in "ab":
+            pool.submit(0, str(tmp_path / name), len(files[name]), name, done,
+                        check=_checksum(tmp_path / name, files[name]))
     for _ in "ab":
         assert done.get(timeout=30).error is None
     assert reader.peak[str(tmp_path / "a")] == 2  # b waited for threads meanwhile

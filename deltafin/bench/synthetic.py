@@ -88,7 +88,7 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
         for L in range(1, layers + 1):
             sums[str(L)] = list(ex.map(one, [(L, e) for e in range(experts)]))
     cfg = {"model_type": "kimi_k3", "text_config": {"num_hidden_layers": layers + 1, "num_experts": experts,
-           "num_experts_per_token": 16, "routed_expert_hidden_size": K3_LATENT, "moe_intermediate_size": K3_INTER}}
+           "num_experts_per_token": min(16, experts), "routed_expert_hidden_size": K3_LATENT, "moe_intermediate_size": K3_INTER}}
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(cfg, f)
     doc = {
