@@ -36,7 +36,7 @@ def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> tor
     return linear(4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25), t["down"])
 
 
-def _routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> list[dict[int, list[int]]]:
+def routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> list[dict[int, list[int]]]:
     rng = random.Random(seed)
     return [{L: sorted(rng.sample(range(experts), k)) for L in layers} for _ in range(tokens)]
 
@@ -48,11 +48,11 @@ def run(args) -> dict:
         pm = run_.pm
         verify = getattr(args, "verify_reads", True)
         source = run_.source(args.threads, args.device, verify)
-        routes = _routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
+        routes_ = routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
         x = torch.randn(1, K3_LATENT, device=args.device)
-        math_s = _math_only(pm, routes[0], x, args.device) * len(routes) if not args.io_only else 0.0
+        math_s = _math_only(pm, routes_[0], x, args.device) * len(routes_) if not args.io_only else 0.0
         t0 = time.perf_counter()
-        for step in routes:
+        for step in routes_:
             for L, ids in step.items():
                 for _, t in source.fetch(L, ids):
                     if not args.io_only:

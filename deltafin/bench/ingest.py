@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltafin.bench.decode import routes
 from deltafin.bench.ingest_cli import K3_MOE_LAYERS, K3_TOPK
 from deltafin.bench.synthetic import K3_ACT, K3_LATENT, write_synthetic
 
@@ -53,11 +53,6 @@ class Pass:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9
-
-
-def routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> list[dict[int, list[int]]]:
-    rng = random.Random(seed)
-    return [{L: sorted(rng.sample(range(experts), k)) for L in layers} for _ in range(tokens)]
 
 
 # ---------------------------------------------------------------------------------------------- limits
