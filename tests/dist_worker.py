@@ -40,7 +40,7 @@ def worker(rank: int, world: int, port: int, models: list[str], out_path: str, f
     got, error = {}, None
     try:
         for i, m in enumerate(models):
-            eng = Engine(m, EngineOptions(cache_gb=0.001, threads=2, dist_timeout_s=30, max_len=64,
+            eng = Engine(m, EngineOptions(exact=True, cache_gb=0.001, threads=2, dist_timeout_s=30, max_len=64,
                                        dist_routing=routing))
             try:
                 if rank == 0:

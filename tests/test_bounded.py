@@ -187,7 +187,7 @@ def served(tmp_path_factory):
     path = pack_tiny(tmp_path_factory.mktemp("served"), "qwen3_moe", tokenizer=True)
     with open(f"{path}/chat_template.jinja", "w") as f:
         f.write(TOOL_TEMPLATE)
-    eng = Engine(path, EngineOptions(cache_gb=0.05, max_len=256, threads=2))
+    eng = Engine(path, EngineOptions(exact=True, cache_gb=0.05, max_len=256, threads=2))
     worker = Worker(eng, max_batch=4).start()
     app = create_app(worker, "tiny", limits=Limits(max_tokens=16))
     with live(app) as url:

@@ -68,7 +68,7 @@ def _session(model: str, **kw):
     from deltafin.interfaces.repl import ChatSession
     from deltafin.runtime.engine import Engine, EngineOptions
 
-    eng = Engine(model, EngineOptions(cache_gb=0.0, max_len=256))
+    eng = Engine(model, EngineOptions(exact=True, cache_gb=0.0, max_len=256))
     args = SimpleNamespace(**({"system": None, "greedy": True, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                                "seed": None, "stop": [], "max_tokens": 12, "min_p": 0.0, "presence_penalty": 0.0,
                                "frequency_penalty": 0.0, "repetition_penalty": 1.0} | kw))

@@ -51,7 +51,7 @@ def reference(models) -> dict[str, dict]:
         for name, m in models.items():
             if name == "placed":
                 continue
-            eng = Engine(m, EngineOptions(cache_gb=0.001, threads=2, max_len=64))
+            eng = Engine(m, EngineOptions(exact=True, cache_gb=0.001, threads=2, max_len=64))
             try:
                 ref[m] = passes(eng, PROMPT, 8)
             finally:

@@ -55,7 +55,7 @@ def ref(packs) -> tuple[torch.Tensor, list[int]]:
 
 
 def _logits_and_tokens(model: Path, **kw) -> tuple[torch.Tensor, list[int]]:
-    eng = Engine(str(model), EngineOptions(cache_gb=0.0, threads=2, **kw))
+    eng = Engine(str(model), EngineOptions(exact=True, cache_gb=0.0, threads=2, **kw))
     try:
         logits = eng.model.forward(torch.tensor(PROMPT), eng.new_state(), eng.source)
         toks = [t for t, _ in eng.generate(PROMPT, 3, SamplingParams())]
@@ -111,13 +111,13 @@ def test_failed_piece_names_drive_and_file(src, tmp_path):
     pm = PackedModel.open(str(model))
     piece = pm.expert_files(2, 3)[1]
     os.unlink(piece.path)
-    eng = Engine(str(model), EngineOptions(cache_gb=0.0, threads=2))
+    eng = Engine(str(model), EngineOptions(exact=True, cache_gb=0.0, threads=2))
     try:
         with pytest.raises(ReadError, match=rf"drive d1: .*{re.escape(piece.path)}.*layer 2 expert 3, striped"):
             list(eng.source.fetch(2, [0, 3, 5]))
     finally:
         eng.close()
-    eng = Engine(str(model), EngineOptions(cache_gb=0.0, threads=2, emulate_drives="d0:2GBps,failpath=E0001;d1:1GBps"))
+    eng = Engine(str(model), EngineOptions(exact=True, cache_gb=0.0, threads=2, emulate_drives="d0:2GBps,failpath=E0001;d1:1GBps"))
     try:
         with pytest.raises(ReadError, match=r"drive d0: read of .*E0001\.dfx\.p0\+20480 .*emulated I/O error"):
             list(eng.source.fetch(4, [1]))

@@ -34,7 +34,7 @@ def k3_model(tmp_path_factory):
 
 
 def _engine(root, **kw) -> Engine:
-    return Engine(str(root / "model"), EngineOptions(**kw))
+    return Engine(str(root / "model"), EngineOptions(**{"exact": True, **kw}))
 
 
 def _resident_logits(root, ids: list[int]) -> torch.Tensor:

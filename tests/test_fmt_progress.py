@@ -66,7 +66,7 @@ def test_drive_rates_over_busy_time_and_prefill_progress(model, monkeypatch):
             ticks.append((self.desc, n))
 
     monkeypatch.setattr(progress, "bar", lambda total, desc, *a, **k: Recorder(total, desc))
-    eng = Engine(model, EngineOptions(cache_gb=0.0, max_len=256, progress=True))
+    eng = Engine(model, EngineOptions(exact=True, cache_gb=0.0, max_len=256, progress=True))
     try:
         assert sum(n for d, n in ticks if d == "loading trunk") == int(eng.packed.doc["trunk"]["bytes"])
         ticks.clear()

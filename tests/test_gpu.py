@@ -25,7 +25,7 @@ def _pack(tmp_path, build, **opts) -> str:
 
 
 def _greedy(model_dir: str, device: str, cache_gb: float, n: int = 32) -> list[int]:
-    eng = Engine(model_dir, EngineOptions(device=device, cache_gb=cache_gb))
+    eng = Engine(model_dir, EngineOptions(exact=True, device=device, cache_gb=cache_gb))
     try:
         return [t for t, _ in eng.generate(PROMPT, n, stop_ids=())]
     finally:

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=256, threads=2))
+    eng = Engine(model_dir, EngineOptions(exact=True, cache_gb=0.05, max_len=256, threads=2))
     yield eng
     eng.close()
 

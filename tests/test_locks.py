@@ -141,7 +141,7 @@ def test_place_on_a_served_model_keeps_requests_working_and_health_reports_vanis
     from tests.test_serve import live
 
     path = pack_tiny(tmp_path, "qwen3_moe", tokenizer=True)
-    eng = Engine(path, EngineOptions(cache_gb=0.0, max_len=128, threads=2))
+    eng = Engine(path, EngineOptions(exact=True, cache_gb=0.0, max_len=128, threads=2))
     worker = Worker(eng, max_batch=4).start()
     app = create_app(worker, "tiny")
     body = {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}

@@ -50,7 +50,7 @@ class CountingReaders:
 
 def _engine(model_dir: str, **kw) -> Engine:
     kw.setdefault("cache_gb", 0.0)
-    return Engine(model_dir, EngineOptions(**kw))
+    return Engine(model_dir, EngineOptions(**{"exact": True, **kw}))
 
 
 def test_cold_prefill_reads_each_touched_expert_once(model_dir):

@@ -16,7 +16,7 @@ from deltafin.store.pack import PackOptions, pack
 from tests.tiny import pack_tiny
 
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "kimi_k3"]
-OPTS = EngineOptions(cache_gb=0.05, max_len=128, threads=2)
+OPTS = EngineOptions(exact=True, cache_gb=0.05, max_len=128, threads=2)
 A = [5, 17, 99, 3, 42, 7, 250, 11, 60, 61]  # the shared prefix
 B = [8, 9, 200, 31]  # the new turn
 MB = 1 << 20

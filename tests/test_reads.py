@@ -266,7 +266,7 @@ def test_a_striped_expert_with_a_bit_flip_is_named(k3, tmp_path):
             _bounded(lambda: list(source.fetch(L, [0, 1, 2, 3])))
     finally:
         source.close()
-    engine = Engine(model, EngineOptions(cache_gb=0.0, verify_reads=False))  # the opt-out reaches the source
+    engine = Engine(model, EngineOptions(exact=True, cache_gb=0.0, verify_reads=False))  # the opt-out reaches the source
     assert engine.source.verify is False
     engine.close()
 

@@ -22,7 +22,7 @@ from deltafin.serve.worker import Job, Worker  # noqa: E402
 from tests.tiny import pack_tiny  # noqa: E402
 
 MODEL = "tiny-qwen"
-OPTS = EngineOptions(cache_gb=0.05, max_len=256, threads=2)
+OPTS = EngineOptions(exact=True, cache_gb=0.05, max_len=256, threads=2)
 T = 30  # seconds: every client call is bounded
 
 

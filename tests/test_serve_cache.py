@@ -29,7 +29,7 @@ from deltafin.store.pack import PackOptions, pack  # noqa: E402
 from tests.test_serve import T, live  # noqa: E402
 from tests.tiny import pack_tiny  # noqa: E402
 
-OPTS = EngineOptions(cache_gb=0.05, max_len=512, threads=2)
+OPTS = EngineOptions(exact=True, cache_gb=0.05, max_len=512, threads=2)
 
 
 def _k3(root) -> str:

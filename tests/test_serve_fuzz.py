@@ -48,7 +48,7 @@ def live(app):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model_dir = pack_tiny(tmp_path_factory.mktemp("fuzz"), "qwen3_moe", tokenizer=True)
-    eng = Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=256, threads=2))
+    eng = Engine(model_dir, EngineOptions(exact=True, cache_gb=0.05, max_len=256, threads=2))
     worker = Worker(eng, max_batch=8, max_queue=256).start()
     limits = Limits(max_tokens=8, max_body_bytes=1 << 20, max_stop_chars=300_000, body_timeout_s=BODY_TIMEOUT)
     app = create_app(worker, MODEL, limits=limits)

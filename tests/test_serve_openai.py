@@ -58,14 +58,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(model_dir):
-    eng = Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=1024, threads=2))
+    eng = Engine(model_dir, EngineOptions(exact=True, cache_gb=0.05, max_len=1024, threads=2))
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    eng = Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=1024, threads=2))
+    eng = Engine(model_dir, EngineOptions(exact=True, cache_gb=0.05, max_len=1024, threads=2))
     worker = Worker(eng, max_batch=8).start()
     app = create_app(worker, MODEL, limits=Limits(max_tokens=120))
     with live(app) as url:
@@ -377,7 +377,7 @@ def k3_served(tmp_path_factory):
     write_tiny_k3(root / "src", vocab_size=TINY_TOKENIZER_VOCAB)
     write_tiny_k3_tokenizer(root / "src")
     pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=1"]), PackOptions(progress=False))
-    eng = Engine(str(root / "model"), EngineOptions(cache_gb=0.05, max_len=1024, threads=2))
+    eng = Engine(str(root / "model"), EngineOptions(exact=True, cache_gb=0.05, max_len=1024, threads=2))
     worker = Worker(eng, max_batch=4).start()
     with live(create_app(worker, "tiny-k3", limits=Limits(max_tokens=120))) as url:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=T, max_retries=0)

@@ -167,7 +167,7 @@ def test_api_thinking_fields(k3):
     from deltafin.serve.worker import Worker
     from tests.test_serve import T, live
 
-    eng = Engine(str(k3), EngineOptions(cache_gb=0.05, max_len=768, threads=2))
+    eng = Engine(str(k3), EngineOptions(exact=True, cache_gb=0.05, max_len=768, threads=2))
     worker = Worker(eng, max_batch=4).start()
     msgs = [{"role": "user", "content": "2+2?"}]
     try:

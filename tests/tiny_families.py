@@ -169,7 +169,7 @@ def hf_greedy(hf, ids: list[int], n: int = NEW_TOKENS) -> tuple[torch.Tensor, li
 
 
 def engine(model_dir: str, **kw) -> Engine:
-    return Engine(model_dir, EngineOptions(**{"cache_gb": 0.0, "max_len": 128, "threads": 2, **kw}))
+    return Engine(model_dir, EngineOptions(**{"exact": True, "cache_gb": 0.0, "max_len": 128, "threads": 2, **kw}))
 
 
 def engine_greedy(eng: Engine, ids: list[int], n: int = NEW_TOKENS) -> tuple[torch.Tensor, list[int]]:

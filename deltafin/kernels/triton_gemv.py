@@ -32,6 +32,7 @@ activations have 8, and each half sums 4 products, so a block's sum is within 2^
 
 from __future__ import annotations
 
+import os
 import torch
 import triton
 import triton.language as tl
@@ -57,7 +58,7 @@ GEMV_MOE = True
 # kernel lets the next one start as soon as its own programs have all started; the next loads its first weights
 # and then waits (griddepcontrol) for the results it reads, so the weight stream goes on across the kernel
 # boundaries instead of draining and refilling at each.
-PDL = not INTERPRET
+PDL = not INTERPRET and os.environ.get("DELTAFIN_CUDA_PDL", "1") != "0"  # 0: every launch waits for the one before
 # (Adding each token's k rows in the down kernel, the last of them to finish, in place of the summing launch
 # measured level with it once the launches were dependent: 0.136 vs 0.134 ms. Not kept.)
 MAX_TOKENS = 4

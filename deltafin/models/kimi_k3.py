@@ -403,6 +403,10 @@ class Model(DecoderLM):
         qa, kv, gl = (ys + [None])[:3] if ys is not None else (None, None, None)
         q, latent, k_pe = mla.project(x, lambda n: w.get(pre + n), H, dn, r, R, qa=qa, kv=kv)  # k_pe un-rotated
         scale = (dn + r) ** -0.5  # §3.2 step 4: 192^-0.5 for K3
+        if at is None and T == 1 and x.is_cuda:  # an eager step attends as a replayed one (see GrowingCache.whole)
+            cache.whole()
+            at = torch.full((1,), pos, dtype=torch.long, device=x.device)
+            cache.length = pos + 1
         if at is not None and T == 1:
             rows = cache.write_at(at, torch.cat((latent, k_pe), -1))  # [capacity, R+r]
             ctx = mla.attend_absorbed(q[..., :dn], q[..., dn:], rows, w[pre + "kv_b_proj.weight"], dn,

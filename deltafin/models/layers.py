@@ -69,7 +69,18 @@ class GrowingCache:
         assert self.axis == 0 and rows.shape[0] == 1, "write_at takes one row of a position-major cache"
         return self.buf.index_copy_(0, at, rows)
 
+    def whole(self) -> torch.Tensor:
+        """The buffer at ``max_len`` positions, finite past ``length`` (zeros where nothing was written): what a
+        one-token step attends over with the later rows masked (``write_at``), as the CUDA graphs' buffers are,
+        so an eager step and a replayed one compute the same numbers."""
+        if self.capacity < self.max_len or not getattr(self, "_finite", False):
+            buf = self.buf.new_zeros(self._shape(max(self.max_len, self.capacity)))
+            buf.narrow(self.axis, 0, self.length).copy_(self.rows())
+            self.buf, self._finite = buf, True
+        return self.buf
+
     def _grow(self, end: int) -> None:
+        self._finite = False
         capacity = max(2 * self.capacity, end)
         if end <= self.max_len:
             capacity = min(capacity, self.max_len)

@@ -46,7 +46,7 @@ class EngineOptions:
     dist_timeout_s: float = 120.0  # a collective or an idle leader's silence longer than this stops a cluster run
     dist_routing: str = "check"  # ranks route alike by the same trunk math (checked), or take rank 0's (broadcast)
     progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
-    exact: bool = True  # the float32 plain-torch reference path; False: fused kernels (the CLI's default)
+    exact: bool = False  # False: fused kernels (the CLI's default); True: the float32 plain-torch reference
     dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
     cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
 
