@@ -85,6 +85,9 @@ def add_compute_args(p) -> None:
                    help="the float32 reference path (plain torch matmuls), token-identical to transformers")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f32"],
                    help="activations on the fast path: auto = bf16 on CUDA, f32 on the CPU (measured faster there)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each sequence's logits bit-identical whatever is batched with it (server, batch, classify); "
+                        "CPU only; its cost: docs/DETERMINISM.md")
 
 
 def add_sampling_args(p) -> None:

@@ -87,6 +87,7 @@ def open_engine(args):
         progress=not args.quiet,
         exact=args.exact,
         dtype=args.dtype,
+        batch_invariant=getattr(args, "batch_invariant", False),
     )
     template = read_template(args.chat_template_file) if args.chat_template_file else None
     eng = Engine(resolve_packed(args.model), opts)

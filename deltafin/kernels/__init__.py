@@ -28,6 +28,9 @@ from deltafin.quant.record import QTensor
 log = logging.getLogger(__name__)
 FUSED_FORMATS = ("mxfp4", "int4g32", "int8")
 _FAST: contextvars.ContextVar[bool] = contextvars.ContextVar("deltafin_fast_kernels", default=False)
+# Batch invariance: each token's result independent of how many tokens share a call (see ``math``)
+_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("deltafin_batch_invariant", default=False)
+INVARIANT_ROWS = 8  # plain torch matmuls run on blocks of exactly this many rows when batch-invariant
 _BACKENDS: dict[str, ModuleType | None] = {}
 USED: set[str] = set()  # fused kernels run so far in this process ("cpu:mxfp4_linear"), for the stats line
 
@@ -43,10 +46,42 @@ def fast(enabled: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def math(exact: bool, device_type: str) -> Iterator[None]:
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within this block (this thread), every token's result is the same whatever other tokens share its calls:
+    the CPU kernels keep their few-token path at every token count (in calls of at most FUSED_TOKENS), and plain
+    torch matmuls run on blocks of INVARIANT_ROWS rows (a BLAS picks its kernel, and with it the order of each
+    row's sums, by the number of rows). Costs: docs/DETERMINISM.md."""
+    token = _INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def invariant_enabled() -> bool:
+    return _INVARIANT.get()
+
+
+def _ref_matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
+    """The plain torch product; batch-invariant on blocks of INVARIANT_ROWS rows (the last padded with zeros), so
+    a row's sums run in the same order at any row count and position (tests/test_determinism.py checks it)."""
+    if not _INVARIANT.get() or x.dim() < 2:
+        return torch_ref.matmul(x, w)
+    lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    n, R = x2.shape[0], INVARIANT_ROWS
+    pad = (-n) % R
+    if pad:
+        x2 = torch.cat((x2, x2.new_zeros(pad, x2.shape[1])))
+    y = torch.cat([torch_ref.matmul(x2[i : i + R], w) for i in range(0, n + pad, R)])
+    return y[:n].reshape(*lead, y.shape[-1])
+
+
+@contextlib.contextmanager
+def math(exact: bool, device_type: str, invariant: bool = False) -> Iterator[None]:
     """The engine's compute path for model calls in this block: the fused kernels unless ``exact``, and on the CPU's
-    fast path denormals flushed to zero (``cpu.denormals_flushed``); the exact path keeps IEEE arithmetic."""
-    with fast(not exact):
+    fast path denormals flushed to zero (``cpu.denormals_flushed``); the exact path keeps IEEE arithmetic.
+    ``invariant``: batch-invariant results (``batch_invariant``)."""
+    with fast(not exact), batch_invariant(invariant):
         cpu = None if exact or device_type != "cpu" else backend("cpu")
         if cpu is None:
             yield
@@ -100,7 +135,7 @@ def used() -> list[str]:
 def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W^T for a weight record [out, in] in any format; the result is in x's dtype."""
     if not (isinstance(w, QTensor) and w.format in FUSED_FORMATS and len(w.shape) == 2):
-        return torch_ref.matmul(x, w)
+        return _ref_matmul(x, w)
     if kc.enabled(x):  # bf16 activations on CUDA are the fast path's (float32, the reference, is not)
         lead = x.shape[:-1]
         y = kc.linear(x.reshape(-1, x.shape[-1]), w)
@@ -114,7 +149,7 @@ def matmul(x: torch.Tensor, w: QTensor | torch.Tensor) -> torch.Tensor:
             lead = x.shape[:-1]
             y = fn(x.reshape(-1, x.shape[-1]), w.data, w.scale)  # [T, out]
             return y.reshape(*lead, w.shape[0]).to(x.dtype)
-    return torch_ref.matmul(x, w)
+    return _ref_matmul(x, w)
 
 
 def glu(x: torch.Tensor, gate: QTensor | torch.Tensor, up: QTensor | torch.Tensor, down: QTensor | torch.Tensor,

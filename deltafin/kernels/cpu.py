@@ -139,9 +139,24 @@ def gemm_enabled(lib=None) -> bool:
     return _build(lib).gemm
 
 
+def _invariant() -> bool:
+    from deltafin import kernels
+
+    return kernels.invariant_enabled()
+
+
+def _chunked(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn over x's rows in calls of at most FUSED_TOKENS (the batch-invariant path past the few-token kernels)."""
+    return torch.cat([fn(x[i : i + FUSED_TOKENS]) for i in range(0, x.shape[0], FUSED_TOKENS)])
+
+
 def gemm_tokens(lib=None, int8: bool = False) -> int:
     """The most tokens a matmul takes its few-token loop for where the build has the int16 GEMM: GEMM_TOKENS, or on an
-    AVX2 build GEMM_TOKENS_AVX2 for 4-bit weights and GEMM_TOKENS_INT8_AVX2 for int8 rows."""
+    AVX2 build GEMM_TOKENS_AVX2 for 4-bit weights and GEMM_TOKENS_INT8_AVX2 for int8 rows. Batch-invariant: no
+    limit (the GEMM quantizes activations otherwise than the few-token loops, so the switch would make a token's
+    result depend on how many share the call)."""
+    if _invariant():
+        return 1 << 62
     b = _build(lib)
     return b.few_int8 if int8 else b.few_4bit
 
@@ -153,6 +168,8 @@ def _q4(kind: int, lut: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, sca
     T, C = x.shape
     R = packed.shape[0]
     assert packed.shape[-1] * 2 == C and packed.dtype == torch.uint8 and packed.is_contiguous()
+    if T > FUSED_TOKENS and _invariant():
+        return _chunked(lambda xs: _q4(kind, lut, xs, packed, scales, lib, fmt), x)
     nt = _threads(R, C, T)
     x = _x32(x)
     if T > gemm_tokens(lib) and gemm_enabled(lib):
@@ -266,6 +283,11 @@ def glu_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, act: 
                         f"{tuple(x.shape)}")
     T, D = x.shape if rows is None else (rows.shape[0], x.shape[1])
     lib = lib or native.library()
+    if T > FUSED_TOKENS and _invariant():
+        if not q8_enabled(lib) or _glu_parts(gate, up, down) is None:
+            return None
+        x = x if rows is None else x[rows]
+        return _chunked(lambda xs: glu_expert(xs, gate, up, down, act, lib), x)
     gemm = T > gemm_tokens(lib) and gemm_enabled(lib)
     parts = None if not gemm and (T > FUSED_TOKENS or not q8_enabled(lib)) else _glu_parts(gate, up, down)
     if parts is None or gate.shape[1] != D:
@@ -380,6 +402,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lib=None) -> 
     lib = lib or native.library()
     T, C = x.shape
     R = q.shape[0]
+    if T > FUSED_TOKENS and _invariant():
+        return _chunked(lambda xs: int8_linear(xs, q, s, lib), x)
     x, q, s = _x32(x), q.contiguous(), s.to(torch.float32).contiguous()
     if int8_gemm(T, C, lib):
         out = torch.empty(T, R, dtype=torch.float32)

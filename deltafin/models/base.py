@@ -136,6 +136,21 @@ class SequenceState:
         self.at: torch.Tensor | None = None
 
 
+ROW_ALIGN = 64  # floats: a multiple of every x86 build's vector body (two AVX-512 vectors: 32)
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (elementwise) on x [T, E] with each row padded to a multiple of ROW_ALIGN: torch runs a tensor's
+    elementwise body in vector units and its last elements through a scalar loop whose transcendental functions
+    round otherwise, so a narrow row's values (a router's few experts, a [T, 1] gate) would depend on how many
+    rows share the call. Padded, every row lies in the vector body: batch-invariant."""
+    E = x.shape[-1]
+    pad = (-E) % ROW_ALIGN
+    if pad == 0 or x.device.type != "cpu":
+        return fn(x)
+    return fn(torch.nn.functional.pad(x, (0, pad)))[..., :E]
+
+
 def unique_ids(ids_host: torch.Tensor) -> list[int]:
     """The distinct expert ids of a host tensor, ascending (a count per id: a tenth of a sort's time at 65,536
     prefill pairs)."""

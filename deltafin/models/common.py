@@ -32,6 +32,7 @@ from deltafin.models.base import (
     linears,
     moe_dispatch,
     rms_norm,
+    rowwise,
 )
 from deltafin.models.layers import KVCache, self_attention
 from deltafin.models.rope import Rope, rope_parameters
@@ -85,7 +86,7 @@ def sigmoid_topk(
     [E] only picks the experts, among those of the best ``topk_group`` of ``n_group`` groups; the weights
     are the unbiased scores of the chosen ones, optionally renormalised, times ``scaling``.
     Returns (ids [T, k] long, weights [T, k] float32)."""
-    scores = logits.sigmoid()  # [T, E]
+    scores = rowwise(torch.sigmoid, logits)  # [T, E]
     choice = scores if bias is None else scores + dense(bias, torch.float32)  # selection only
     ids = _group_limited(choice, n_group, topk_group).topk(k, dim=-1).indices
     w = scores.gather(1, ids)  # [T, k]

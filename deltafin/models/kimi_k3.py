@@ -29,6 +29,7 @@ from deltafin.models.base import (
     linear,
     moe_dispatch,
     rms_norm,
+    rowwise,
     stack_rows,
 )
 from deltafin.models.common import READS_TOP, DecoderLM, require_tensors, sigmoid_topk
@@ -169,8 +170,10 @@ def attn_res_mix(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tenso
     p [T, D], blocks each [T, D], w [D] = res_norm.weight * res_proj.weight (fp32). Computed in fp32.
     """
     V = torch.stack([*blocks, p]).float()  # [n+1, T, D]
-    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    pi = (keys @ w).softmax(0)  # [n+1, T]
+    # row by row (a per-row rsqrt, dot product and softmax): each token's mix whatever tokens share the call
+    n1, T = V.shape[:2]
+    inv = rowwise(torch.rsqrt, (V.pow(2).mean(-1) + eps).reshape(-1, 1)).view(n1, T, 1)
+    pi = ((V * inv) * w).sum(-1).T.softmax(-1).T  # [n+1, T]
     return (pi.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
 

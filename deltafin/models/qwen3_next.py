@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import kda
-from deltafin.models.base import SequenceState, dense, linear, linears, rms_norm
+from deltafin.models.base import SequenceState, dense, linear, linears, rms_norm, rowwise
 from deltafin.models.common import (
     READS_GQA,
     READS_QK_NORM,
@@ -219,7 +219,7 @@ class Model(DecoderLM):
         return self.cfg.is_moe(i)
 
     def _moe_side(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.sigmoid(linear(x, self._p(i, "mlp.shared_expert_gate.weight")))  # [T, 1]
+        gate = rowwise(torch.sigmoid, linear(x, self._p(i, "mlp.shared_expert_gate.weight")))  # [T, 1]
         return gate * self._swiglu(i, "mlp.shared_expert.", x)
 
     def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ class EngineOptions:
     progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
     exact: bool = False  # False: fused kernels (the CLI's default); True: the float32 plain-torch reference
     dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
+    batch_invariant: bool = False  # each sequence's logits independent of the others batched with it (CPU)
     cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
 
 
@@ -164,6 +165,10 @@ class Engine:
         self.mlx = opts.device == "mlx" or (opts.device == "auto" and default_here())
         self.opts = opts = replace(opts, device="mlx") if self.mlx else opts
         self.device = resolve_device(opts.device)
+        if opts.batch_invariant and (self.device.type != "cpu" or self.mlx):
+            where = "mlx" if self.mlx else self.device.type
+            raise UsageError(f"--batch-invariant is built for the CPU; on {where} a sequence's logits can "
+                             f"depend on what is batched with it: drop --batch-invariant or use --device cpu")
         self.cluster = self.dist = None
         if world_from_env() > 1:  # launched by torchrun: this rank computes its share of the experts
             if opts.record_routes:
@@ -309,7 +314,7 @@ class Engine:
     def math(self):
         """The compute path for model calls made in this block (``kernels.math``): fused kernels unless the options
         say exact, on the CPU with denormals flushed."""
-        return kernels.math(self.opts.exact, self.device.type)
+        return kernels.math(self.opts.exact, self.device.type, self.opts.batch_invariant)
 
     @property
     def device_label(self) -> str:
@@ -422,6 +427,11 @@ class Engine:
                 raise UsageError(f"{st.pos + len(p)} tokens exceed the context limit of {self.opts.max_len}; "
                                  f"raise --max-len or shorten the prompt")
         plan = plan_prefill(self.packed.text_config, longest, past, self.prefill_bytes, len(prompts))
+        if self.opts.batch_invariant:  # chunk boundaries that never depend on the other prompts
+            fixed = self._invariant_chunk()
+            if len(prompts) > 1 and plan.chunk < min(fixed, longest):  # together they need smaller chunks
+                return self._prefill_invariant(prompts, states)
+            plan = replace(plan, chunk=fixed)
         src = self.source
         before, src.record = src.stats.bytes_read, []
         t0 = time.perf_counter()
@@ -448,6 +458,26 @@ class Engine:
         report = PrefillReport(sum(map(len, prompts)), plan.chunk, time.perf_counter() - t0,
                                src.stats.bytes_read - before, unique, {L: len(u) for L, u in sorted(unions.items())})
         return last, report
+
+    def _invariant_chunk(self) -> int:
+        """The prefill chunk of a batch-invariant run: what one sequence of the full context limit takes, so chunk
+        boundaries (and with them each token's attention sums) never depend on the other prompts."""
+        return plan_prefill(self.packed.text_config, self.opts.max_len, 0, self.prefill_bytes, 1).chunk
+
+    def _prefill_invariant(self, prompts: list[list[int]], states: list[SequenceState]
+                           ) -> tuple[list[torch.Tensor], PrefillReport]:
+        """Prompts one at a time (each in the chunks it takes alone), the reports summed."""
+        outs, reports = [], []
+        for p, st in zip(prompts, states, strict=True):
+            (lg,), rep = self.prefill([p], [st])
+            outs.append(lg)
+            reports.append(rep)
+        unions: dict[int, int] = {}
+        for r in reports:
+            for L, n in r.union_per_layer.items():
+                unions[L] = max(unions.get(L, 0), n)
+        return outs, PrefillReport(sum(r.tokens for r in reports), reports[0].chunk, sum(r.seconds for r in reports),
+                                   sum(r.bytes_read for r in reports), sum(r.unique_bytes for r in reports), unions)
 
     def generate(
         self,

@@ -1,0 +1,157 @@
+"""Same input, same output: every family's tiny model gives bit-identical logits (the prompt's and each decode
+step's) run to run, whatever the expert cache, the reader threads, the order in which reads land (emulated drives
+with jitter), the drive layout, and, with ``batch_invariant``, the other sequences batched with it. Logits are
+compared bit for bit, not tokens: a random tiny model's margins would hide rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import tiny_families as tf
+from deltafin.k3_tiny import write_tiny_k3
+from deltafin.store.drives import parse_drives
+from deltafin.store.pack import pack
+from deltafin.tiny import TINY, build_tiny
+
+FAMILIES = sorted(TINY) + sorted(tf.NEW_TINY) + ["kimi_k3"]
+STEPS = 6
+JITTER = "d0:0.4GBps,lat=300us,jitter=1.5,slow=0.2x6;d1:0.2GBps,lat=50us,jitter=1.0"
+P, Q, R = tf.prompt(9), tf.prompt(13, seed=2), tf.prompt(5, seed=3)
+
+
+def _source(family: str, src: Path) -> None:
+    if family == "kimi_k3":
+        write_tiny_k3(src)
+    elif family in tf.NEW_TINY:
+        tf.build(family, src)
+    else:
+        build_tiny(family, src)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """family -> (lossless pack, default pack), built once per family as a test asks for it."""
+    made: dict[str, tuple[str, str]] = {}
+
+    def get(family: str) -> tuple[str, str]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            _source(family, root / "src")
+            out = []
+            for name, opts in (("lossless", tf.LOSSLESS), ("default", tf.DEFAULT)):
+                pack(str(root / "src"), str(root / name), parse_drives([f"{root}/{name}0=2", f"{root}/{name}1=1"]),
+                     opts)
+                out.append(str(root / name))
+            made[family] = tuple(out)
+        return made[family]
+
+    return get
+
+
+def logits(model: str, exact: bool, together: bool = False, **kw) -> torch.Tensor:
+    """P's prompt logits then STEPS decode steps (greedy from P's own logits), P alone or between Q and R."""
+    eng = tf.engine(model, exact=exact, **kw)
+    try:
+        seqs = [Q, P, R] if together else [P]
+        me = 1 if together else 0
+        states = [eng.new_state() for _ in seqs]
+        with torch.inference_mode():
+            first = eng.step([(torch.tensor(s), st) for s, st in zip(seqs, states, strict=True)], all_logits=True)
+        out = [first[me].clone()]
+        last = [int(f[-1].argmax()) for f in first]
+        for _ in range(STEPS):
+            got = eng.forward_batch([([t], st) for t, st in zip(last, states, strict=True)])
+            last = [int(g.argmax()) for g in got]
+            out.append(got[me][None].clone())
+        return torch.cat(out)
+    finally:
+        eng.close()
+
+
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_bit_identical_across_cache_read_order_and_batch(packed, family, exact):
+    lossless, default = packed(family)
+    model = lossless if exact else default
+    ref = logits(model, exact, batch_invariant=True)
+    variants = {
+        "again": dict(),
+        "every expert cached": dict(cache_gb=1.0),
+        "reads landing out of order (jittered emulated drives)": dict(emulate_drives=JITTER),
+    }
+    for what, kw in variants.items():
+        got = logits(model, exact, batch_invariant=True, **kw)
+        assert bitwise(got, ref), f"{family} ({'exact' if exact else 'fast'}): {what} changed the logits"
+    # without batch invariance the same holds but for the batch
+    plain = logits(model, exact)
+    for what, kw in list(variants.items())[:3]:
+        assert bitwise(logits(model, exact, **kw), plain), f"{family}: {what} (batch invariance off)"
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_invariant_logits_of_a_sequence_batched_with_others(packed, family, exact):
+    lossless, default = packed(family)
+    model = lossless if exact else default
+    alone = logits(model, exact, batch_invariant=True)
+    assert bitwise(logits(model, exact, together=True, batch_invariant=True), alone)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+def test_logits_bit_identical_across_threads_partial_cache_and_layout(packed, family, tmp_path):
+    _, model = packed(family)
+    ref = logits(model, False)
+    for kw in (dict(threads=1), dict(threads=8), dict(cache_gb=0.0003)):
+        assert bitwise(logits(model, False, **kw), ref), kw
+    # another layout: the same source packed onto one drive
+    src = Path(model).parent / "src"
+    pack(str(src), str(tmp_path / "one"), parse_drives([f"{tmp_path}/one0=1"]), tf.DEFAULT)
+    assert bitwise(logits(str(tmp_path / "one"), False), ref)
+
+
+def test_batched_prefill_of_prompts_of_other_lengths_is_each_prompt_alone(packed):
+    """Engine.prefill (batch jobs, classify groups) with batch_invariant: each prompt's last logits equal those of
+    the prompt prefilled alone, though the batch's longest prompt would otherwise set the chunks."""
+    _, model = packed("qwen3_next")
+    eng = tf.engine(model, exact=False, batch_invariant=True, max_len=64, prefill_gb=0.0002)
+    try:
+        alone = [eng.prefill([p], [eng.new_state()])[0][0] for p in (P, Q + Q + Q, R)]
+        together, _ = eng.prefill([P, Q + Q + Q, R], [eng.new_state() for _ in range(3)])
+    finally:
+        eng.close()
+    for a, b in zip(alone, together, strict=True):
+        assert bitwise(a, b)
+
+
+def test_without_batch_invariance_a_batch_can_change_a_sequence():
+    """What the option guards against: the CPU's few-token kernels and its int16 GEMM round activations
+    differently, so a token's result depended on how many tokens shared the call."""
+    from deltafin import kernels
+    from deltafin.kernels import cpu
+    from deltafin.quant import mxfp4
+
+    if not cpu.available() or not cpu.gemm_enabled():
+        pytest.skip("this build has no int16 GEMM")
+    torch.manual_seed(0)
+    p, s = (torch.as_tensor(t) for t in mxfp4.quantize_ref(torch.randn(64, 256).numpy()))
+    x = torch.randn(24, 256)
+    one = cpu.mxfp4_linear(x[:1], p, s)
+    assert not torch.equal(cpu.mxfp4_linear(x, p, s)[:1], one)
+    with kernels.batch_invariant():
+        assert torch.equal(cpu.mxfp4_linear(x, p, s)[:1], one)
+        assert torch.equal(cpu.mxfp4_linear(x[:1], p, s), one)
+
+
+def test_batch_invariant_is_refused_off_the_cpu(packed):
+    from deltafin.errors import UsageError
+
+    _, model = packed("qwen3_moe")
+    with pytest.raises(UsageError, match="--batch-invariant is built for the CPU"):
+        tf.engine(model, device="mlx", batch_invariant=True)
