@@ -70,11 +70,21 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _synthetic_bench(sub, name: str, help_: str, layers: int, experts: int) -> argparse.ArgumentParser:
-    """A benchmark over a synthetic model with Kimi K3's expert size, read through the engine's source."""
+    """A benchmark over a synthetic model with a family's expert size (Kimi K3's by default), read through the
+    engine's source."""
+    from deltafin.bench.shapes import SHAPES
+
     b = sub.add_parser(name, help=help_)
+    b.add_argument("--shape", default="k3", metavar="NAME",
+                   help=f"the family's routed-expert size and top-k: {', '.join(SHAPES)} (default k3)")
+    b.add_argument("--hidden", type=int, help="override the shape's expert input width")
+    b.add_argument("--inter", type=int, help="override the shape's expert intermediate width")
     b.add_argument("--layers", type=int, default=layers, help="MoE layers of the synthetic model")
-    b.add_argument("--experts", type=int, default=experts, help="experts per layer (files: layers x experts)")
-    b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--experts", type=int, default=None,
+                   help=f"expert files per layer (files: layers x experts; default the shape's count, at most "
+                        f"{experts})")
+    b.add_argument("--k", type=int, default=None, help="experts routed per token per layer (default the shape's)")
+    b.set_defaults(files_cap=experts)
     b.add_argument("--threads", type=int, default=8, help="reads in flight")
     b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
     b.add_argument("--device", default="cpu")

@@ -5,26 +5,21 @@ a rank that fails or dies stops the job with an error naming it."""
 from __future__ import annotations
 
 import json
-import socket
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from deltafin.errors import ManifestError, UsageError
 from deltafin.k3_tiny import write_tiny_k3
-from deltafin.runtime.engine import Engine, EngineOptions
 from deltafin.store import manifest as mf
 from deltafin.store import ranks as rk
 from deltafin.store.drives import parse_drives
 from deltafin.store.pack import PackOptions, pack
 from deltafin.store.place import place_model
-from tests.dist_worker import passes, worker
+from tests.dist_worker import launch, one_process
 from tests.tiny import TINY, pack_tiny
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
-LAUNCH_S = 240  # bound on one launch: a hang fails the test instead of stalling the run
 
 
 @pytest.fixture(scope="module")
@@ -44,49 +39,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(models) -> dict[str, dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run: the same kernels, so the same float results
-    try:
-        ref = {}
-        for name, m in models.items():
-            if name == "placed":
-                continue
-            eng = Engine(m, EngineOptions(exact=True, cache_gb=0.001, threads=2, max_len=64))
-            try:
-                ref[m] = passes(eng, PROMPT, 8)
-            finally:
-                eng.close()
-        return ref
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(world: int, models: list[str], out: Path, fail: tuple | None = None, routing: str = "check") -> dict:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, models, str(out), fail, routing)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(LAUNCH_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} still running after {LAUNCH_S} s"
-    return json.loads(out.read_text())
+    return one_process({m: m for name, m in models.items() if name != "placed"}, PROMPT)
 
 
 def test_two_ranks_match_one_process_then_a_failing_rank_is_named(models, reference, tmp_path):
     names = [m for n, m in models.items() if n != "placed"]
     # the last model: rank 1 raises in its second step (a drive error); rank 0 must name it, not hang
-    got = _launch(2, names + [models["placed"], names[0]], tmp_path / "out.json", fail=(1, "raise"))
+    got = launch(2, names + [models["placed"], names[0]], tmp_path / "out.json", fail=(1, "raise"))
     for m in names:
         assert got["results"][m] == reference[m], m  # tokens and every logit, bit for bit
     assert got["results"][models["placed"]]["tokens"] == reference[models["deepseek_v3"]]["tokens"]
@@ -96,7 +55,7 @@ def test_two_ranks_match_one_process_then_a_failing_rank_is_named(models, refere
 def test_three_ranks_match_one_process_then_a_dead_rank_is_named(models, reference, tmp_path):
     names = [m for n, m in models.items() if n != "placed"]
     # routing broadcast from rank 0 here (the two-rank launch checks the ranks' own routing)
-    got = _launch(3, names + [names[0]], tmp_path / "out.json", fail=(2, "exit"), routing="broadcast")
+    got = launch(3, names + [names[0]], tmp_path / "out.json", fail=(2, "exit"), routing="broadcast")
     for m in names:
         assert got["results"][m] == reference[m], m
     assert got["error"] and "rank 2" in got["error"] and "stopped answering" in got["error"], got["error"]

@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from deltafin.errors import UsageError
+from deltafin.k3_tiny import write_tiny_k3
 from deltafin.kernels import mlx as km
 from deltafin.runtime.engine import Engine, EngineOptions
+from deltafin.store.drives import parse_drives
+from deltafin.store.pack import PackOptions, pack
 from tests.tiny import pack_tiny
 
 pytestmark = pytest.mark.skipif(bool(km.available()), reason=km.available() or "mlx present")
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe_lite")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe_lite", "kimi_k3")
 PROMPT = [3, 17, 42, 99, 5, 200, 61]
 
 
@@ -26,10 +29,19 @@ def packs(tmp_path_factory):
     def get(family: str, codecs: str) -> str:
         if (family, codecs) not in made:
             opts = dict(experts="bf16", trunk="bf16") if codecs == "bf16" else {}
-            made[family, codecs] = pack_tiny(tmp_path_factory.mktemp(f"{family}-{codecs}"), family, **opts)
+            root = tmp_path_factory.mktemp(f"{family}-{codecs}")
+            made[family, codecs] = _pack_k3(root, opts) if family == "kimi_k3" else pack_tiny(root, family, **opts)
         return made[family, codecs]
 
     return get
+
+
+def _pack_k3(root, opts: dict) -> str:
+    """deltafin.k3_tiny's Kimi K3 (transformers has no class for it), packed as ``pack_tiny`` packs the others."""
+    write_tiny_k3(root / "src")
+    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
+         PackOptions(progress=False, **opts))
+    return str(root / "model")
 
 
 def _engine(model: str, device: str, exact: bool, dtype: str = "auto") -> Engine:
@@ -69,10 +81,11 @@ def test_default_pack_teacher_forced_top1_against_float32(packs, family):
     assert agree >= 0.99, f"{family}: teacher-forced top-1 {agree:.3f}"
 
 
-def test_decode_after_chunked_prefill_and_a_batch(packs):
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])  # K3: its KDA state and AttnRes carry
+def test_decode_after_chunked_prefill_and_a_batch(packs, family):
     """A prompt prefilled in two calls, then decoded, gives the logits of one call over it all; two sequences in one
-    step give each one's own logits (the MoE part runs on their tokens together)."""
-    e = _engine(packs("qwen3_moe", "bf16"), "mlx", True)
+    step give each one's own logits (the MoE part runs on their tokens together); a copied state steps alike."""
+    e = _engine(packs(family, "bf16"), "mlx", True)
     one = e.forward_batch([(PROMPT, e.new_state())])[0]
     st = e.new_state()
     e.forward_batch([(PROMPT[:4], st)])
@@ -81,6 +94,9 @@ def test_decode_after_chunked_prefill_and_a_batch(packs):
     a, b = e.forward_batch([(PROMPT, e.new_state()), (PROMPT[:3], e.new_state())])
     assert torch.allclose(a, one, atol=1e-4 * one.abs().max().item())
     assert torch.allclose(b, e.forward_batch([(PROMPT[:3], e.new_state())])[0], atol=1e-4 * one.abs().max().item())
+    twin = e.copy_state(st)
+    nxt = e.forward_batch([([7], st)])[0]
+    assert torch.equal(e.forward_batch([([7], twin)])[0], nxt)
     e.close()
 
 
@@ -95,15 +111,12 @@ def test_runs_are_bit_identical(packs):
 
 
 def test_a_family_mlx_does_not_run_yet_is_refused_before_loading(tmp_path, monkeypatch):
-    from deltafin.k3_tiny import write_tiny_k3
-    from deltafin.store.drives import parse_drives
-    from deltafin.store.pack import PackOptions, pack
-
-    write_tiny_k3(tmp_path / "src")
-    pack(str(tmp_path / "src"), str(tmp_path / "model"), parse_drives([f"{tmp_path}/d0=2"]), PackOptions(progress=False))
     from deltafin.store.model_dir import PackedModel
+    from tests.tiny_families import build, pack_to
 
+    build("glm4_moe", tmp_path / "src")
+    model = pack_to(tmp_path)
     monkeypatch.setattr(PackedModel, "trunk_records", lambda *a, **k: pytest.fail("the trunk loaded"))
-    with pytest.raises(UsageError, match="--device mlx runs qwen3_moe, mixtral, olmoe, gpt_oss, deepseek_v3 so far, "
-                                         "not kimi_k3; use --device cpu"):
-        _engine(str(tmp_path / "model"), "mlx", True)
+    with pytest.raises(UsageError, match="--device mlx runs qwen3_moe, mixtral, olmoe, gpt_oss, deepseek_v3, kimi_k3 "
+                                         "so far, not glm4_moe; use --device cpu"):
+        _engine(model, "mlx", True)

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from deltafin.bench.decode import situ_glu_expert
-from deltafin.bench.synthetic import K3_LATENT, expert_major_layer, synthetic_run
+from deltafin.bench.decode import shape_expert
+from deltafin.bench.synthetic import expert_major_layer, synthetic_run
 
 K3_MOE_LAYERS, K3_EXPERTS, K3_K = 92, 896, 16  # Kimi K3: 82,432 expert files
 
@@ -45,7 +45,7 @@ def run(args) -> dict:
         rng = random.Random(args.seed)
         inputs = [_routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, rng) for _ in range(args.inputs)]
         source = run_.source(args.threads, args.device)
-        x = torch.randn(args.batch * args.tokens, K3_LATENT, device=args.device)
+        x = torch.randn(args.batch * args.tokens, args.expert_shape.hidden, device=args.device)
         unique = alone = 0
         math_s = 0.0
         t0 = time.perf_counter()
@@ -54,7 +54,7 @@ def run(args) -> dict:
             for L in pm.moe_layers:
                 toks = [tok for r in batch for tok in r[L]]  # [B*T] routes of the batch's tokens
                 alone += sum(len({e for tok in r[L] for e in tok}) for r in batch) * nbytes
-                n, m = expert_major_layer(source, L, toks, x, args.io_only, situ_glu_expert)
+                n, m = expert_major_layer(source, L, toks, x, args.io_only, shape_expert(args))
                 unique += n * nbytes
                 math_s += m
         if args.device == "cuda":

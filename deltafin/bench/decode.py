@@ -1,9 +1,10 @@
-"""``deltafin bench decode``: expert streaming at Kimi K3's real expert size, beside the drive's raw rate.
+"""``deltafin bench decode``: expert streaming at a real family's expert size (Kimi K3's by default, ``--shape``
+for another: deltafin/bench/shapes.py), beside the drive's raw rate.
 
-Cold cache, seeded random routing (Kimi K3's router is trained for flat expert use). Measured in the same
+Cold cache, seeded random routing, the shape's top-k (Kimi K3's router is trained for flat expert use). Measured in the same
 run: the raw direct read rate with expert-sized reads at the same concurrency. I/O-only mode skips the
 expert math (and says so): achieved read rate / raw rate, target >= 0.90. Full mode runs each expert's
-SiTU-GLU on one latent token: step time / max(I/O time, math time), target <= 1.15.
+gated activation (K3: SiTU-GLU) on one token: step time / max(I/O time, math time), target <= 1.15.
 
 Reads are checked against their checksums, as ``run`` does by default (``--no-verify-reads`` to measure
 without). The cost is reported beside the drive: xxh3-64 throughput on one core of this CPU, measured in
@@ -18,22 +19,38 @@ import time
 import torch
 import xxhash
 
-from deltafin.bench.synthetic import K3_ACT, K3_LATENT, reserved_line, synthetic_run
+from deltafin.bench.shapes import SHAPES, describe
+from deltafin.bench.synthetic import K3_ACT, reserved_line, synthetic_run
 
 
-def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Kimi K3's expert: down(4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)) on MXFP4 weights, in float32 (one fused
-    call on the fast CPU path, as the model's expert), on x, or on its rows ``rows`` (int64) where given."""
+def glu_expert(x: torch.Tensor, t, act: tuple = K3_ACT, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A gated expert down(act(gate x, up x)) on MXFP4 weights, in float32 (one fused call on the fast CPU path,
+    as the models' experts), on x, or on its rows ``rows`` (int64) where given. act: ``("silu",)`` or Kimi K3's
+    ``("situ", beta, linear_beta)``: 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
     from deltafin.kernels import glu
     from deltafin.models.base import linear
 
-    y = glu(x, t["gate"], t["up"], t["down"], K3_ACT, rows=rows)
+    y = glu(x, t["gate"], t["up"], t["down"], act, rows=rows)
     if y is not None:
         return y
     if rows is not None:
         x = x[rows]
     g, u = linear(x, t["gate"]), linear(x, t["up"])
-    return linear(4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25), t["down"])
+    if act[0] == "silu":
+        return linear(torch.nn.functional.silu(g) * u, t["down"])
+    b, lb = act[1], act[2]
+    return linear(b * torch.tanh(g / b) * torch.sigmoid(g) * lb * torch.tanh(u / lb), t["down"])
+
+
+def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Kimi K3's expert (SiTU-GLU): ``glu_expert`` with K3's activation."""
+    return glu_expert(x, t, K3_ACT, rows)
+
+
+def shape_expert(args):
+    """``expert_fn(x, t, rows)`` of the run's expert shape (``args.expert_shape``; Kimi K3's when unset)."""
+    act = getattr(args, "expert_shape", SHAPES["k3"]).act
+    return lambda x, t, rows=None: glu_expert(x, t, act, rows)
 
 
 def routes(layers: list[int], experts: int, k: int, tokens: int, seed: int) -> list[dict[int, list[int]]]:
@@ -49,14 +66,15 @@ def run(args) -> dict:
         verify = getattr(args, "verify_reads", True)
         source = run_.source(args.threads, args.device, verify)
         routes_ = routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
-        x = torch.randn(1, K3_LATENT, device=args.device)
-        math_s = _math_only(pm, routes_[0], x, args.device) * len(routes_) if not args.io_only else 0.0
+        shape, expert = getattr(args, "expert_shape", SHAPES["k3"]), shape_expert(args)
+        x = torch.randn(1, shape.hidden, device=args.device)
+        math_s = _math_only(pm, routes_[0], x, args.device, expert) * len(routes_) if not args.io_only else 0.0
         t0 = time.perf_counter()
         for step in routes_:
             for L, ids in step.items():
                 for _, t in source.fetch(L, ids):
                     if not args.io_only:
-                        situ_glu_expert(x, t)
+                        expert(x, t)
         if args.device == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -69,7 +87,8 @@ def run(args) -> dict:
     rec = {
         "bench": "decode", "mode": "io-only" if args.io_only else "full", "device": args.device,
         "tokens": args.tokens, "moe_layers": args.layers, "experts": args.experts, "k": args.k,
-        "expert_file_bytes": nbytes, "bytes_read": st.bytes_read, "seconds": wall,
+        "shape": shape.name, "hidden": shape.hidden, "inter": shape.inter, "model_experts": shape.experts,
+        "model_k": shape.k, "model_moe_layers": shape.moe_layers, "shape_line": describe(shape, args.experts), "expert_file_bytes": nbytes, "bytes_read": st.bytes_read, "seconds": wall,
         "read_GBps": read_gbps, "raw_GBps": raw, "raw_GBps_before_after": run_.probes, "efficiency": read_gbps / raw,
         "tok_s": args.tokens / wall, "io_bound_s": io_s, "math_s": math_s,
         "step_over_bound": wall / max(io_s, math_s) if not args.io_only else None,
@@ -91,7 +110,7 @@ def xxh3_gbps(nbytes: int, seconds: float = 0.3, total: int = 512 << 20) -> floa
     turn. The best of a few passes (the checksum is CPU-bound; the best pass is the least disturbed)."""
     import numpy as np
 
-    bufs = [np.full(nbytes, i + 1, dtype=np.uint8) for i in range(max(4, -(-total // nbytes)))]
+    bufs = [np.full(nbytes, i % 255 + 1, dtype=np.uint8) for i in range(max(4, -(-total // nbytes)))]
     best, t_end = float("inf"), time.perf_counter() + seconds
     while True:
         t0 = time.perf_counter()
@@ -102,20 +121,25 @@ def xxh3_gbps(nbytes: int, seconds: float = 0.3, total: int = 512 << 20) -> floa
             return nbytes * len(bufs) / best / 1e9
 
 
-def _math_only(pm, step: dict[int, list[int]], x: torch.Tensor, device: str) -> float:
+def _math_only(pm, step: dict[int, list[int]], x: torch.Tensor, device: str, expert=situ_glu_expert) -> float:
     """Expert math of one token with the weights already in memory (read once, outside the timing)."""
     experts = [pm.read_expert(L, e, verify=False) for L, ids in step.items() for e in ids]
     experts = [{k: v.to(device) for k, v in t.items()} for t in experts]
-    situ_glu_expert(x, experts[0])
+    expert(x, experts[0])
     t0 = time.perf_counter()
     for t in experts:
-        situ_glu_expert(x, t)
+        expert(x, t)
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
 def _print(r: dict) -> None:
+    if "shape" in r:
+        bpt = r["model_moe_layers"] * r["model_k"] * r["expert_file_bytes"]
+        print(f"{r['shape_line']}\n  the released model reads {bpt / 1e9:.2f} GB of routed experts per token "
+              f"({r['model_moe_layers']} MoE layers x top-{r['model_k']}): {r['read_GBps'] / bpt * 1e9:.2f} tok/s at "
+              f"this run's expert read rate, {r['raw_GBps'] / bpt * 1e9:.2f} at the raw rate")
     head = (f"decode ({r['mode']}{', expert math skipped' if r['mode'] == 'io-only' else ''}, {r['device']}): "
             f"{r['tok_s']:.2f} tok/s over {r['tokens']} tokens x {r['moe_layers']} layers x {r['k']} experts of "
             f"{r['expert_file_bytes'] / 1e6:.2f} MB; expert reads {r['read_GBps']:.2f} GB/s vs raw direct "

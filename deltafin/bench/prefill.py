@@ -16,9 +16,9 @@ import time
 import torch
 
 from deltafin.bench.classify import K3_EXPERTS, K3_K
-from deltafin.bench.decode import situ_glu_expert
+from deltafin.bench.decode import shape_expert
 from deltafin.bench.kernels import int16_peak
-from deltafin.bench.synthetic import K3_INTER, K3_LATENT, expert_major_layer, reserved_line, synthetic_run
+from deltafin.bench.synthetic import expert_major_layer, k3_expert_layout, reserved_line, synthetic_run
 
 
 def run(args) -> dict:
@@ -30,7 +30,7 @@ def run(args) -> dict:
         rng = random.Random(args.seed)
         routes = {L: [rng.sample(range(pm.num_experts), args.k) for _ in range(args.prompt)] for L in pm.moe_layers}
         source = run_.source(args.threads, args.device)
-        x = torch.randn(args.prompt, K3_LATENT, device=args.device)
+        x = torch.randn(args.prompt, args.expert_shape.hidden, device=args.device)
         unique, touched, math_s = 0, 0, 0.0
         # the int16 GEMM's compute limit, measured before and after like the disk's rate (the VM's vCPUs move
         # between quiet and shared cores from minute to minute); none where the math does not take that GEMM
@@ -38,7 +38,7 @@ def run(args) -> dict:
         peak = int16_peak(args.device) if gemm else 0.0
         t0 = time.perf_counter()
         for L in pm.moe_layers:
-            n, m = expert_major_layer(source, L, routes[L], x, args.io_only, situ_glu_expert)
+            n, m = expert_major_layer(source, L, routes[L], x, args.io_only, shape_expert(args))
             unique += n * nbytes
             touched += n
             math_s += m
@@ -51,7 +51,8 @@ def run(args) -> dict:
         if peak:
             peak = max(peak, int16_peak(args.device))
     floor = unique / (raw * 1e9)
-    ops = 2 * 3 * K3_LATENT * K3_INTER * args.prompt * args.k * len(pm.moe_layers)  # multiplies and adds
+    shape = args.expert_shape
+    ops = 2 * 3 * shape.hidden * shape.inter * args.prompt * args.k * len(pm.moe_layers)  # multiplies and adds
     math_floor = ops / (peak * 1e9) if peak else None
     # the math per byte read: each touched expert's tokens, here and in Kimi K3 at the same prompt length (its
     # tokens spread over 896 experts a layer: a 512-token prompt gives each ~9 where the default case gives ~85)
@@ -70,7 +71,7 @@ def run(args) -> dict:
         "tokens_per_expert": per_expert, "k3_tokens_per_expert": k3_per_expert,
         "reserved_buffers": source.reserved[0], "reserved_bytes": source.reserved[1], "reserve_s": source.reserved[2],
     }
-    k3 = 82_432 * nbytes / 25e9  # the original report's case: 1.45 TB of experts over ~25 GB/s of drives
+    k3 = 82_432 * k3_expert_layout().file_bytes / 25e9  # the original report's case: 1.45 TB of experts over ~25 GB/s of drives
     print(f"prefill ({rec['mode']}{', expert math skipped' if args.io_only else ''}, {args.device}): "
           f"{args.prompt}-token prompt, time to first token {ttft:.2f} s vs floor {floor:.2f} s "
           f"(unique expert bytes {unique / 1e9:.2f} GB / raw direct {raw:.2f} GB/s, the higher of "

@@ -1,7 +1,8 @@
-"""A synthetic packed model with Kimi K3's real expert size, written straight into the store format.
+"""A synthetic packed model with a real family's expert size, written straight into the store format.
 
-Only the routed experts are real-size (MXFP4 gate/up [3072, 3584], down [3584, 3072]: 17,547,264 payload
-bytes); there is no trunk. Benchmarks drive it with seeded random routing.
+Only the routed experts are real-size (by default Kimi K3's: MXFP4 gate/up [3072, 3584], down [3584, 3072]:
+17,547,264 payload bytes; ``--shape`` picks another family's, deltafin/bench/shapes.py); there is no trunk.
+Benchmarks drive it with seeded random routing.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from deltafin.bench.shapes import SHAPES, SITU_K3, ExpertShape
 from deltafin.io.pool import BufferPool
 from deltafin.quant.record import QTensor
 from deltafin.store import expert_file as ef
 from deltafin.store import manifest as mf
 from deltafin.store.expert_file import layout_for
 
-K3_LATENT, K3_INTER = 3584, 3072
-K3_ACT = ("situ", 4.0, 25.0)  # Kimi K3's expert activation: SiTU-GLU, beta 4, linear beta 25
+K3_LATENT, K3_INTER = SHAPES["k3"].hidden, SHAPES["k3"].inter
+K3_ACT = SITU_K3
+PROBE_BYTES = 800_000_000  # what the raw-rate probe reads at least (48 Kimi K3 experts: 842 MB)
 
 
 def k3_expert_layout(latent: int = K3_LATENT, inter: int = K3_INTER) -> ef.ExpertLayout:
@@ -47,13 +50,16 @@ def random_expert(rng: np.random.Generator, latent: int = K3_LATENT, inter: int 
 
 
 def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int, experts: int,
-                    seed: int = 0, model_id: str = "synthetic-k3", ranks: str | None = None) -> str:
+                    seed: int = 0, model_id: str = "synthetic-k3", ranks: str | None = None,
+                    shape: ExpertShape | None = None) -> str:
     """Write a packed model at ``root`` with experts placed over ``drives`` [(label, path, GB/s)];
-    ``ranks`` (``deltafin place --ranks`` grammar): owned over a cluster's ranks, each on its own drives."""
+    ``ranks`` (``deltafin place --ranks`` grammar): owned over a cluster's ranks, each on its own drives;
+    ``shape``: the experts' size and top-k (Kimi K3's by default)."""
     from deltafin.store.placement import DriveSpec, place
 
+    shape = shape or SHAPES["k3"]
     os.makedirs(root, exist_ok=True)
-    layout = k3_expert_layout()
+    layout = k3_expert_layout(shape.hidden, shape.inter)
     specs = [DriveSpec(label, gbps) for label, _, gbps in drives]
     locs = place({L: [layout.file_bytes] * experts for L in range(1, layers + 1)}, specs)
     owned = None
@@ -68,7 +74,7 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
         owners, locs = rk.plan_owners(locs, {L: layout.file_bytes for L in locs}, rates, groups, counts)
         owned = rk.ranks_doc(plan, owners)
     rng = np.random.default_rng(seed)
-    base = [random_expert(rng) for _ in range(4)]  # a few distinct payloads, reused: generation stays fast
+    base = [random_expert(rng, shape.hidden, shape.inter) for _ in range(4)]  # a few distinct payloads, reused: generation stays fast
     pool = BufferPool()
     sums: dict[str, list[str]] = {}
 
@@ -88,12 +94,13 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
         for L in range(1, layers + 1):
             sums[str(L)] = list(ex.map(one, [(L, e) for e in range(experts)]))
     cfg = {"model_type": "kimi_k3", "text_config": {"num_hidden_layers": layers + 1, "num_experts": experts,
-           "num_experts_per_token": min(16, experts), "routed_expert_hidden_size": K3_LATENT, "moe_intermediate_size": K3_INTER}}
+           "num_experts_per_token": min(shape.k, experts), "routed_expert_hidden_size": shape.hidden,
+           "moe_intermediate_size": shape.inter}}
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(cfg, f)
     doc = {
         "format": mf.FORMAT, "version": mf.VERSION, "model_id": model_id, "family": "kimi_k3",
-        "model_type": "kimi_k3", "config": "config.json", "source": {"path": "synthetic"},
+        "model_type": "kimi_k3", "config": "config.json", "source": {"path": "synthetic", "shape": shape.name},
         "trunk": {"bytes": 0, "default": "bf16", "tensors": {}},
         "experts": {
             "layers": list(range(1, layers + 1)), "num_experts": experts, "placement": "bandwidth",
@@ -115,7 +122,7 @@ class SyntheticRun:
     before the run (``raw``) and again by :meth:`remeasure` after it; the higher is the stricter limit. ``probes``
     keeps both readings (a virtual disk's host may cache what the run just read: the second can read faster)."""
 
-    def __init__(self, root: str, seed: int, inflight: int, sample: int = 48):
+    def __init__(self, root: str, seed: int, inflight: int, sample: int | None = None):
         from deltafin.store.model_dir import PackedModel
 
         self.pm = PackedModel.open(root)
@@ -124,6 +131,8 @@ class SyntheticRun:
         import random
 
         random.Random(seed).shuffle(paths)
+        # 48 files, or as many as hold PROBE_BYTES (a smaller expert shape is probed over as many bytes as K3's)
+        sample = sample or max(48, -(-PROBE_BYTES // self.nbytes))
         self._probe = paths[: max(sample, 4 * inflight)]
         self.inflight = inflight
         self.raw = self._measure()
@@ -147,8 +156,9 @@ class SyntheticRun:
 
 @contextmanager
 def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[SyntheticRun]:
-    """Write the synthetic model for a benchmark (``args``: dir, layers, experts, seed, threads), yield it,
-    and remove it afterwards. The arguments are checked first, each mistake one line."""
+    """Write the synthetic model for a benchmark (``args``: dir, layers, experts, seed, threads and the
+    ``expert_shape`` that ``shapes.apply`` set), yield it, and remove it afterwards. The arguments are checked
+    first, each mistake one line."""
     from deltafin.errors import UsageError
 
     if args.dir is not None and not os.path.isdir(args.dir):
@@ -162,7 +172,8 @@ def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[Synt
     work = tempfile.mkdtemp(prefix=f"deltafin-bench-{name}-", dir=args.dir)
     try:
         root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
-                               args.layers, args.experts, seed=args.seed)
+                               args.layers, args.experts, seed=args.seed,
+                               shape=getattr(args, "expert_shape", None))
         yield SyntheticRun(root, args.seed, inflight or args.threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 
 def run(args) -> int:
+    if args.bench in ("decode", "prefill", "classify"):
+        from deltafin.bench import shapes
+
+        shapes.apply(args, args.files_cap)
+        if getattr(args, "synthetic", "k3") == "k3-slice" and args.shape != "k3":
+            from deltafin.errors import UsageError
+
+            raise UsageError(f"--synthetic k3-slice runs Kimi K3's real widths; --shape {args.shape} is for the "
+                             f"streamed files (--synthetic k3)")
     if args.bench in ("kernels", "decode") and getattr(args, "device", None) == "mlx":
         from deltafin.mlx import bench as mlx_bench  # the MLX engine's own (deltafin/mlx/bench.py)
 

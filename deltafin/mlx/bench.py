@@ -156,14 +156,16 @@ def decode(args) -> dict:
         rng = random.Random(args.seed)
         routes = [{L: sorted(rng.sample(range(pm.num_experts), args.k)) for L in pm.moe_layers}
                   for _ in range(args.tokens)]
-        x = m.random.normal((1, K3_LATENT)).astype(dtype)
+        shape = getattr(args, "expert_shape", None)
+        x = m.random.normal((1, shape.hidden if shape else K3_LATENT)).astype(dtype)
+        act = shape.act if shape else K3_ACT
         t0 = time.perf_counter()
         for step in routes:
             for L, ids in step.items():
                 slot_of, views = source.slots(L, ids)
                 y = None
                 if not args.io_only:
-                    y = km.glu(x, views, m.array(np.array([[slot_of[e] for e in ids]], dtype=np.uint32)), K3_ACT)
+                    y = km.glu(x, views, m.array(np.array([[slot_of[e] for e in ids]], dtype=np.uint32)), act)
                     m.async_eval(y)
                 source.mlx_slab.fence(y)
         m.synchronize()

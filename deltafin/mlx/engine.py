@@ -34,6 +34,8 @@ def open_mlx(packed, weights: dict, exact: bool, dtype: str, cache_bytes: int, t
 
     if packed.family == "deepseek_v3":
         from deltafin.mlx.deepseek import MLXDeepSeek as MLXDecoder  # noqa: N814 (the family's decoder)
+    elif packed.family == "kimi_k3":
+        from deltafin.mlx.kimi_k3 import MLXKimiK3 as MLXDecoder  # noqa: N814
     model = MLXDecoder(packed.family, packed.text_config, weights, exact, dtype)
     return model, MLXExperts(packed, cache_bytes, threads, readers, verify, deadline)
 

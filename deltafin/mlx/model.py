@@ -22,7 +22,7 @@ from deltafin.models.common import GQA_LAYER, QK_NORMS, take
 from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "kimi_k3")
 _ROUTERS = {"qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
             "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",),
             "deepseek_v3": ("mlp.gate.weight",)}
@@ -99,9 +99,7 @@ class MLXDecoder:
         self.exact = exact
         self.num_layers, self.vocab_size, self.eps = c.num_hidden_layers, c.vocab_size, c.rms_norm_eps
         self.H, self.Hkv, self.d = c.num_attention_heads, getattr(c, "num_key_value_heads", 0), getattr(c, "head_dim", 0)
-        rope = Rope(c.rope, self.d, getattr(c, "max_position_embeddings", None))
-        self.rope_dims, self.rope_factor = rope.dim, rope.factor
-        self.freqs = m.array((1.0 / rope.inv_freq.double()).float().numpy())
+        self._setup_rope()
         top = take(weights, "", {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
                                  "lm_head": "lm_head.weight"}, optional=("lm_head",))
         self.embed_q, self.embed_s = self._embedding(top["embed"])
@@ -109,6 +107,13 @@ class MLXDecoder:
         tied = getattr(c, "tie_word_embeddings", False) or top["lm_head"] is None
         self.lm_head = self._mat(top["embed"] if tied else top["lm_head"])
         self.layers = [self._layer(weights, i) for i in range(self.num_layers)]
+
+    def _setup_rope(self) -> None:
+        """The rotated width, YaRN's factor and the inverse frequencies of the family's RoPE."""
+        c = self.cfg
+        rope = Rope(c.rope, self.d, getattr(c, "max_position_embeddings", None))
+        self.rope_dims, self.rope_factor = rope.dim, rope.factor
+        self.freqs = km.mx().array((1.0 / rope.inv_freq.double()).float().numpy())
 
     # ------------------------------------------------------------------ weights
     def _mat(self, rec) -> km.MXWeight:
@@ -255,10 +260,10 @@ class MLXDecoder:
         m.async_eval(out)
         return MXCarry(out)
 
-    def _swiglu(self, lw: dict, prefix: str, x):
-        """down(silu(gate x) up x) over a layer's records ``{prefix}gate/up/down``."""
+    def _swiglu(self, lw: dict, prefix: str, x, act: tuple = ("silu",)):
+        """down(act(gate x, up x)) over a layer's records ``{prefix}gate/up/down`` (SwiGLU unless ``act``)."""
         g, u = km.linear(x, lw[prefix + "gate"]), km.linear(x, lw[prefix + "up"])
-        return km.linear(km.activation(g, u, ("silu",)), lw[prefix + "down"])
+        return km.linear(km.activation(g, u, act), lw[prefix + "down"])
 
     def _moe_side(self, i: int, x):
         """What a MoE layer adds beside its routed experts (shared experts), or None."""

@@ -29,26 +29,49 @@ def trunk_bytes_both(tensors: dict[str, dict]) -> tuple[int, int]:
 def state_sizes(tc: dict) -> tuple[int, int, int, int]:
     """(recurrent state bytes per sequence, cache values per token, attention layers, recurrent layers).
 
-    Recurrent (KDA) state does not grow with the context: the delta-rule state in float32 plus the short
-    conv history of q, k and v. The cache holds, per token and attention layer, the MLA latent and rope key,
-    or K and V.
+    Recurrent state (Kimi K3's KDA, Qwen3-Next / Qwen3.5's Gated DeltaNet) does not grow with the context: the
+    delta-rule state in float32 plus the short conv history. The cache holds, per token and attention layer,
+    the MLA latent and rope key (and DSA's indexer key), or K and V.
     """
-    la = tc.get("linear_attn_config") or {}
     layers = tc.get("num_hidden_layers", 0)
-    full = len(la["full_attn_layers"]) if la.get("full_attn_layers") else layers
-    kda = len(la.get("kda_layers", []))
-    fixed = 0
-    if kda:
-        H, K = la["num_heads"], la["head_dim"]
-        conv = 3 * (la.get("short_conv_kernel_size", 4) - 1) * H * K
-        fixed = kda * (H * K * K + conv) * F32
+    fixed, full, rec = _kda_state(tc, layers)
+    if not rec:
+        fixed, full, rec = _gated_delta_state(tc, layers)
     if tc.get("kv_lora_rank"):
-        per_tok = (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0)) * full
+        indexer = tc.get("index_head_dim", 128) if tc.get("index_topk") else 0  # DSA: every layer keeps its keys
+        per_tok = (tc["kv_lora_rank"] + tc.get("qk_rope_head_dim", 0) + indexer) * full
     else:
         heads = tc.get("num_attention_heads", 1)
         hd = tc.get("head_dim") or tc.get("v_head_dim") or tc["hidden_size"] // heads
         per_tok = 2 * tc.get("num_key_value_heads", heads) * hd * full
-    return fixed, per_tok, full, kda
+    return fixed, per_tok, full, rec
+
+
+def _kda_state(tc: dict, layers: int) -> tuple[int, int, int]:
+    """(state bytes, attention layers, KDA layers) of Kimi K3's ``linear_attn_config``."""
+    la = tc.get("linear_attn_config") or {}
+    full = len(la["full_attn_layers"]) if la.get("full_attn_layers") else layers
+    kda = len(la.get("kda_layers", []))
+    if not kda:
+        return 0, full, 0
+    H, K = la["num_heads"], la["head_dim"]
+    conv = 3 * (la.get("short_conv_kernel_size", 4) - 1) * H * K
+    return kda * (H * K * K + conv) * F32, full, kda
+
+
+def _gated_delta_state(tc: dict, layers: int) -> tuple[int, int, int]:
+    """(state bytes, attention layers, DeltaNet layers) of Qwen3-Next / Qwen3.5: per linear layer the [Hv, dk, dv]
+    state and the conv history of q, k, v; ``layer_types`` or, as transformers, every 4th layer full."""
+    if "linear_num_value_heads" not in tc:
+        return 0, layers, 0
+    every = tc.get("full_attention_interval", 4)
+    kinds = tc.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                      for i in range(layers)]
+    lin = sum(k == "linear_attention" for k in kinds)
+    Hk, Hv, dk, dv = (tc.get(f"linear_{n}", d) for n, d in (("num_key_heads", 16), ("num_value_heads", 32),
+                                                            ("key_head_dim", 128), ("value_head_dim", 128)))
+    conv = (tc.get("linear_conv_kernel_dim", 4) - 1) * (2 * Hk * dk + Hv * dv)
+    return lin * (Hv * dk * dv + conv) * F32, layers - lin, lin
 
 
 def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
@@ -58,6 +81,8 @@ def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
         kind = f"latent cache ({tc['kv_lora_rank']} + {tc.get('qk_rope_head_dim', 0)} values x {full} layers)"
     else:
         kind = f"KV cache ({full} layers)"
+    if tc.get("kv_lora_rank") and tc.get("index_topk"):
+        kind = kind[:-1] + f", DSA indexer keys {tc.get('index_head_dim', 128)} values per layer)"
     return {"recurrent_state_bytes": fixed, "recurrent_layers": kda, "cache_kind": kind,
             "cache_bytes_per_1k_tokens": per_tok * 1000 * state_dtype_bytes,
             "cache_bytes_per_1k_tokens_bf16": per_tok * 1000 * 2}
