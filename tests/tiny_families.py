@@ -44,6 +44,15 @@ NEW_TINY: dict[str, dict] = {
                                         num_attention_heads=2),
                      projection_hidden_size=32),
 }
+# window 8, CSA every 4 tokens with the indexer's top 4, HCA every 16: a 40-token prompt and its 32 new tokens run
+# every kind of layer past its window, its top k and several compressed entries; layer 0 hash-routed
+NEW_TINY["deepseek_v4"] = dict(
+    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+    q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16, index_n_heads=2,
+    index_head_dim=16, index_topk=4, sliding_window=8, partial_rotary_factor=0.25, max_position_embeddings=512,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"])
 NEW_TINY["qwen3_5_moe"] = dict(text_config={k: v for k, v in NEW_TINY["qwen3_next"].items()},
                                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                   out_hidden_size=64))
@@ -70,8 +79,17 @@ def build(model_type: str, path: Path, seed: int = 0, like: str | None = None, *
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     randomise(model)
+    _hash_tables(model, cfg)
     model.save_pretrained(str(path))
     return model
+
+
+def _hash_tables(model: torch.nn.Module, cfg) -> None:
+    """DeepSeek-V4's hash-routed layers: each token's k distinct experts at random (transformers leaves zeros)."""
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            E = cfg.n_routed_experts
+            b.copy_(torch.stack([torch.randperm(E)[: b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def int4_experts(src: Path) -> dict[str, torch.Tensor]:
