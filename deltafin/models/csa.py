@@ -15,7 +15,8 @@ position. Legend: T queries, W window, N compressed entries, H heads, d head wid
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -133,6 +134,28 @@ class V4LayerState:
     def nbytes(self) -> int:
         ts = [self.win] + [t for c in self.compressors() for t in c.tensors().values() if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
+
+    # the prompt cache's protocol for a model's own state: a frozen copy, and a restore from one
+    def freeze(self) -> V4LayerState:
+        return self.copy_to("cpu")
+
+    def thaw(self, frozen: V4LayerState) -> None:
+        got = frozen.copy_to(self.win.device)
+        self.win, self.main, self.indexer = got.win, got.main, got.indexer
+
+    def copy_to(self, device) -> V4LayerState:
+        def mv(t):
+            return None if t is None else t.to(device, copy=True)
+
+        def comp(c: Compressor | None) -> Compressor | None:
+            if c is None:
+                return None
+            entries = copy.copy(c.entries)
+            entries.buf = mv(c.entries.buf)
+            return replace(c, entries=entries, buf_kv=mv(c.buf_kv), buf_gate=mv(c.buf_gate), prev_kv=mv(c.prev_kv),
+                           prev_gate=mv(c.prev_gate))
+
+        return V4LayerState(self.window, mv(self.win), comp(self.main), comp(self.indexer))
 
 
 def window_keys(st: V4LayerState, kv: torch.Tensor, pos: int) -> tuple[torch.Tensor, int]:

@@ -144,7 +144,7 @@ class _Shapes:
                 return "F32", tuple(-(-n // 128) for n in shape)
             if shape is not None:
                 dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if fp8 else self.dtype
-                return dt, shape
+                return shapes.fixed_dtype(self.family.name, local) or dt, shape
         raise CheckpointError(
             f"{self.ckpt.path}: shard {self.ckpt.weight_map[name]} is not on disk and {name}'s shape cannot be "
             f"derived from config.json; download the shards (only their headers are read for a plan)"
