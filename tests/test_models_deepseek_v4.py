@@ -164,3 +164,19 @@ def test_mtp_layer_is_skipped_and_unknown_settings_refused(tmp_path):
     (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 2}))
     with pytest.raises(CheckpointError, match="num_key_value_heads 2"):
         build_plan(Checkpoint(str(tmp_path / "src")))
+
+
+def test_state_counted_by_the_memory_model(packed):
+    """store/memory.py's count of V4's state (window, compressors, indexer) bounds what the model holds."""
+    from deltafin.store.memory import context_bytes, state_sizes
+
+    eng = tf.engine(packed)
+    try:
+        st = eng.new_state()
+        eng.forward(tf.prompt(LONG), st)
+        held = sum(layer.nbytes() for layer in st.layers)
+        tc = eng.packed.text_config
+        _, per_tok, _, _ = state_sizes(tc)
+        assert per_tok * LONG * 4 <= held <= context_bytes(tc, LONG)
+    finally:
+        eng.close()
