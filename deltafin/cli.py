@@ -69,12 +69,25 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
 
 
+def _expert_shape(text: str) -> tuple[int, int]:
+    try:
+        h, i = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HIDDEN,INTERMEDIATE, e.g. 4096,2048") from None
+    if h < 32 or i < 32 or h % 32 or i % 32:
+        raise argparse.ArgumentTypeError(f"{text!r}: both widths must be positive multiples of 32 (MXFP4 blocks)")
+    return h, i
+
+
 def _synthetic_bench(sub, name: str, help_: str, layers: int, experts: int) -> argparse.ArgumentParser:
     """A benchmark over a synthetic model with Kimi K3's expert size, read through the engine's source."""
     b = sub.add_parser(name, help=help_)
     b.add_argument("--layers", type=int, default=layers, help="MoE layers of the synthetic model")
     b.add_argument("--experts", type=int, default=experts, help="experts per layer (files: layers x experts)")
     b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--expert-shape", type=_expert_shape, default=None, metavar="HIDDEN,INTERMEDIATE",
+                   help="a routed expert's widths (MXFP4 gate/up [I, H], down [H, I]); default Kimi K3's 3584,3072; "
+                        "DeepSeek-V4-Flash: 4096,2048")
     b.add_argument("--threads", type=int, default=8, help="reads in flight")
     b.add_argument("--io-only", action="store_true", help="skip the expert math: measure reads alone")
     b.add_argument("--device", default="cpu")
@@ -127,6 +140,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic K3-expert-size model")
     b.add_argument("--experts", type=int, default=32, help="experts per layer")
     b.add_argument("--k", type=int, default=16, help="experts routed per token per layer")
+    b.add_argument("--expert-shape", type=_expert_shape, default=None, metavar="HIDDEN,INTERMEDIATE",
+                   help="a routed expert's widths (MXFP4 gate/up [I, H], down [H, I]); default Kimi K3's 3584,3072; "
+                        "DeepSeek-V4-Flash: 4096,2048")
     b.add_argument("--tokens", type=int, default=4, help="decoded tokens measured")
     b.add_argument("--warmup", type=int, default=1, help="tokens decoded before measuring")
     b.add_argument("--threads", type=int, default=4, help="reader threads per drive")

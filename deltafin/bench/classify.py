@@ -15,7 +15,7 @@ import time
 import torch
 
 from deltafin.bench.decode import situ_glu_expert
-from deltafin.bench.synthetic import K3_LATENT, expert_major_layer, synthetic_run
+from deltafin.bench.synthetic import expert_major_layer, synthetic_run
 
 K3_MOE_LAYERS, K3_EXPERTS, K3_K = 92, 896, 16  # Kimi K3: 82,432 expert files
 
@@ -45,7 +45,7 @@ def run(args) -> dict:
         rng = random.Random(args.seed)
         inputs = [_routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, rng) for _ in range(args.inputs)]
         source = run_.source(args.threads, args.device)
-        x = torch.randn(args.batch * args.tokens, K3_LATENT, device=args.device)
+        x = torch.randn(args.batch * args.tokens, run_.latent, device=args.device)
         unique = alone = 0
         math_s = 0.0
         t0 = time.perf_counter()

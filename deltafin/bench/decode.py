@@ -18,7 +18,7 @@ import time
 import torch
 import xxhash
 
-from deltafin.bench.synthetic import K3_ACT, K3_LATENT, reserved_line, synthetic_run
+from deltafin.bench.synthetic import K3_ACT, reserved_line, synthetic_run
 
 
 def situ_glu_expert(x: torch.Tensor, t, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,7 +49,7 @@ def run(args) -> dict:
         verify = getattr(args, "verify_reads", True)
         source = run_.source(args.threads, args.device, verify)
         routes_ = routes(pm.moe_layers, pm.num_experts, args.k, args.tokens, args.seed)
-        x = torch.randn(1, K3_LATENT, device=args.device)
+        x = torch.randn(1, run_.latent, device=args.device)
         math_s = _math_only(pm, routes_[0], x, args.device) * len(routes_) if not args.io_only else 0.0
         t0 = time.perf_counter()
         for step in routes_:
@@ -91,7 +91,7 @@ def xxh3_gbps(nbytes: int, seconds: float = 0.3, total: int = 512 << 20) -> floa
     turn. The best of a few passes (the checksum is CPU-bound; the best pass is the least disturbed)."""
     import numpy as np
 
-    bufs = [np.full(nbytes, i + 1, dtype=np.uint8) for i in range(max(4, -(-total // nbytes)))]
+    bufs = [np.full(nbytes, i % 255 + 1, dtype=np.uint8) for i in range(max(4, -(-total // nbytes)))]
     best, t_end = float("inf"), time.perf_counter() + seconds
     while True:
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 from deltafin.bench.classify import K3_EXPERTS, K3_K
 from deltafin.bench.decode import situ_glu_expert
 from deltafin.bench.kernels import int16_peak
-from deltafin.bench.synthetic import K3_INTER, K3_LATENT, expert_major_layer, reserved_line, synthetic_run
+from deltafin.bench.synthetic import expert_major_layer, reserved_line, synthetic_run
 
 
 def run(args) -> dict:
@@ -30,7 +30,7 @@ def run(args) -> dict:
         rng = random.Random(args.seed)
         routes = {L: [rng.sample(range(pm.num_experts), args.k) for _ in range(args.prompt)] for L in pm.moe_layers}
         source = run_.source(args.threads, args.device)
-        x = torch.randn(args.prompt, K3_LATENT, device=args.device)
+        x = torch.randn(args.prompt, run_.latent, device=args.device)
         unique, touched, math_s = 0, 0, 0.0
         # the int16 GEMM's compute limit, measured before and after like the disk's rate (the VM's vCPUs move
         # between quiet and shared cores from minute to minute); none where the math does not take that GEMM
@@ -51,7 +51,7 @@ def run(args) -> dict:
         if peak:
             peak = max(peak, int16_peak(args.device))
     floor = unique / (raw * 1e9)
-    ops = 2 * 3 * K3_LATENT * K3_INTER * args.prompt * args.k * len(pm.moe_layers)  # multiplies and adds
+    ops = 2 * 3 * run_.latent * run_.inter * args.prompt * args.k * len(pm.moe_layers)  # multiplies and adds
     math_floor = ops / (peak * 1e9) if peak else None
     # the math per byte read: each touched expert's tokens, here and in Kimi K3 at the same prompt length (its
     # tokens spread over 896 experts a layer: a 512-token prompt gives each ~9 where the default case gives ~85)

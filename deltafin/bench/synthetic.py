@@ -47,13 +47,15 @@ def random_expert(rng: np.random.Generator, latent: int = K3_LATENT, inter: int 
 
 
 def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int, experts: int,
-                    seed: int = 0, model_id: str = "synthetic-k3", ranks: str | None = None) -> str:
+                    seed: int = 0, model_id: str = "synthetic-k3", ranks: str | None = None,
+                    shape: tuple[int, int] = (K3_LATENT, K3_INTER)) -> str:
     """Write a packed model at ``root`` with experts placed over ``drives`` [(label, path, GB/s)];
-    ``ranks`` (``deltafin place --ranks`` grammar): owned over a cluster's ranks, each on its own drives."""
+    ``ranks`` (``deltafin place --ranks`` grammar): owned over a cluster's ranks, each on its own drives;
+    ``shape``: an expert's (hidden, intermediate) widths, Kimi K3's unless given."""
     from deltafin.store.placement import DriveSpec, place
 
     os.makedirs(root, exist_ok=True)
-    layout = k3_expert_layout()
+    layout = k3_expert_layout(*shape)
     specs = [DriveSpec(label, gbps) for label, _, gbps in drives]
     locs = place({L: [layout.file_bytes] * experts for L in range(1, layers + 1)}, specs)
     owned = None
@@ -68,7 +70,7 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
         owners, locs = rk.plan_owners(locs, {L: layout.file_bytes for L in locs}, rates, groups, counts)
         owned = rk.ranks_doc(plan, owners)
     rng = np.random.default_rng(seed)
-    base = [random_expert(rng) for _ in range(4)]  # a few distinct payloads, reused: generation stays fast
+    base = [random_expert(rng, *shape) for _ in range(4)]  # a few distinct payloads, reused: generation stays fast
     pool = BufferPool()
     sums: dict[str, list[str]] = {}
 
@@ -88,7 +90,7 @@ def write_synthetic(root: str, drives: list[tuple[str, str, float]], layers: int
         for L in range(1, layers + 1):
             sums[str(L)] = list(ex.map(one, [(L, e) for e in range(experts)]))
     cfg = {"model_type": "kimi_k3", "text_config": {"num_hidden_layers": layers + 1, "num_experts": experts,
-           "num_experts_per_token": min(16, experts), "routed_expert_hidden_size": K3_LATENT, "moe_intermediate_size": K3_INTER}}
+           "num_experts_per_token": min(16, experts), "routed_expert_hidden_size": shape[0], "moe_intermediate_size": shape[1]}}
     with open(os.path.join(root, "config.json"), "w") as f:
         json.dump(cfg, f)
     doc = {
@@ -119,6 +121,8 @@ class SyntheticRun:
         from deltafin.store.model_dir import PackedModel
 
         self.pm = PackedModel.open(root)
+        tc = self.pm.text_config
+        self.latent, self.inter = tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]  # an expert's widths
         self.nbytes = self.pm.file_bytes(self.pm.moe_layers[0])
         paths = [self.pm.expert_path(L, e) for L in self.pm.moe_layers for e in range(self.pm.num_experts)]
         import random
@@ -162,7 +166,8 @@ def synthetic_run(args, name: str, inflight: int | None = None) -> Iterator[Synt
     work = tempfile.mkdtemp(prefix=f"deltafin-bench-{name}-", dir=args.dir)
     try:
         root = write_synthetic(os.path.join(work, "model"), [("d0", os.path.join(work, "d0"), 1.0)],
-                               args.layers, args.experts, seed=args.seed)
+                               args.layers, args.experts, seed=args.seed,
+                               shape=getattr(args, "expert_shape", None) or (K3_LATENT, K3_INTER))
         yield SyntheticRun(root, args.seed, inflight or args.threads)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -156,7 +156,7 @@ def decode(args) -> dict:
         rng = random.Random(args.seed)
         routes = [{L: sorted(rng.sample(range(pm.num_experts), args.k)) for L in pm.moe_layers}
                   for _ in range(args.tokens)]
-        x = m.random.normal((1, K3_LATENT)).astype(dtype)
+        x = m.random.normal((1, run_.latent)).astype(dtype)
         t0 = time.perf_counter()
         for step in routes:
             for L, ids in step.items():

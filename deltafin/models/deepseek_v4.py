@@ -25,7 +25,15 @@ import torch.nn.functional as F
 
 from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import csa
-from deltafin.models.base import ExpertSource, SequenceState, dense, embed_rows, linear, moe_dispatch, rms_norm
+from deltafin.models.base import (
+    ExpertSource,
+    SequenceState,
+    dense,
+    embed_rows,
+    linear,
+    moe_dispatch,
+    rms_norm,
+)
 from deltafin.models.common import ROUTER_RENORM_EPS, DecoderLM, config_kwargs, require_tensors
 from deltafin.models.layers import GrowingCache
 from deltafin.models.rope import Rope, RopeConfig
