@@ -209,15 +209,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: str = "cpu") -> None:
+def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: str = "cpu", n: int = NEW_TOKENS
+                     ) -> None:
     """Streaming engine (nothing cached: every expert read from the drives) == transformers, float32."""
     ids = ids or prompt()
     eng = engine(model_dir, device=device)
     try:
-        logits, tokens = engine_greedy(eng, ids)
+        logits, tokens = engine_greedy(eng, ids, n)
     finally:
         eng.close()
-    ref_logits, ref_tokens = hf_greedy(hf, ids)
+    ref_logits, ref_tokens = hf_greedy(hf, ids, n)
     assert rel_err(logits, ref_logits) < 1e-4
     assert tokens == ref_tokens
 
