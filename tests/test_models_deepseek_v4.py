@@ -23,8 +23,12 @@ LONG = 72  # a teacher-forced sequence: 18 CSA entries for a top 4, 4 HCA entrie
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """(transformers' model, the folder holding its saved checkpoint under src/)."""
+    from deltafin.tiny import save_byte_tokenizer
+
     root = tmp_path_factory.mktemp("v4")
-    return tf.build("deepseek_v4", root / "src"), root
+    hf = tf.build("deepseek_v4", root / "src")
+    save_byte_tokenizer(root / "src", 320)  # for classify
+    return hf, root
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +119,21 @@ def test_each_part_is_needed(exact, reference, part, monkeypatch):
 
 def test_prompt_cache_batching_chunked_prefill(packed):
     tf.check_prompt_cache_and_batch(packed, 22, 8)  # 7 CSA entries for a top 4, an HCA entry
+
+
+def test_classify_batched_equals_alone(packed):
+    """classify's label scores (prefill, copied states, multi-token labels) for inputs past the window."""
+    from deltafin.jobs.classify import Classifier
+
+    eng = tf.engine(packed)
+    try:
+        clf = Classifier(eng, ["yes", "no way"])
+        prompts = [clf.prompt(t) for t in ("the quick brown fox jumps over the lazy dog", "a longer review " * 3)]
+        together = clf.score(prompts)
+        for p, row in zip(prompts, together, strict=True):
+            assert row == pytest.approx(clf.score([p])[0], rel=1e-4, abs=1e-5)
+    finally:
+        eng.close()
 
 
 def test_fast_path_agrees_with_exact(packed):

@@ -50,7 +50,7 @@ NEW_TINY: dict[str, dict] = {
 # and 8 indexer heads: with 2, a quarter of the entries score exactly 0 (every head's relu 0) and torch.topk breaks
 # those ties by the row's length, so a chunked prefill could choose otherwise than a one-shot one
 NEW_TINY["deepseek_v4"] = dict(
-    vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+    vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
     q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16, index_n_heads=8,
     index_head_dim=16, index_topk=4, sliding_window=8, partial_rotary_factor=0.25, max_position_embeddings=512,
     hc_sinkhorn_iters=3,  # transformers default 20 has converged: one step less would change no test
