@@ -52,6 +52,14 @@ def test_matches_hugging_face(exact):
     tf.check_matches_hf(hf, model_dir, tf.prompt(PROMPT), n=NEW)
 
 
+def test_yarn_on_the_compressed_layers_matches(tmp_path):
+    """YaRN (as V4-Flash ships it) applies to the compressed layers' rope only, with transformers' cos/sin factor 1."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+            "beta_slow": 1}
+    hf = tf.build("deepseek_v4", tmp_path / "src", rope_parameters=yarn)
+    tf.check_matches_hf(hf, tf.pack_to(tmp_path), tf.prompt(PROMPT), n=4)
+
+
 def _prefill_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
     eng = tf.engine(model_dir)
     try:
