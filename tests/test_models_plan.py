@@ -15,7 +15,8 @@ from deltafin.store.plan import build_plan
 from tests import tiny_families as tf
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
+FAMILIES = ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa",
+            "deepseek_v4"]
 
 
 def _index_only(src, names: list[str]) -> None:
@@ -60,7 +61,8 @@ def _default_checkpoint(root, model_type: str):
         body = {"text_config": narrow, "vision_config": tf.NEW_TINY[model_type]["vision_config"]}
         model = tf.build(model_type, root / "narrow", **body)
     else:
-        model = tf.build(model_type, root / "narrow", like="deepseek_v3", **narrow)
+        like = "deepseek_v4" if model_type == "deepseek_v4" else "deepseek_v3"
+        model = tf.build(model_type, root / "narrow", like=like, **narrow)
     del model
     names = list(Checkpoint(str(root / "narrow")).weight_map)
     src = root / "src"

@@ -287,6 +287,20 @@ def test_bench_decode_reports_the_checksum_cost_beside_the_drive(tmp_path, capsy
     assert "reads not verified (--no-verify-reads)" in capsys.readouterr().out
 
 
+def test_bench_decode_takes_another_expert_shape(tmp_path, capsys):
+    """--shape deepseek-v4-flash with --hidden/--inter overrides sizes the synthetic experts; a bad width is one
+    line."""
+    out = tmp_path / "decode.json"
+    main(["bench", "decode", "--shape", "deepseek-v4-flash", "--hidden", "128", "--inter", "64", "--layers", "1",
+          "--experts", "4", "--k", "2", "--tokens", "1", "--threads", "2", "--dir", str(tmp_path), "--json", str(out)])
+    rec = json.loads(out.read_text())
+    assert rec["expert_file_bytes"] >= 3 * (128 * 64 // 2 + 128 * 64 // 32) and rec["bytes_read"] > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--shape", "deepseek-v4-flash", "--inter", "100"])
+    assert "32" in capsys.readouterr().err
+
+
 def test_bench_prefill_reports_reads_math_and_their_limits(tmp_path, capsys):
     """Full mode on a small case (K3-size experts, 1 layer of 8, 16 tokens x 2): the floor from the unique bytes and
     the raw rate, each expert read once, the math beside its floor at the int16 peak (where the GEMM is built), and

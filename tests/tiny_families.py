@@ -44,6 +44,19 @@ NEW_TINY: dict[str, dict] = {
                                         num_attention_heads=2),
                      projection_hidden_size=32),
 }
+# window 8, CSA every 4 tokens with the indexer's top 4, HCA every 16: a 40-token prompt and its 32 new tokens run
+# every kind of layer past its window, its top k and several compressed entries; layer 0 hash-routed; 3 Sinkhorn
+# iterations, so that each one counts (at transformers' 20 the matrix has converged: one step less changes 7e-6)
+# and 8 indexer heads: with 2, a quarter of the entries score exactly 0 (every head's relu 0) and torch.topk breaks
+# those ties by the row's length, so a chunked prefill could choose otherwise than a one-shot one
+NEW_TINY["deepseek_v4"] = dict(
+    vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+    q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16, index_n_heads=8,
+    index_head_dim=16, index_topk=4, sliding_window=8, partial_rotary_factor=0.25, max_position_embeddings=512,
+    hc_sinkhorn_iters=3,  # transformers default 20 has converged: one step less would change no test
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"])
 NEW_TINY["qwen3_5_moe"] = dict(text_config={k: v for k, v in NEW_TINY["qwen3_next"].items()},
                                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                   out_hidden_size=64))
@@ -70,8 +83,17 @@ def build(model_type: str, path: Path, seed: int = 0, like: str | None = None, *
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     randomise(model)
+    _hash_tables(model, cfg)
     model.save_pretrained(str(path))
     return model
+
+
+def _hash_tables(model: torch.nn.Module, cfg) -> None:
+    """DeepSeek-V4's hash-routed layers: each token's k distinct experts at random (transformers leaves zeros)."""
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            E = cfg.n_routed_experts
+            b.copy_(torch.stack([torch.randperm(E)[: b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def int4_experts(src: Path) -> dict[str, torch.Tensor]:
@@ -187,23 +209,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: str = "cpu") -> None:
+def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: str = "cpu", n: int = NEW_TOKENS
+                     ) -> None:
     """Streaming engine (nothing cached: every expert read from the drives) == transformers, float32."""
     ids = ids or prompt()
     eng = engine(model_dir, device=device)
     try:
-        logits, tokens = engine_greedy(eng, ids)
+        logits, tokens = engine_greedy(eng, ids, n)
     finally:
         eng.close()
-    ref_logits, ref_tokens = hf_greedy(hf, ids)
+    ref_logits, ref_tokens = hf_greedy(hf, ids, n)
     assert rel_err(logits, ref_logits) < 1e-4
     assert tokens == ref_tokens
 
 
-def check_prompt_cache_and_batch(model_dir: str) -> None:
+def check_prompt_cache_and_batch(model_dir: str, a_len: int = 10, b_len: int = 4) -> None:
     """A restored prefix continues like a full prefill; two sequences in one pass equal each alone; a chunked
     prefill equals the one-shot one."""
-    a, b = prompt(10, 2), prompt(4, 3)
+    a, b = prompt(a_len, 2), prompt(b_len, 3)
     eng = engine(model_dir, cache_gb=0.05)
     try:
         ref_st = eng.new_state()

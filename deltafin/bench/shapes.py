@@ -46,6 +46,8 @@ SHAPES: dict[str, ExpertShape] = {s.name: s for s in (
     ExpertShape("deepseek-v3", 7168, 2048, 256, 8, 58, SWIGLU,
                 "DeepSeek-V3/V3.2 (671B); transformers' DeepseekV3Config defaults"),
     ExpertShape("kimi-k2.5", 7168, 2048, 384, 8, 60, SWIGLU, "Kimi K2/K2.5 config.json (text_config)"),
+    ExpertShape("deepseek-v4-flash", 4096, 2048, 256, 6, 43, SWIGLU,
+                "DeepSeek-V4-Flash; transformers' DeepseekV4Config defaults (its SwiGLU is clamped)"),
 )}
 
 

@@ -20,6 +20,7 @@ MODULES = {
     "qwen3_next": "deltafin.models.qwen3_next",
     "deepseek_v32": "deltafin.models.deepseek_v32",  # DeepSeek-V3.2 and GLM-5 (glm_moe_dsa)
     "qwen3_5_moe": "deltafin.models.qwen3_next",  # the same hybrid, four linear-attention projections
+    "deepseek_v4": "deltafin.models.deepseek_v4",
 }
 
 

@@ -34,9 +34,13 @@ def last(carry, n: int):
 def forward_batch(model, seqs: Sequence[tuple[torch.Tensor, SequenceState]], experts: ExpertSource,
                   all_logits: bool = False, on_layer=None) -> list[torch.Tensor]:
     """Advance each (ids [T_j], state) by its tokens; returns logits per sequence ([1, V], or [T_j, V]).
-    ``on_layer()`` is called after each layer (progress of long prefills)."""
+    ``on_layer()`` is called after each layer (progress of long prefills). A model's ``known_routes(ids)``
+    (layers whose experts follow from the token ids) go to a source's ``prefetch`` before the first layer runs."""
     sizes = [int(ids.shape[0]) for ids, _ in seqs]
     carries = [model.embed(ids) for ids, _ in seqs]
+    if hasattr(model, "known_routes") and hasattr(experts, "prefetch"):  # experts fixed by the token ids
+        for layer, eids in model.known_routes(torch.cat([ids for ids, _ in seqs])):
+            experts.prefetch(layer, eids)
     for i in range(model.num_layers):
         carries = [model.attn_part(i, c, st) for c, (_, st) in zip(carries, seqs, strict=True)]
         merged = model.mlp_part(i, cat(carries) if len(carries) > 1 else carries[0], experts)

@@ -47,7 +47,7 @@ def activation_bytes(tc: dict, chunk: int, context: int) -> int:
 
 def plan_prefill(tc: dict, tokens: int, past: int, budget: int, sequences: int = 1) -> PrefillPlan:
     d = _dims(tc)
-    state = sequences * (d["fixed"] + d["per_tok"] * (past + tokens))
+    state = int(sequences * (d["fixed"] + d["per_tok"] * (past + tokens)))
     if state > budget:
         raise UsageError(
             f"{sequences} x {past + tokens} tokens need {state / 1e9:.2f} GB of sequence state "
@@ -73,7 +73,7 @@ def default_context(tc: dict, budget: int) -> tuple[int, str]:
 
     d = _dims(tc)
     limit = int(tc.get("max_position_embeddings") or 4096)
-    fits = (budget - d["fixed"]) // max(d["per_tok"], 1)
+    fits = int((budget - d["fixed"]) // max(d["per_tok"], 1))
     if fits >= limit:
         return limit, "the model's max_position_embeddings"
     n = max(fits // 1024 * 1024, min(limit, 1024))

@@ -46,6 +46,8 @@ def freeze_layer(layer, n: int):
         return ("rows", _rows(layer, n), layer.axis)
     if isinstance(layer, KDAState):
         return ("kda", layer.conv.to("cpu", copy=True), layer.S.to("cpu", copy=True))
+    if hasattr(layer, "freeze"):  # a model's own fixed-size state (DeepSeek-V4's window and compressors)
+        return ("own", layer.freeze())
     raise TypeError(f"the prompt cache cannot copy a layer state of type {type(layer).__name__}")
 
 
@@ -54,6 +56,8 @@ def cuttable(layer) -> bool:
 
 
 def frozen_bytes(frozen) -> int:
+    if frozen[0] == "own":
+        return frozen[1].nbytes()
     return sum(t.numel() * t.element_size() for t in frozen[1:] if isinstance(t, torch.Tensor))
 
 
@@ -70,6 +74,8 @@ def thaw_layer(frozen, layer, n: int) -> None:
     elif kind == "rows":
         _, rows, axis = frozen
         layer.write(0, rows.narrow(axis, 0, n).movedim(axis, 0).to(layer.buf.device))
+    elif kind == "own":
+        layer.thaw(frozen[1])
     else:
         _, conv, S = frozen
         layer.conv, layer.S = conv.to(layer.conv.device, copy=True), S.to(layer.S.device, copy=True)

@@ -43,6 +43,7 @@ class SourceStats:
     misses: int = 0
     failed_reads: int = 0  # reads that failed (I/O error, short, checksum) and went to another copy or raised
     late_reads: int = 0  # reads that missed their deadline
+    prefetched: int = 0  # misses read ahead of their layer (``prefetch``: routes known before the layer runs)
     unique_bytes: set = field(default_factory=set)  # (layer, expert) keys read in the current window
 
     @property
@@ -109,6 +110,7 @@ class StreamingExperts:
         self._busy: set[int] = set()  # slots handed out since this fetch began (a launch may still read them)
         self._scratch_next = 0
         self.reserved = (0, 0, 0.0)  # (buffers, bytes, seconds) mapped when the source opened
+        self._ahead: dict[int, tuple[list[int], LayerReads]] = {}  # layer -> misses read ahead, their reads
         if reserve:
             self.reserve_buffers()
 
@@ -172,17 +174,41 @@ class StreamingExperts:
         expert read from a drive alone (its buffer goes back to the reads once the next list is asked for)."""
         return self._fetch(layer, expert_ids, True)
 
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Start reading now the misses among ``expert_ids`` of a layer whose routing is known before it runs
+        (DeepSeek-V4's hash-routed layers: the experts follow from the token ids); that layer's next fetch takes
+        them as they land, so their reads overlap the layers before it."""
+        if layer in self._ahead:
+            return
+        misses = [e for e in dict.fromkeys(expert_ids) if (layer, e) not in self.cache]
+        if misses:
+            self._ahead[layer] = (misses, LayerReads(self, layer, misses))
+            self.stats.prefetched += len(misses)
+
+    def _take_ahead(self, layer: int, expert_ids: Sequence[int]) -> tuple[list[int], LayerReads | None]:
+        """The reads ``prefetch`` started for this layer, if the fetch asks for all of them (else they are
+        drained and their buffers returned: a fetch never yields an expert it did not ask for)."""
+        misses, reads = self._ahead.pop(layer, ([], None))
+        if reads is not None and not set(misses) <= set(expert_ids):
+            for _ in misses:
+                self.pool.buffers.put(reads.next()[1])
+            return [], None
+        return misses, reads
+
     def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool) -> Iterator:
         for log in (self.record, self.routes):
             if log is not None:
                 log.append((layer, list(expert_ids)))
         self._busy = set()
+        early, early_reads = self._take_ahead(layer, expert_ids)
         hits, misses = [], []
         for e in expert_ids:
+            if e in early:
+                continue
             got = self.cache.get((layer, e))
             (hits.append((e, got)) if got is not None else misses.append(e))
         self.stats.hits += len(hits)
-        self.stats.misses += len(misses)
+        self.stats.misses += len(misses) + len(early)
         reads = LayerReads(self, layer, misses) if misses else None
         if self.slab is not None:
             self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
@@ -193,12 +219,13 @@ class StreamingExperts:
         elif hits:
             for e, tensors in hits:
                 yield from self._timed(e, tensors)
-        for _ in misses:
-            t0 = time.perf_counter()
-            landed = reads.next()
-            self.stats.io_wait_s += time.perf_counter() - t0
-            for item in self._deliver(layer, *landed):
-                yield [item] if grouped else item
+        for source, n in ((early_reads, len(early)), (reads, len(misses))):
+            for _ in range(n):
+                t0 = time.perf_counter()
+                landed = source.next()
+                self.stats.io_wait_s += time.perf_counter() - t0
+                for item in self._deliver(layer, *landed):
+                    yield [item] if grouped else item
 
     def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
                  ) -> Iterator[tuple[int, ExpertTensors]]:
@@ -300,5 +327,6 @@ class StreamingExperts:
     def close(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        self._ahead.clear()
         self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()

@@ -30,6 +30,7 @@ ALIASES = {
     "glm_moe_dsa": "deepseek_v32",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "deepseek_v4": "deepseek_v4",
 }
 # families whose text model sits under a multimodal config's ``text_config``; the top level's
 # ``tie_word_embeddings`` decides the tie in the last two, as in transformers
@@ -68,6 +69,7 @@ class Family:
     roles: tuple[str, ...] = ("gate", "up", "down")
     routers: tuple[str, ...] = field(default=(".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight"))
     renames: tuple[tuple[str, str], ...] = ()  # (old, new) prefixes of text names, normalised before anything else
+    rewrites: tuple[tuple[re.Pattern[str], str], ...] = ()  # (pattern, replacement) applied in order after those
 
     def classify(self, name: str) -> ExpertPart | Skip | str:
         """ExpertPart for expert tensors, Skip for unused ones, else the trunk name."""
@@ -87,7 +89,10 @@ class Family:
     def local_name(self, local: str) -> str:
         for old, new in self.renames:
             if local.startswith(old):
-                return new + local[len(old) :]
+                local = new + local[len(old) :]
+                break
+        for pattern, new in self.rewrites:
+            local = pattern.sub(new, local)
         return local
 
     def is_router(self, trunk_name: str) -> bool:
@@ -145,6 +150,31 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": Family("qwen3_5_moe", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("model.visual.", "mtp."),
                           renames=(("model.language_model.", "model."),)),
 }
+
+
+# DeepSeek-V4's checkpoint names (as released, or as transformers' save_pretrained writes them back) -> the
+# module names of transformers' DeepseekV4ForCausalLM, routed experts kept one per expert as gate/up/down_proj
+_V4_REWRITES = tuple((re.compile(p), r) for p, r in (
+    (r"^(layers|embed|norm|hc_head)", r"model.\1"), (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"), (r"^model\.hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+    (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn_sink$", ".sinks"), (r"(self_attn(\.compressor(\.indexer)?)?)\.norm\.", r"\1.kv_norm."),
+    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"self_attn\.wq_b\.", "self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."), (r"self_attn\.q_norm\.", "self_attn.q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.(shared_experts|experts\.\d+)\.w1\.", r".\1.gate_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w2\.", r".\1.down_proj."),
+    (r"\.(shared_experts|experts\.\d+)\.w3\.", r".\1.up_proj."),
+))
+# float32 in transformers' model (mHC, position biases, the hash table): kept float like the routers
+_V4_FLOAT = (".mlp.gate.weight", "_hc.fn", "hc_head.hc_fn", ".position_bias", ".mlp.gate.tid2eid")
+FAMILIES["deepseek_v4"] = Family("deepseek_v4", "", _SWIGLU_RE, _SWIGLU, skip_prefixes=("mtp.", "model.mtp."),
+                                 routers=_V4_FLOAT, rewrites=_V4_REWRITES)
 
 
 def resolve(config: dict) -> tuple[Family, dict]:

@@ -114,6 +114,9 @@ def format_summary(s: dict) -> str:
         + f"{s['cache_kind']}: "
         f"{_gb(s['cache_bytes_per_1k_tokens'])} per 1k tokens in float32 "
         f"({_gb(s['cache_bytes_per_1k_tokens_bf16'])} in bf16)",
+        f"context      one sequence's state at 128K tokens {_gb(s['state_bytes_128k'])} in float32 "
+        f"({_gb(s['state_bytes_128k_bf16'])} in bf16), at 1M {_gb(s['state_bytes_1m'])} "
+        f"({_gb(s['state_bytes_1m_bf16'])})",
         f"experts      {s['expert_files']:,} files x {s['expert_file_bytes']:,} B "
         f"(payload {s['expert_payload_bytes']:,} B, {'/'.join(s['expert_formats'])}) = {_gb(s['expert_bytes'])}",
         f"per token    {_gb(s['streamed_bytes_per_token'])} of routed experts "

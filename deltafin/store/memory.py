@@ -33,6 +33,9 @@ def state_sizes(tc: dict) -> tuple[int, int, int, int]:
     delta-rule state in float32 plus the short conv history. The cache holds, per token and attention layer,
     the MLA latent and rope key (and DSA's indexer key), or K and V.
     """
+    if tc.get("model_type") == "deepseek_v4":
+        fixed, per_tok = _v4_state(tc)
+        return fixed * F32, per_tok, tc.get("num_hidden_layers", 0), 0
     layers = tc.get("num_hidden_layers", 0)
     fixed, full, rec = _kda_state(tc, layers)
     if not rec:
@@ -74,15 +77,48 @@ def _gated_delta_state(tc: dict, layers: int) -> tuple[int, int, int]:
     return lin * (Hv * dk * dv + conv) * F32, layers - lin, lin
 
 
+def _v4_state(tc: dict) -> tuple[int, float]:
+    """DeepSeek-V4's state in values: (fixed per sequence, growing per token). Fixed: each layer's last W-1 keys,
+    and per compressor its unfinished window (kv and gate) and CSA's overlap slots. Growing: an entry of d values
+    per ``rate`` tokens per compressed layer, CSA's indexer also Di values per 4 tokens."""
+    from deltafin.models.deepseek_v4 import CSA, HCA, Config
+
+    c = Config.from_dict(tc)
+    d, Di, fixed, per_tok = c.head_dim, c.index_head_dim, 0, 0.0
+    for kind in c.layer_types:
+        fixed += (c.sliding_window - 1) * d
+        if kind == CSA:
+            per_tok += (d + Di) / c.csa_rate
+            fixed += c.csa_rate * 2 * (2 * d + 2 * Di) + c.csa_rate * 2 * (d + Di)
+        elif kind == HCA:
+            per_tok += d / c.hca_rate
+            fixed += c.hca_rate * 2 * d
+    return fixed, per_tok
+
+
+def context_bytes(tc: dict, tokens: int, value_bytes: int = F32) -> int:
+    """One sequence's state at ``tokens`` of context (what stays fixed plus what grows), values of value_bytes."""
+    fixed, per_tok, _, _ = state_sizes(tc)
+    return int(fixed // F32 * value_bytes + per_tok * tokens * value_bytes)
+
+
 def sequence_memory(tc: dict, state_dtype_bytes: int = F32) -> dict:
     """Per-sequence state that does not grow (recurrent) and cache bytes per 1k tokens (KV or latent)."""
     fixed, per_tok, full, kda = state_sizes(tc)
+    at = {f"state_bytes_{name}{sfx}": context_bytes(tc, n, b) for name, n in (("128k", 131072), ("1m", 1 << 20))
+          for sfx, b in (("", state_dtype_bytes), ("_bf16", 2))}
+    if tc.get("model_type") == "deepseek_v4":
+        return {"recurrent_state_bytes": fixed, "recurrent_layers": 0, **at,
+                "cache_kind": f"compressed caches (CSA 1/4 + its indexer, HCA 1/128) beside a window "
+                              f"({fixed / 1e6:.1f} MB fixed in float32)",
+                "cache_bytes_per_1k_tokens": int(per_tok * 1000 * state_dtype_bytes),
+                "cache_bytes_per_1k_tokens_bf16": int(per_tok * 1000 * 2)}
     if tc.get("kv_lora_rank"):
         kind = f"latent cache ({tc['kv_lora_rank']} + {tc.get('qk_rope_head_dim', 0)} values x {full} layers)"
     else:
         kind = f"KV cache ({full} layers)"
     if tc.get("kv_lora_rank") and tc.get("index_topk"):
         kind = kind[:-1] + f", DSA indexer keys {tc.get('index_head_dim', 128)} values per layer)"
-    return {"recurrent_state_bytes": fixed, "recurrent_layers": kda, "cache_kind": kind,
+    return {"recurrent_state_bytes": fixed, "recurrent_layers": kda, "cache_kind": kind, **at,
             "cache_bytes_per_1k_tokens": per_tok * 1000 * state_dtype_bytes,
             "cache_bytes_per_1k_tokens_bf16": per_tok * 1000 * 2}

@@ -20,8 +20,9 @@ from deltafin.store.families import ExpertPart, Family, Skip, resolve
 EXPERT_FORMATS = ("auto", "mxfp4", "bf16", "f32")
 TRUNK_FORMATS = ("int8", "bf16")
 _PLAIN_OUT = {"BF16": "bf16", "F16": "f16", "F32": "f32", "F8_E4M3": "bf16", "F8_E5M2": "bf16"}
+_INDEX_OUT = {"I64": "f32", "I32": "f32"}  # index tables (DeepSeek-V4's tid2eid): exact in float32 below 2**24
 _SWIGLU_FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "kimi_k25", "glm4_moe", "minimax_m2",
-                    "qwen3_next", "qwen3_5_moe", "deepseek_v32")
+                    "qwen3_next", "qwen3_5_moe", "deepseek_v32", "deepseek_v4")
 _OUT_DTYPE = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
@@ -143,7 +144,7 @@ class _Shapes:
                 return "F32", tuple(-(-n // 128) for n in shape)
             if shape is not None:
                 dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if fp8 else self.dtype
-                return dt, shape
+                return shapes.fixed_dtype(self.family.name, local) or dt, shape
         raise CheckpointError(
             f"{self.ckpt.path}: shard {self.ckpt.weight_map[name]} is not on disk and {name}'s shape cannot be "
             f"derived from config.json; download the shards (only their headers are read for a plan)"
@@ -273,6 +274,9 @@ def _plan_trunk(names: list[tuple[str, str]], family: Family, shape_of: _Shapes,
             continue  # consumed with its weight
         dtype, shape = shape_of(name, local)
         scale_inv = by_local.get(local + "_scale_inv")
+        if dtype in _INDEX_OUT and family.is_router(local):
+            out.append(TrunkEntry(local, name, None, dtype, tuple(shape), _INDEX_OUT[dtype]))
+            continue
         if dtype not in _PLAIN_OUT:
             raise CheckpointError(f"{name}: unexpected dtype {dtype} for a trunk tensor; expected BF16, F16, F32 or FP8")
         if dtype.startswith("F8") and scale_inv is None:

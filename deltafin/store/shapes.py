@@ -114,7 +114,8 @@ def swiglu_expert_shape(role: str, tc: dict) -> tuple[int, int]:
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MLA_FAMILIES = ("deepseek_v3", "kimi_k25", "deepseek_v32")
 # families whose trunk shapes config.json gives (``trunk_shape``); Kimi K3 has its own table above
-CONFIG_SHAPED = (*_MLA_FAMILIES, "glm4_moe", "minimax_m2", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe")
+CONFIG_SHAPED = (*_MLA_FAMILIES, "glm4_moe", "minimax_m2", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe",
+                 "deepseek_v4")
 
 
 def trunk_shape(family: str, local: str, tc: dict) -> tuple[int, ...] | None:
@@ -122,6 +123,8 @@ def trunk_shape(family: str, local: str, tc: dict) -> tuple[int, ...] | None:
     from config.json and the index alone; None for a name the family does not have."""
     d, v = tc["hidden_size"], tc["vocab_size"]
     top = {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d), "model.norm.weight": (d,)}
+    if family == "deepseek_v4":
+        return _v4(local, tc)
     m = _LAYER.fullmatch(local)
     if m is None:
         return top.get(local)
@@ -129,6 +132,47 @@ def trunk_shape(family: str, local: str, tc: dict) -> tuple[int, ...] | None:
     table |= _mla(tc) if family in _MLA_FAMILIES else _qwen3_next(tc) if family in ("qwen3_next", "qwen3_5_moe") \
         else _gqa(family, tc)
     table |= _mlp(family, tc)
+    return table.get(m.group(2))
+
+
+# DeepSeek-V4 tensors transformers keeps in float32 whatever the checkpoint's dtype (and the int64 hash table)
+_V4_F32 = re.compile(r".*(_hc\.(fn|base|scale)|hc_head\.hc_\w+|\.sinks|position_bias|e_score_correction_bias|"
+                     r"(q_a_norm|kv_norm|input_layernorm|post_attention_layernorm)\.weight|^model\.norm\.weight)")
+
+
+def fixed_dtype(family: str, local: str) -> str | None:
+    """The dtype a tensor has in every checkpoint of ``family`` regardless of config.json's dtype, else None."""
+    if family != "deepseek_v4":
+        return None
+    return "I64" if local.endswith("tid2eid") else "F32" if _V4_F32.fullmatch(local) else None
+
+
+def _v4(local: str, tc: dict) -> tuple[int, ...] | None:
+    """DeepSeek-V4's trunk shapes: the compressor's widths follow the layer's kind (CSA: two series)."""
+    from deltafin.models.deepseek_v4 import CSA, Config
+
+    c = Config.from_dict(tc)
+    D, V, N, H, d = c.hidden_size, c.vocab_size, c.hc_mult, c.num_attention_heads, c.head_dim
+    top = {"model.embed_tokens.weight": (V, D), "lm_head.weight": (V, D), "model.norm.weight": (D,),
+           "model.hc_head.hc_fn": (N, N * D), "model.hc_head.hc_base": (N,), "model.hc_head.hc_scale": (1,)}
+    m = _LAYER.fullmatch(local)
+    if m is None:
+        return top.get(local)
+    i, qr, G, r, M = int(m.group(1)), c.q_lora_rank, c.o_groups, c.o_lora_rank, (2 + N) * N
+    a, k, x = "self_attn.", "self_attn.compressor.", "self_attn.compressor.indexer."
+    two = 2 if c.layer_types[i] == CSA else 1
+    Hi, Di, I, E = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.n_routed_experts
+    table = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,), a + "sinks": (H,),
+             a + "q_a_proj.weight": (qr, D), a + "q_a_norm.weight": (qr,), a + "q_b_proj.weight": (H * d, qr),
+             a + "kv_proj.weight": (d, D), a + "kv_norm.weight": (d,), a + "o_a_proj.weight": (G * r, H * d // G),
+             a + "o_b_proj.weight": (D, G * r), k + "kv_proj.weight": (two * d, D), k + "gate_proj.weight": (two * d, D),
+             k + "position_bias": (c.rate(i), two * d), k + "kv_norm.weight": (d,),
+             x + "kv_proj.weight": (2 * Di, D), x + "gate_proj.weight": (2 * Di, D), x + "position_bias": (c.csa_rate, 2 * Di),
+             x + "kv_norm.weight": (Di,), x + "q_b_proj.weight": (Hi * Di, qr), x + "scorer.weights_proj.weight": (Hi, D),
+             "mlp.gate.weight": (E, D), "mlp.gate.e_score_correction_bias": (E,),
+             "mlp.gate.tid2eid": (V, c.num_experts_per_tok), "mlp.shared_experts.gate_proj.weight": (I, D),
+             "mlp.shared_experts.up_proj.weight": (I, D), "mlp.shared_experts.down_proj.weight": (D, I)}
+    table |= {f"{n}_hc.{p}": s for n in ("attn", "ffn") for p, s in (("fn", (M, N * D)), ("base", (M,)), ("scale", (3,)))}
     return table.get(m.group(2))
 
 

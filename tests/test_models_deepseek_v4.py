@@ -1,0 +1,220 @@
+"""DeepSeek-V4 (``deepseek_v4``) against transformers on a tiny model (``tiny_families.NEW_TINY``): a sliding layer,
+CSA (rate 4, the indexer's top 4) and HCA (rate 16) layers, a hash-routed first layer, 4 mHC streams. The prompt
+(48 tokens) and the 16 decoded ones pass the window (8), the top k and several compressed entries of each kind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deltafin.errors import CheckpointError
+from deltafin.models import csa, deepseek_v4, layers
+from deltafin.store.checkpoint import Checkpoint
+from deltafin.store.plan import build_plan
+from tests import tiny_families as tf
+
+pytest.importorskip("transformers")
+PROMPT, NEW = 48, 16
+LONG = 72  # a teacher-forced sequence: 18 CSA entries for a top 4, 4 HCA entries
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(transformers' model, the folder holding its saved checkpoint under src/)."""
+    from deltafin.tiny import save_byte_tokenizer
+
+    root = tmp_path_factory.mktemp("v4")
+    hf = tf.build("deepseek_v4", root / "src")
+    save_byte_tokenizer(root / "src", 320)  # for classify
+    return hf, root
+
+
+@pytest.fixture(scope="module")
+def exact(built):
+    """(transformers' model, the lossless pack)."""
+    hf, root = built
+    return hf, tf.pack_to(root)
+
+
+@pytest.fixture(scope="module")
+def packed(built, tmp_path_factory):
+    """Packed as shipped: int8 trunk, MXFP4 experts."""
+    _, root = built
+    out = tmp_path_factory.mktemp("v4_default")
+    (out / "src").symlink_to(root / "src")
+    return tf.pack_to(out, tf.DEFAULT)
+
+
+def test_matches_hugging_face(exact):
+    hf, model_dir = exact
+    tf.check_matches_hf(hf, model_dir, tf.prompt(PROMPT), n=NEW)
+
+
+def test_yarn_on_the_compressed_layers_matches(tmp_path):
+    """YaRN (as V4-Flash ships it) applies to the compressed layers' rope only, with transformers' cos/sin factor 1."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+            "beta_slow": 1}
+    hf = tf.build("deepseek_v4", tmp_path / "src", rope_parameters=yarn)
+    tf.check_matches_hf(hf, tf.pack_to(tmp_path), tf.prompt(PROMPT), n=4)
+
+
+def _prefill_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    eng = tf.engine(model_dir)
+    try:
+        with torch.inference_mode():
+            return eng.step([(torch.tensor(ids), eng.new_state())], all_logits=True)[0].cpu()
+    finally:
+        eng.close()
+
+
+def _no_sinks(monkeypatch):
+    monkeypatch.setattr(csa, "_probs", lambda s, sinks, dtype: layers._probs(s, None, dtype))
+
+
+def _no_hash(monkeypatch):
+    real = deepseek_v4.Model._setup
+
+    def setup(self):
+        real(self)
+        self.tid2eid = {}  # the hash layers route by their scores instead
+
+    monkeypatch.setattr(deepseek_v4.Model, "_setup", setup)
+
+
+def _one_sinkhorn_step_less(monkeypatch):
+    real = deepseek_v4.sinkhorn
+    monkeypatch.setattr(deepseek_v4, "sinkhorn", lambda comb, iters, eps: real(comb, iters - 1, eps))
+
+
+def _no_indexer(monkeypatch):
+    def every_finished(q, w, keys, pos, rate, k):
+        seen = csa.finished(pos, q.shape[0], rate, q.device)[:, None]
+        return torch.arange(keys.shape[0])[None] < seen
+
+    monkeypatch.setattr(csa, "index_select", every_finished)
+
+
+def _no_compression(monkeypatch):
+    monkeypatch.setattr(deepseek_v4.Model, "_compressed", lambda self, *a: (None, None))
+
+
+PARTS = {"sinks": _no_sinks, "hash routing": _no_hash, "a Sinkhorn step": _one_sinkhorn_step_less,
+         "the indexer's choice": _no_indexer, "compression": _no_compression}
+
+
+@pytest.fixture(scope="module")
+def reference(exact):
+    hf, _ = exact
+    ids = tf.prompt(LONG, seed=5)
+    with torch.no_grad():
+        return ids, hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_long_prefill_matches(exact, reference):
+    ids, ref = reference
+    assert tf.rel_err(_prefill_logits(exact[1], ids), ref) < 1e-4
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_each_part_is_needed(exact, reference, part, monkeypatch):
+    """The model code without one part no longer gives transformers' logits (so the match above checks it)."""
+    ids, ref = reference
+    PARTS[part](monkeypatch)
+    assert tf.rel_err(_prefill_logits(exact[1], ids), ref) > 1e-3
+
+
+def test_prompt_cache_batching_chunked_prefill(packed):
+    tf.check_prompt_cache_and_batch(packed, 22, 8)  # 7 CSA entries for a top 4, an HCA entry
+
+
+def test_classify_batched_equals_alone(packed):
+    """classify's label scores (prefill, copied states, multi-token labels) for inputs past the window."""
+    from deltafin.jobs.classify import Classifier
+
+    eng = tf.engine(packed)
+    try:
+        clf = Classifier(eng, ["yes", "no way"])
+        prompts = [clf.prompt(t) for t in ("the quick brown fox jumps over the lazy dog", "a longer review " * 3)]
+        together = clf.score(prompts)
+        for p, row in zip(prompts, together, strict=True):
+            assert row == pytest.approx(clf.score([p])[0], rel=1e-4, abs=1e-5)
+    finally:
+        eng.close()
+
+
+def test_fast_path_agrees_with_exact(packed):
+    assert tf.fast_path_agreement(packed) >= 0.99
+
+
+def test_hash_routed_experts_are_read_before_their_layer(packed, monkeypatch):
+    """The hash layer's experts follow from the token ids: their reads are submitted before layer 0 computes,
+    and the step's logits are those of a source that reads them when the layer asks."""
+    events = []
+    eng = tf.engine(packed)
+    try:
+        src, model = eng.source, eng.model
+        real_attn, real_submit = model.attn_part, src.pool.submit
+        monkeypatch.setattr(model, "attn_part", lambda i, c, st: events.append(("attn", i)) or real_attn(i, c, st))
+        monkeypatch.setattr(src.pool, "submit", lambda d, path, *a: events.append(("read", path)) or
+                            real_submit(d, path, *a))
+        st, ref_st = eng.new_state(), eng.new_state()
+        eng.forward(tf.prompt(20), st)
+        events.clear()
+        got = eng.forward([7], st)
+        layer0 = [j for j, (kind, what) in enumerate(events) if kind == "read" and "/L000/" in what]
+        assert layer0 and max(layer0) < events.index(("attn", 0)) and src.stats.prefetched > 0
+        monkeypatch.setattr(src, "prefetch", None)  # no read ahead
+        del src.prefetch
+        eng.forward(tf.prompt(20), ref_st)
+        assert torch.equal(got, eng.forward([7], ref_st))
+    finally:
+        eng.close()
+
+
+def test_plan_from_config_and_index_alone(tmp_path):
+    """Shapes from config.json (no shards) equal the headers', the hash table an index table kept float."""
+    tf.build("deepseek_v4", tmp_path / "src")
+    src = tmp_path / "src"
+    headers = build_plan(Checkpoint(str(src)))
+    names = list(Checkpoint(str(src)).weight_map)
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+    (src / "model.safetensors").unlink()
+    config = build_plan(Checkpoint(str(src)))
+    assert config.shapes_from == "config.json" and not config.unused
+    assert [(t.name, t.shape, t.format) for t in config.trunk] == [(t.name, t.shape, t.format) for t in headers.trunk]
+    assert {t.name: t.format for t in headers.trunk}["model.layers.0.mlp.gate.tid2eid"] == "f32"
+
+
+def test_mtp_layer_is_skipped_and_unknown_settings_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tf.build("deepseek_v4", tmp_path / "src")
+    f = tmp_path / "src" / "model.safetensors"
+    sd = load_file(str(f))
+    sd["mtp.0.attn.wq_a.weight"] = sd["model.layers.0.attn.wq_a.weight"].clone()
+    save_file(sd, str(f), metadata={"format": "pt"})
+    plan = build_plan(Checkpoint(str(tmp_path / "src")))
+    assert ("mtp.0.attn.wq_a.weight" in {n for n, _ in plan.skipped}) and not plan.unused
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 2}))
+    with pytest.raises(CheckpointError, match="num_key_value_heads 2"):
+        build_plan(Checkpoint(str(tmp_path / "src")))
+
+
+def test_state_counted_by_the_memory_model(packed):
+    """store/memory.py's count of V4's state (window, compressors, indexer) bounds what the model holds."""
+    from deltafin.store.memory import context_bytes, state_sizes
+
+    eng = tf.engine(packed)
+    try:
+        st = eng.new_state()
+        eng.forward(tf.prompt(LONG), st)
+        held = sum(layer.nbytes() for layer in st.layers)
+        tc = eng.packed.text_config
+        _, per_tok, _, _ = state_sizes(tc)
+        assert per_tok * LONG * 4 <= held <= context_bytes(tc, LONG)
+    finally:
+        eng.close()
