@@ -109,14 +109,17 @@ def build_checkpoint(path: str, shape: str, seed: int = 0) -> dict:
 
     index = os.path.join(path, "model.safetensors.index.json")
     cfg = Qwen3MoeConfig(**SHAPES[shape], norm_topk_prob=True, max_position_embeddings=4096, eos_token_id=None,
-                         bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+                         bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+                         architectures=["Qwen3MoeForCausalLM"])  # llama.cpp's converter picks its class by this
     if os.path.isfile(index):
         with open(os.path.join(path, "config.json")) as f:
-            if all(json.load(f).get(k) == v for k, v in SHAPES[shape].items()):
-                return cfg.to_dict()
+            have = json.load(f)
+        if all(have.get(k) == v for k, v in SHAPES[shape].items()):
+            cfg.save_pretrained(path)
+            return cfg.to_dict()
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
-    save_byte_tokenizer(path, cfg.vocab_size)
+    save_byte_tokenizer(path, cfg.vocab_size, merges=64)
     with torch.device("meta"):
         names = _per_expert({n: tuple(p.shape) for n, p in AutoModelForCausalLM.from_config(cfg).state_dict().items()})
     g = torch.Generator().manual_seed(seed)
@@ -193,5 +196,5 @@ def _check(cmd: list[str]) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{os.path.basename(cmd[2] if cmd[0] == sys.executable else cmd[0])} failed "
+        raise RuntimeError(f"{os.path.basename(cmd[3] if cmd[0] == sys.executable else cmd[0])} failed "
                            f"(exit {r.returncode}): {' | '.join(tail)}")
