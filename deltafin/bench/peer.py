@@ -104,7 +104,7 @@ def _prepare(args, work: str, tools) -> dict:
         peer_tools.build_checkpoint(ck, "small" if args.small else "issue")
     gguf, packed = os.path.join(work, "model-mxfp4-moe.gguf"), os.path.join(work, "deltafin")
     out: dict = {"checkpoint": ck, "gguf": gguf, "packed": packed}
-    have = args.reuse and os.path.isfile(gguf) and os.path.isfile(os.path.join(packed, "manifest.json"))
+    have = args.reuse and os.path.isfile(gguf) and os.path.isfile(os.path.join(packed, "deltafin.json"))
     if have:
         return out
     bf16 = os.path.join(work, "model-bf16.gguf")
