@@ -144,7 +144,8 @@ def _pairs(args, files: dict, tools) -> list[dict]:
                          peer_run.deltafin_side(files["packed"], args.threads, args.tokens, args.prompt))
         got["pressure"], got["order"] = _pressure(*t), order[0]
         pairs.append(got)
-        print(f"pair {i + 1}/{args.pairs} ({order[0]} first, CPU pressure {got['pressure']:.1f}%): " + ", ".join(
+        load = "unknown" if got["pressure"] is None else f"{got['pressure']:.1f}%"
+        print(f"pair {i + 1}/{args.pairs} ({order[0]} first, CPU pressure {load}): " + ", ".join(
             f"{k} {got['llama'][k]:.1f} / {got['deltafin'][k]:.1f}" for k in peer_run.FIGURES), flush=True)
     return pairs
 
