@@ -152,6 +152,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     from deltafin.bench.ingest_cli import add_args as add_ingest_args
 
     add_ingest_args(sub)
+    from deltafin.bench.peer import add_args as add_peer_args
+
+    add_peer_args(sub)
     b = sub.add_parser("grammar", help="constrained decoding's token mask per token beside the lm_head's cost")
     b.add_argument("--vocab", type=int, default=65_536, help="tokenizer vocabulary to train (default 65,536)")
     b.add_argument("--tokens", type=int, default=200, help="tokens to choose under each grammar")

@@ -75,10 +75,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_byte_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
+def save_byte_tokenizer(path: str | os.PathLike, vocab_size: int, merges: int = 0) -> None:
     """A byte-level tokenizer (256 byte tokens, no merges) with <|im_start|>/<|im_end|> and a chat template.
 
-    Needs vocab_size >= 258: specials take ids 256 and 257.
+    Needs vocab_size >= 258: specials take ids 256 and 257. ``merges`` > 0 adds that many two-letter merges first
+    (ids from 256 on, specials after them): llama.cpp's converter refuses a BPE tokenizer without merges.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -88,7 +89,11 @@ def save_byte_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
     vocab = {c: i for i, c in enumerate(byte_chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    pairs = [(a, b) for a in "etaoinsrhl" for b in "etaoinsrhl"][:merges]
+    if len(vocab) + len(pairs) + 2 > vocab_size:
+        raise ValueError(f"{merges} merges and 2 specials do not fit a vocabulary of {vocab_size}")
+    vocab |= {a + b: 256 + i for i, (a, b) in enumerate(pairs)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None,

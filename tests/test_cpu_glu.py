@@ -325,7 +325,7 @@ def test_small_experts_in_one_call_are_each_expert_alone(isa, fmt, two_threads):
 
 def test_small_experts_in_one_call_only_where_it_applies(two_threads):
     """Experts the call cannot take (another shape or format than the first's, past the Q8 path's tokens) are None in
-    its list; None instead of a list where fewer than two remain, or with one thread; experts large enough for a call
+    its list; None instead of a list where fewer than two remain (one thread takes the call too); experts large enough for a call
     of their own to split them by rows give that call's result too. kernels.glu_many: only on the fast path, each
     expert on its rows of x, gathering only the experts it runs; not for other roles than gate/up/down."""
     small = [(r["gate"], r["up"], r["down"]) for r in (_expert("mxfp4", 32, 64, seed=s) for s in (1, 4))]
@@ -344,8 +344,9 @@ def test_small_experts_in_one_call_only_where_it_applies(two_threads):
     xb = torch.randn(1, 2048)
     ys = cpu.glu_experts([xb, xb], [(b["gate"], b["up"], b["down"]) for b in big])
     assert all(torch.equal(y, cpu.glu_expert(xb, b["gate"], b["up"], b["down"])) for y, b in zip(ys, big, strict=True))
-    torch.set_num_threads(1)
-    assert cpu.glu_experts([x, x], small) is None
+    torch.set_num_threads(1)  # one thread: still one call, each expert's own result
+    ys = cpu.glu_experts([x, x], small)
+    assert all(torch.equal(y, cpu.glu_expert(x, *r)) for y, r in zip(ys, small, strict=True))
     torch.set_num_threads(2)
     tensors = [dict(zip(("gate", "up", "down"), r, strict=True)) for r in small]
     rows = torch.randn(5, 64)

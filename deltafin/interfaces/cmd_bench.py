@@ -65,7 +65,7 @@ def run(args) -> int:
 
         bench_grammar(args)
         return 0
-    if args.bench in ("kernels", "warm", "ingest"):
+    if args.bench in ("kernels", "warm", "ingest", "peer"):
         import importlib
 
         importlib.import_module(f"deltafin.bench.{args.bench}").run(args)

@@ -327,11 +327,11 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
     too small to split by rows (under SERIAL_ELEMENTS a call of their own runs on one thread, the others idle) keep
     every core busy together, and larger ones pay three barriers a layer instead of three an expert. The experts it
     does not take (past the Q8 path's tokens, another shape or format than the first one's) are None in the list,
-    for the caller to run alone; None instead of a list where fewer than two remain, or with one thread, or no Q8
-    path. Timings: docs/BENCHMARKS.md, "CPU kernel switch points"."""
+    for the caller to run alone; None instead of a list where fewer than two remain, or no Q8 path. One thread
+    takes the call too: a layer's experts quantize their shared token once and cost one call, not one each. Timings: docs/BENCHMARKS.md, "CPU kernel switch points"."""
     lib = lib or native.library()
     threads = torch.get_num_threads()
-    if len(experts) < 2 or threads < 2 or not q8_enabled(lib):
+    if len(experts) < 2 or not q8_enabled(lib):
         return None
     first = _glu_parts(*experts[0])
     if first is None:

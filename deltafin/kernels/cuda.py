@@ -23,6 +23,8 @@ _BROKEN: set[str] = set()  # small fused kernels that failed to build here: thei
 
 
 def enabled(x: torch.Tensor) -> bool:
+    if x.dtype != torch.bfloat16:  # first: the CPU's float32 fast path asks this per op, the environment is slower
+        return False
     mode = os.environ.get("DELTAFIN_KERNELS", "triton")
     on_device = x.is_cuda or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
     return on_device and x.dtype == torch.bfloat16 and mode != "torch"

@@ -206,7 +206,8 @@ def moe_dispatch(
         ids_host = None
     if ids_host is None:
         ids_host = ids.cpu()  # the one host synchronisation of the layer: which experts to fetch
-    wanted = unique_ids(ids_host)
+    row = ids_host[0].tolist() if T == 1 else []
+    wanted = sorted(set(row)) if T == 1 else unique_ids(ids_host)  # one token: no tensor ops for k ids
     if hasattr(experts, "local"):
         wanted = experts.local(layer, wanted)
     kernel_path = glu is not None and x.dtype == torch.bfloat16 and not hasattr(experts, "combine") and kc.enabled(x)
@@ -224,17 +225,15 @@ def moe_dispatch(
     seen = 0
     # One token (decode): each expert's slot is read off the host ids, with no per-expert index tensors; the
     # same products land in the same slots as below.
-    row = ids_host[0].tolist() if T == 1 else []
     slot_of = {e: s for s, e in enumerate(row)} if T == 1 and len(set(row)) == k else None
     if slot_of is not None:
-        out = x.new_zeros(T, k, D)  # [T, k, D]
+        by_slot: list[torch.Tensor | None] = [None] * k
         for group in groups if grouped else ([item] for item in fetched):
             ys = glu_many(x, [None] * len(group), [t for _, t in group], glu) if len(group) > 1 else None
             for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
-                s = slot_of[eid]
-                y = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
-                out[0, s] = y[0] * weights[0, s].to(y.dtype)
+                by_slot[slot_of[eid]] = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
                 seen += 1
+        out = _weighted_slots(by_slot, weights[0], x)  # [1, k, D]
     else:
         # Many tokens: every expert's (token, slot) places from one stable sort of the ids (token order within an
         # expert, as a scan of the ids gives them), and the slot buffer written place by place. Every place is
@@ -263,6 +262,14 @@ def moe_dispatch(
     if hasattr(experts, "combine"):
         out = experts.combine(layer, out, ids)
     return out.sum(1)
+
+
+def _weighted_slots(by_slot: list[torch.Tensor | None], w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One token's [1, k, D] slot buffer, slot s = y_s * w_s in x's dtype (zero where no expert ran here: a
+    source split over ranks), from a handful of ops rather than a few per slot."""
+    ref = next(y for y in by_slot if y is not None) if any(y is not None for y in by_slot) else x
+    ys = torch.cat([y if y is not None else ref.new_zeros(1, x.shape[1]) for y in by_slot])  # [k, D]
+    return ys.mul_(w.to(ys.dtype).unsqueeze(-1)).to(x.dtype).unsqueeze(0)
 
 
 _SLOTS = threading.local()

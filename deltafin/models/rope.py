@@ -186,12 +186,20 @@ class Rope:
         self.dim = params.dim  # rotary width r
         self.factor = params.cos_sin_factor
         self.inv_freq = params.inv_freq().to(device)  # [r/2]
+        self._last: tuple | None = None  # (pos, T, cos, sin): every layer of a step asks for the same positions
 
     def cos_sin(self, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, r/2] float32 for positions pos .. pos+T-1."""
+        """cos, sin [T, r/2] float32 for positions pos .. pos+T-1 (the CPU's last answer kept for the next layer;
+        a CUDA graph records its own)."""
+        last = self._last
+        if last is not None and last[0] == pos and last[1] == T:
+            return last[2], last[3]
         t = torch.arange(pos, pos + T, device=self.inv_freq.device, dtype=torch.int64).float()
         freqs = t[:, None] * self.inv_freq[None]  # [T, r/2]
-        return freqs.cos() * self.factor, freqs.sin() * self.factor
+        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
+        if self.inv_freq.device.type == "cpu" and T <= 64:
+            self._last = (pos, T, cos, sin)
+        return cos, sin
 
 
 def apply_rope(

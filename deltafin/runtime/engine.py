@@ -16,6 +16,7 @@ from deltafin.errors import ReadError, UsageError
 from deltafin.io.direct import FileDriveReader
 from deltafin.models import registry
 from deltafin.models.base import SequenceState
+from deltafin.quant.record import QTensor
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
 from deltafin.runtime.prefill_plan import default_context, plan_prefill
@@ -133,6 +134,17 @@ def compute_dtype(exact: bool, dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+WIDEN_ELEMENTS = 1 << 21  # 16-bit records up to this size (norms, routers) are kept in float32 on the CPU
+
+
+def widen_small(weights: dict[str, QTensor]) -> dict[str, QTensor]:
+    """Small bf16/f16 records as float32 records (exact: every 16-bit float is a float32): a float32 step
+    otherwise converts each norm weight and router matrix on every use, a copy per layer per token (a router of
+    128 x 2048: 1 MB a layer). Larger ones keep their 16 bits (memory)."""
+    return {k: QTensor("f32", w.shape, w.data.float()) if isinstance(w, QTensor) and w.format in ("bf16", "f16")
+            and w.data.numel() <= WIDEN_ELEMENTS else w for k, w in weights.items()}
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "mlx":  # MLX runs the step (deltafin/mlx); torch only carries ids in and logits out, on the host
         return torch.device("cpu")
@@ -203,6 +215,8 @@ class Engine:
         with bar(trunk_bytes, "loading trunk", enabled=opts.progress) as b:
             weights = {k: v.to(self.device) for k, v in self.packed.trunk_records(b.update).items()}
         self.dtype = compute_dtype(opts.exact, opts.dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            weights = widen_small(weights)
         if self.mlx:  # the MLX engine's model and slab-backed source (deltafin/mlx/engine.py)
             from deltafin.mlx.engine import open_mlx
 

@@ -1,0 +1,103 @@
+"""``deltafin bench peer``: argument checks, the path without llama.cpp, finding llama.cpp's tools, reading
+llama-bench's JSON (a stand-in script), the checkpoint's released expert names, the pressure and cap probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from deltafin import cli
+from deltafin.bench import peer, peer_run, peer_tools
+
+
+def _main(capsys, *argv: str) -> tuple[int, str]:
+    rc = cli.main(["bench", "peer", *argv])
+    return rc, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--pairs", "0"], "--pairs 0"), (["--tokens", "0"], "--tokens 0"), (["--prompt", "-1"], "--prompt -1"),
+    (["--threads", "0"], "--threads 0"), (["--max-pressure", "0"], "--max-pressure 0"),
+    (["--cap-gb", "-2"], "--cap-gb -2.0"), (["--llama-cpp", "/nonexistent/llama"], "/nonexistent/llama: not a folder"),
+])
+def test_bad_arguments_are_one_line(capsys, argv, needle):
+    rc, err = _main(capsys, *argv)
+    assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_checkpoint_is_checked_first(capsys, tmp_path):
+    rc, err = _main(capsys, "--checkpoint", str(tmp_path))
+    assert rc == 2 and "no config.json" in err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    rc, err = _main(capsys, "--checkpoint", str(tmp_path))
+    assert rc == 2 and "model_type 'llama'" in err and len(err.splitlines()) == 1
+
+
+def test_without_llama_cpp_says_how_to_get_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    rc, err = _main(capsys, "--small", "--dir", str(tmp_path / "work"))
+    assert rc == 2 and "llama.cpp not found" in err and "llama-bench" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "work").exists()  # nothing built before the check
+
+
+def _exe(path, body: str) -> None:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_finds_tools_in_a_build_tree(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    src = tmp_path / "llama.cpp"
+    (src / "build" / "bin").mkdir(parents=True)
+    for name in ("llama-bench", "llama-quantize"):
+        _exe(src / "build" / "bin" / name, "exit 0\n")
+    with pytest.raises(peer_tools.LlamaCppMissing, match="--converter"):
+        peer_tools.find_llama_cpp(str(src), None)
+    (src / "convert_hf_to_gguf.py").write_text("")
+    for where in (str(src), str(src / "build" / "bin")):
+        t = peer_tools.find_llama_cpp(where, None)
+        assert t.bench.endswith("build/bin/llama-bench") and t.converter == str(src / "convert_hf_to_gguf.py")
+    with pytest.raises(peer_tools.UsageError, match="--converter /no/such.py"):
+        peer_tools.find_llama_cpp(str(src), "/no/such.py")
+
+
+def test_reads_llama_bench_json(tmp_path):
+    """A stand-in llama-bench answering like the real one (-o json): pp and tg rows, depth and threads kept."""
+    fake = tmp_path / "llama-bench"
+    _exe(fake, """p=0; n=0; d=0; t=0
+while [ $# -gt 0 ]; do case $1 in -p) p=$2;; -n) n=$2;; -d) d=$2;; -t) t=$2;; esac; shift; done
+row() { echo "{\\"n_prompt\\": $1, \\"n_gen\\": $2, \\"n_depth\\": $d, \\"avg_ts\\": $3, \\"build_number\\": 7,
+ \\"build_commit\\": \\"abc\\", \\"model_size\\": 99}"; }
+echo "["
+if [ $p -gt 0 ]; then row $p 0 $((100 * t)); echo ","; fi
+row 0 $n $((10 * t + d))
+echo "]"
+""")
+    r = peer_run.llama_side(str(fake), "m.gguf", threads=2, tokens=8, prompt=512)
+    assert r["prefill"] == 200 and r["decode_depth0"] == 20 and r["decode_after_prompt"] == 532
+    assert r["decode_1thread"] == 10 and r["version"] == "7 (abc)" and r["model_bytes"] == 99
+
+
+def test_released_expert_names():
+    names = peer_tools._per_expert({"model.layers.3.mlp.experts.gate_up_proj": (2, 8, 4),
+                                    "model.layers.3.mlp.experts.down_proj": (2, 4, 4), "model.norm.weight": (4,)})
+    assert names == {f"model.layers.3.mlp.experts.{e}.{w}_proj.weight": s for e in range(2)
+                     for w, s in (("gate", (4, 4)), ("up", (4, 4)), ("down", (4, 4)))} | {"model.norm.weight": (4,)}
+
+
+def test_pressure_and_cap_probes_answer():
+    total = peer.cpu_pressure_total()
+    assert total is None or total >= 0
+    wrap, how = peer.memory_cap(1 << 30)
+    assert how and (wrap is None or wrap[0] in ("systemd-run", "sh"))
+    assert peer.summary([3.0, 1.0, 2.0]) == "2.0 (1.0-3.0)" and peer.summary([]) == "-"
+
+
+def test_drop_cached_takes_files_and_folders(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_bytes(os.urandom(4096))
+    (tmp_path / "y").write_bytes(b"1")
+    peer.drop_cached([str(tmp_path / "a"), str(tmp_path / "y")])  # no error on either
