@@ -647,7 +647,7 @@ def test_pack_resumes_after_a_crash_and_matches_an_uninterrupted_pack(tmp_path, 
     total = sum(len(v) for v in ref_sums.values())
 
     rates = iter([2.0, 1.0, 0.5, 3.0])  # the first run measures 2:1, a re-run would measure 1:6
-    monkeypatch.setattr("deltafin.store.pack.measured_rates", lambda ds: {d.label: next(rates) for d in ds})
+    monkeypatch.setattr("deltafin.store.pack_layout.measured_rates", lambda ds: {d.label: next(rates) for d in ds})
     run = tmp_path / "run"
     drives = parse_drives([f"a:{run / 'da'}", f"b:{run / 'db'}"])
     out = run / "model"

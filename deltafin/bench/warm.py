@@ -77,6 +77,39 @@ def _decode(model, experts, tokens: int, fast: bool) -> float:
     return (time.perf_counter() - t) / tokens
 
 
+def invariance_cost(model, experts, tokens: int, batch: int = 8, prompt: int = 128) -> dict:
+    """Fast-path seconds with and without batch invariance (``kernels.batch_invariant``): a one-sequence decode
+    token, a step of ``batch`` sequences, a ``prompt``-token prefill. Interleaved, best of two rounds each."""
+    from deltafin import kernels
+    from deltafin.runtime.batch import forward_batch
+
+    def timed(fn, reps: int) -> float:
+        fn()  # warm-up
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps
+
+    def batched() -> float:
+        states = [model.new_state(tokens + 8) for _ in range(batch)]
+        seqs = lambda: [(torch.tensor([1 + j]), st) for j, st in enumerate(states)]  # noqa: E731
+        return timed(lambda: forward_batch(model, seqs(), experts), tokens)
+
+    def prefill() -> float:
+        ids = torch.arange(1, prompt + 1)
+        return timed(lambda: model.forward(ids, model.new_state(prompt + 1), experts), 1)
+
+    best: dict[bool, dict[str, float]] = {}
+    for _ in range(2):
+        for inv in (False, True):
+            with torch.inference_mode(), kernels.batch_invariant(inv), kernels.fast(True):
+                got = {"decode_s": _decode(model, experts, tokens, True), "batch_step_s": batched(),
+                       "prefill_s": prefill()}
+            best[inv] = {k: min(v, best.get(inv, {}).get(k, v)) for k, v in got.items()}
+    return {"batch": batch, "prompt": prompt, "default": best[False], "batch_invariant": best[True],
+            "cost": {k: best[True][k] / best[False][k] - 1 for k in best[False]}}
+
+
 def run(args) -> dict:
     from deltafin import kernels
     from deltafin.models import qwen3_moe
@@ -104,6 +137,15 @@ def run(args) -> dict:
           f"{r['fraction_of_roofline']:.2f} of the memory roofline {roof:.2f} tok/s ({bw:.2f} GB/s read bandwidth "
           f"in this run / {per_tok / 1e6:.0f} MB per token; target >= {TARGET}); plain torch path "
           f"{r['torch_path_tok_s']:.3f} tok/s = {r['torch_fraction_of_roofline']:.3f}")
+    if getattr(args, "batch_invariant", False) and r["path"] == "cpu":
+        inv = r["invariance"] = invariance_cost(model, experts, args.tokens)
+        d, b = inv["default"], inv["batch_invariant"]
+        print(f"batch invariance (--batch-invariant) beside the default fast path: one-sequence decode "
+              f"{1 / b['decode_s']:.2f} vs {1 / d['decode_s']:.2f} tok/s ({inv['cost']['decode_s']:+.0%} time), a step "
+              f"of {inv['batch']} sequences {b['batch_step_s'] * 1e3:.1f} vs {d['batch_step_s'] * 1e3:.1f} ms "
+              f"({inv['cost']['batch_step_s']:+.0%}), a {inv['prompt']}-token prefill "
+              f"{inv['prompt'] / b['prefill_s']:.0f} vs {inv['prompt'] / d['prefill_s']:.0f} tok/s "
+              f"({inv['cost']['prefill_s']:+.0%} time)")
     if args.json:
         from deltafin.store.manifest import write_json_atomic
 

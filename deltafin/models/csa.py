@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from deltafin.models.base import rms_norm
+from deltafin.models.base import rms_norm, rowwise
 from deltafin.models.layers import SCORE_BUDGET, GrowingCache, _probs
 from deltafin.models.rope import Rope
 
@@ -44,7 +44,8 @@ def cos_sin_at(rope: Rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm without a weight over the last dim (the per-head query norm; mHC's stream norm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    ms = x.float().square().mean(-1, keepdim=True) + eps
+    return x * rowwise(torch.rsqrt, ms.reshape(-1, 1)).view(ms.shape).to(x.dtype)  # rowwise: batch-invariant
 
 
 @dataclass

@@ -33,6 +33,7 @@ from deltafin.models.base import (
     linear,
     moe_dispatch,
     rms_norm,
+    rowwise,
 )
 from deltafin.models.common import ROUTER_RENORM_EPS, DecoderLM, config_kwargs, require_tensors
 from deltafin.models.layers import GrowingCache
@@ -260,15 +261,15 @@ class Model(DecoderLM):
         c, (T, N, D) = self.cfg, x.shape
         p = self.w.get
         flat = csa.unit_rms(x.reshape(T, N * D).float(), self.norm_eps)
-        mix = F.linear(flat, p(pre + "fn"))  # [T, (2 + N) N] or [T, N]
+        mix = linear(flat, p(pre + "fn"))  # [T, (2 + N) N] or [T, N]
         scale, base = p(pre + "scale"), p(pre + "base")
         if collapse_only:
-            w_pre = torch.sigmoid(mix * scale + base) + c.hc_eps
+            w_pre = rowwise(torch.sigmoid, mix * scale + base) + c.hc_eps
             return (w_pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
         m_pre, m_post, m_comb = mix.split([N, N, N * N], dim=-1)
         b_pre, b_post, b_comb = base.split([N, N, N * N])
-        w_pre = torch.sigmoid(m_pre * scale[0] + b_pre) + c.hc_eps
-        post = 2 * torch.sigmoid(m_post * scale[1] + b_post)
+        w_pre = rowwise(torch.sigmoid, m_pre * scale[0] + b_pre) + c.hc_eps  # rowwise: batch-invariant
+        post = 2 * rowwise(torch.sigmoid, m_post * scale[1] + b_post)
         comb = torch.softmax(m_comb.view(T, N, N) * scale[2] + b_comb.view(N, N), dim=-1) + c.hc_eps
         comb = sinkhorn(comb, c.hc_sinkhorn_iters, c.hc_eps)
         return post, comb, (w_pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
@@ -320,7 +321,8 @@ class Model(DecoderLM):
         table's experts; weights renormalised and scaled. (ids [T, k], weights [T, k] float32)."""
         c = self.cfg
         logits = linear(h.float(), self._p(i, "mlp.gate.weight"))  # [T, E]
-        scores = F.softplus(logits).sqrt() if c.scoring_func == "sqrtsoftplus" else logits.sigmoid()
+        act = (lambda t: F.softplus(t).sqrt()) if c.scoring_func == "sqrtsoftplus" else torch.sigmoid
+        scores = rowwise(act, logits)
         if i in self.tid2eid:
             ids = self.tid2eid[i][tokens]  # [T, k]
         else:

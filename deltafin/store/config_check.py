@@ -199,8 +199,9 @@ def _check_indexer(tc: dict, where: str) -> None:
         raise CheckpointError(f"{where}: lacks {', '.join(missing)}, which the DSA indexer needs; re-download "
                               f"config.json")
     kinds = tc.get("layer_types")
-    if isinstance(kinds, list) and set(kinds) - {"indexed_attention"}:
-        raise CheckpointError(f"{where}: layer_types names {sorted(set(kinds) - {'indexed_attention'})}; this code "
+    dsa = {"indexed_attention", "deepseek_sparse_attention"}  # the DSA layer as transformers releases name it
+    if isinstance(kinds, list) and set(kinds) - dsa:
+        raise CheckpointError(f"{where}: layer_types names {sorted(set(kinds) - dsa)}; this code "
                               f"implements DSA layers (indexed_attention) only")
 
 

@@ -36,10 +36,11 @@ from deltafin.store.convert import (
     expert_tensors,
     passthrough_sections,
 )
-from deltafin.store.drives import DriveArg, check_space, ensure_writable, measured_rates
+from deltafin.store.drives import DriveArg, check_space
 from deltafin.store.fileio import file_sha256, peak_rss_bytes, return_freed_memory
 from deltafin.store.load_checks import check_distinct_drives
 from deltafin.store.locks import LockedError, model_lock
+from deltafin.store.pack_layout import PackSummary, plan_drive_layout, resolve_drives  # noqa: F401 (also from here)
 from deltafin.store.pack_state import (
     STATE,
     fingerprint,
@@ -48,9 +49,9 @@ from deltafin.store.pack_state import (
     new_state,
     state_from_manifest,
 )
-from deltafin.store.place import Layout, plan_layout, relpath
-from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES, DriveSpec
-from deltafin.store.plan import PackPlan, build_plan, refuse_unused
+from deltafin.store.place import Layout, relpath
+from deltafin.store.placement import ALL_POLICIES, TRACE_POLICIES
+from deltafin.store.plan import build_plan, refuse_unused
 from deltafin.store.safetensors_io import write_streamed
 from deltafin.store.trunk import trunk_intact
 
@@ -79,47 +80,6 @@ class PackOptions:
     allow_nonfinite: bool = False  # pack NaN/inf weights as they are (refused by default: they are damage)
     overwrite: bool = False  # OUT holds another checkpoint's model: remove it first (else refused)
     allow_unused: bool = False  # pack trunk tensors the model code never reads (refused by default)
-
-
-@dataclass
-class PackSummary:
-    out: str
-    model_id: str
-    expert_files: int
-    written: int
-    skipped: int
-    repaired: int
-    expert_bytes: int
-    bytes_written: int
-    trunk_bytes: int
-    seconds: float
-    peak_rss_bytes: int
-    per_drive: dict[str, dict]
-    moved: tuple[int, int] | None = None  # a re-run with new rates or placement: (files copied, files deleted)
-    removed: int = 0  # files of an old layout (a repack) or of the model replaced by --overwrite, deleted
-
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / max(self.seconds, 1e-9) / 1e9
-
-
-def resolve_drives(out: str, args: list[DriveArg], known: dict[str, list] | None = None) -> list[mf.DriveEntry]:
-    """Drive entries with rates; no --drive means one drive at OUT/experts. ``known`` holds the rates
-    (label -> [gbps, measured]) recorded by an earlier run of this pack, which are kept, not re-measured.
-    Folders on one filesystem are probed once and share its measured rate equally."""
-    if not args:
-        args = [DriveArg("d0", os.path.join(os.path.abspath(out), "experts"), None)]
-    for a in args:
-        ensure_writable(a.path, a.label)
-    rates = measured_rates([a for a in args if a.gbps is None and not (known and a.label in known)])
-    entries = []
-    for a in args:
-        if known and a.label in known:
-            gbps, measured = float(known[a.label][0]), bool(known[a.label][1])
-        else:
-            gbps, measured = (a.gbps, False) if a.gbps is not None else (rates[a.label], True)
-        entries.append(mf.DriveEntry(a.label, a.path, gbps, measured))
-    return entries
 
 
 def pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: PackOptions = PackOptions()) -> PackSummary:
@@ -178,7 +138,7 @@ def _pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: Pac
     state["identity"], state["model_id"] = identity, model_id
     drives = resolve_drives(out, drive_args, state.get("drives"))
     if state.get("locations") is None:
-        layout = _plan_layout(plan, drives, opts)
+        layout = plan_drive_layout(plan, drives, opts)
         state["locations"] = {str(L): layout.locations[L] for L in plan.moe_layers}
         state["stripe"] = {str(L): st for L, st in layout.stripe.items()}
         state["placement"] = opts.placement
@@ -360,17 +320,6 @@ def _check_policy(opts: PackOptions) -> None:
     if opts.trace and not os.path.isfile(opts.trace):
         raise UsageError(f"--trace {opts.trace}: no such file; record one with 'deltafin run MODEL --record-routes "
                          f"{opts.trace}'")
-
-
-def _plan_layout(plan: PackPlan, drives: list[mf.DriveEntry], opts: PackOptions) -> Layout:
-    trace = None
-    if opts.trace:
-        from deltafin.io.routes import read_routes
-
-        trace = read_routes(opts.trace, plan.num_experts)
-    return plan_layout({L: plan.layouts[L].file_bytes for L in plan.moe_layers}, plan.num_experts,
-                       [DriveSpec(d.label, d.gbps) for d in drives], opts.placement, trace=trace,
-                       spare_gb=opts.spare_gb)
 
 
 def _default_id(out: str) -> str:

@@ -40,7 +40,7 @@ def move_to_new_rates(out: str, plan: PackPlan, drive_args: list[DriveArg], opts
     """Re-place the packed experts for the new rates and placement, then record the rates and the new
     fingerprint (a crash before that leaves a re-run that finds the files placed and records them)."""
     from deltafin.store.model_dir import PackedModel
-    from deltafin.store.pack import PackSummary, _plan_layout, resolve_drives
+    from deltafin.store.pack_layout import PackSummary, plan_drive_layout, resolve_drives
     from deltafin.store.place import apply_layout, resume
 
     t0 = time.perf_counter()
@@ -48,7 +48,7 @@ def move_to_new_rates(out: str, plan: PackPlan, drive_args: list[DriveArg], opts
     drives = resolve_drives(out, drive_args)
     pm = PackedModel.open(out, reader=False)
     log.info("%s: same files, new drive rates or placement; moving only what must move", out)
-    rep = apply_layout(pm, _plan_layout(plan, drives, opts), progress=opts.progress)
+    rep = apply_layout(pm, plan_drive_layout(plan, drives, opts), progress=opts.progress)
     doc = dict(pm.doc)
     doc["drives"] = [{"label": d.label, "path": d.path, "gbps": round(d.gbps, 3), "measured": d.measured}
                      for d in drives]
