@@ -1,6 +1,6 @@
 """The README's multi-machine commands, run as written on this machine: ``torchrun --nproc-per-node 2 -m
 deltafin.cli ...`` (gloo, two ranks, each owning half of the experts) gives what one process gives, for ``run``
-(its start line included: it once crashed there), ``batch`` and ``classify``."""
+(its start line included: it once crashed there), ``batch``, ``classify`` and ``serve`` answering a request."""
 
 from __future__ import annotations
 
@@ -65,3 +65,51 @@ def test_batch_and_classify_under_torchrun_equal_one_process(model, tmp_path):
     gen = {ranks: sorted((r["id"], r.get("text"), r.get("error")) for r in recs) for ranks, (recs, _) in out.items()}
     assert gen[2] == gen[1] and len(gen[1]) == 3 and all(t for _, t, _ in gen[1])
     assert out[2][1] == out[1][1] and out[1][1].count("\n") == 4  # header and three rows, the same probabilities
+
+
+def _serve_once(model: str, ranks: int, cwd, body: dict) -> dict:
+    """Start ``deltafin serve`` (under torchrun for ranks > 1), answer one request, stop it."""
+    import signal
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["serve", model, "--port", str(port), "-t", "1", "--cache-gb", "0.001"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "deltafin.cli", *args]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            master = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+               str(master), "-m", "deltafin.cli", *args]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            assert p.poll() is None, f"{' '.join(cmd)} exited {p.returncode}:\n{p.stdout.read().decode()[-3000:]}"
+            try:
+                urllib.request.urlopen(url + "/models", timeout=5).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+        req = urllib.request.Request(url + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=TIMEOUT_S).read())
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=60)
+
+
+def test_serve_under_torchrun_answers_as_one_process(model, tmp_path):
+    body = {"prompt": "Revenue for the quarter", "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    one = _serve_once(model, 1, tmp_path, body)["choices"][0]
+    two = _serve_once(model, 2, tmp_path, body)["choices"][0]
+    assert one["text"] and two["text"] == one["text"]
+    assert one["logprobs"] and two["logprobs"] == one["logprobs"]  # every reported log-probability, as printed: the same floats
