@@ -296,9 +296,8 @@ def test_bench_decode_takes_another_expert_shape(tmp_path, capsys):
     rec = json.loads(out.read_text())
     assert rec["expert_file_bytes"] >= 3 * (128 * 64 // 2 + 128 * 64 // 32) and rec["bytes_read"] > 0
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(["bench", "decode", "--shape", "deepseek-v4-flash", "--inter", "100"])
-    assert "32" in capsys.readouterr().err
+    assert main(["bench", "decode", "--shape", "deepseek-v4-flash", "--inter", "100"]) != 0
+    assert "must be multiples of 32" in capsys.readouterr().err
 
 
 def test_bench_prefill_reports_reads_math_and_their_limits(tmp_path, capsys):
