@@ -23,13 +23,12 @@ import torch
 
 from deltafin.kernels import cuda as kc
 from deltafin.kernels import torch_ref
+from deltafin.kernels.invariance import ENABLED as _INVARIANT
 from deltafin.quant.record import QTensor
 
 log = logging.getLogger(__name__)
 FUSED_FORMATS = ("mxfp4", "int4g32", "int8")
 _FAST: contextvars.ContextVar[bool] = contextvars.ContextVar("deltafin_fast_kernels", default=False)
-# Batch invariance: each token's result independent of how many tokens share a call (see ``math``)
-_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("deltafin_batch_invariant", default=False)
 INVARIANT_ROWS = 8  # plain torch matmuls run on blocks of exactly this many rows when batch-invariant
 _BACKENDS: dict[str, ModuleType | None] = {}
 USED: set[str] = set()  # fused kernels run so far in this process ("cpu:mxfp4_linear"), for the stats line

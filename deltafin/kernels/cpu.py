@@ -49,7 +49,7 @@ from collections.abc import Iterator
 
 import torch
 
-from deltafin.kernels import native
+from deltafin.kernels import invariance, native
 from deltafin.quant import int4, mxfp4
 from deltafin.quant.record import QTensor
 
@@ -140,9 +140,7 @@ def gemm_enabled(lib=None) -> bool:
 
 
 def _invariant() -> bool:
-    from deltafin import kernels
-
-    return kernels.invariant_enabled()
+    return invariance.ENABLED.get()
 
 
 def _chunked(fn, x: torch.Tensor) -> torch.Tensor:

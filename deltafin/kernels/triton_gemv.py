@@ -33,6 +33,7 @@ activations have 8, and each half sums 4 products, so a block's sum is within 2^
 from __future__ import annotations
 
 import os
+
 import torch
 import triton
 import triton.language as tl

@@ -131,8 +131,7 @@ def _conv_silu(y_ptr, w_ptr, hist_ptr, ck, C, W: tl.constexpr):
     """One projection's causal conv (4 taps, the last on the current token) + SiLU on this head's channels;
     the history moves on by one token in place. A channel's value is held by several threads when the program
     has more threads than channels: the barrier keeps every thread's reads of the history before any thread's
-    writes (without it a thread could read a tap another had already moved on, which changed results run to
-    run on an H200)."""
+    writes (without it a thread could read a tap another had already moved on: docs/DETERMINISM.md)."""
     x = tl.load(y_ptr + ck).to(tl.float32)
     h0 = tl.load(hist_ptr + ck)
     h1 = tl.load(hist_ptr + C + ck)

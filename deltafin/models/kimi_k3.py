@@ -173,7 +173,7 @@ def attn_res_mix(p: torch.Tensor, blocks: Sequence[torch.Tensor], w: torch.Tenso
     # row by row (a per-row rsqrt, dot product and softmax): each token's mix whatever tokens share the call
     n1, T = V.shape[:2]
     inv = rowwise(torch.rsqrt, (V.pow(2).mean(-1) + eps).reshape(-1, 1)).view(n1, T, 1)
-    pi = ((V * inv) * w).sum(-1).T.softmax(-1).T  # [n+1, T]
+    pi = (V * inv).mul_(w).sum(-1).T.softmax(-1).T  # [n+1, T]; one temporary of V's size
     return (pi.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
 

@@ -40,6 +40,7 @@ class GrowingCache:
         self.row, self.max_len, self.axis, self.bounded = tuple(row), max_len, axis, bounded
         self.buf = torch.empty(self._shape(max(1, min(initial, max_len))), device=device, dtype=dtype)
         self.length = 0
+        self._finite = False  # the buffer holds max_len rows, finite past length (``whole``)
 
     def _shape(self, capacity: int) -> tuple[int, ...]:
         return (*self.row[: self.axis], capacity, *self.row[self.axis :])
@@ -73,7 +74,7 @@ class GrowingCache:
         """The buffer at ``max_len`` positions, finite past ``length`` (zeros where nothing was written): what a
         one-token step attends over with the later rows masked (``write_at``), as the CUDA graphs' buffers are,
         so an eager step and a replayed one compute the same numbers."""
-        if self.capacity < self.max_len or not getattr(self, "_finite", False):
+        if self.capacity < self.max_len or not self._finite:
             buf = self.buf.new_zeros(self._shape(max(self.max_len, self.capacity)))
             buf.narrow(self.axis, 0, self.length).copy_(self.rows())
             self.buf, self._finite = buf, True
