@@ -166,9 +166,9 @@ def test_hash_routed_experts_are_read_before_their_layer(packed, monkeypatch):
         layer0 = [j for j, (kind, what) in enumerate(events) if kind == "read" and "/L000/" in what]
         assert layer0 and max(layer0) < events.index(("attn", 0)) and src.stats.prefetched > 0
         monkeypatch.setattr(src, "prefetch", None)  # no read ahead
-        del src.prefetch
+        ahead = src.stats.prefetched
         eng.forward(tf.prompt(20), ref_st)
-        assert torch.equal(got, eng.forward([7], ref_st))
+        assert torch.equal(got, eng.forward([7], ref_st)) and src.stats.prefetched == ahead
     finally:
         eng.close()
 

@@ -1,6 +1,6 @@
 """The new families on a CUDA device (run on a GPU machine: python -m pytest -m gpu): the streaming engine in
-float32 (exact) gives transformers' greedy tokens, as on the CPU; the fast path's teacher-forced agreement on
-CUDA stays >= 99%."""
+float32 (exact) gives transformers' greedy tokens, as on the CPU; the bf16 fast path agrees with float32 as the
+older families' kernels do (see test_fast_path_agreement_on_cuda)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from tests import tiny_families as tf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 pytest.importorskip("transformers")
+# the DSA models with 8 indexer heads: with 2, a quarter of the scores are exactly 0 and CUDA's topk breaks those
+# ties otherwise than the CPU's, where transformers runs (tests/test_models_new_families_parallel.py)
 CASES = [("glm4_moe", {}), ("glm4_moe", {"use_qk_norm": True, "attention_bias": True}), ("minimax_m2", {}),
-         ("qwen3_next", {}), ("qwen3_5_moe", {}), ("deepseek_v32", {}), ("glm_moe_dsa", {})]
+         ("qwen3_next", {}), ("qwen3_5_moe", {}), ("deepseek_v32", {"index_n_heads": 8}),
+         ("glm_moe_dsa", {"index_n_heads": 8}), ("deepseek_v4", {})]
 
 
 def _build(root, model_type, overrides):
@@ -25,20 +28,59 @@ def test_float32_matches_hugging_face_on_cuda(tmp_path, model_type, overrides):
 
     hf = _build(tmp_path, model_type, overrides)
     opts = PackOptions(trunk="bf16", progress=False) if model_type == "kimi_k25" else tf.LOSSLESS
-    ids = tf.prompt(70 if model_type.startswith("qwen3") else 12)
+    ids = tf.prompt(70 if model_type.startswith("qwen3") else 48 if model_type == "deepseek_v4" else 12)
     tf.check_matches_hf(hf, tf.pack_to(tmp_path, opts), ids, device="cuda")
 
 
-@pytest.mark.parametrize("model_type", ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe",
-                                        "deepseek_v32", "glm_moe_dsa"])
-def test_fast_path_agreement_on_cuda(tmp_path, model_type):
-    from deltafin.runtime.engine import Engine, EngineOptions
-    from tests.test_fast_path import N, _top1
+def _logits(eng, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits: the first PREFILL tokens as one prefill, the rest one token at a time."""
+    from deltafin.runtime.batch import forward_batch
+    from tests.test_fast_path import PREFILL, N
 
-    extra = {"index_topk": 32} if model_type in ("deepseek_v32", "glm_moe_dsa") else {}
+    st = eng.new_state(N + 1)
+    try:
+        with torch.inference_mode(), eng.math():
+            out = [forward_batch(eng.model, [(torch.tensor(ids[:PREFILL]), st)], eng.source, all_logits=True)[0]]
+            out += [forward_batch(eng.model, [(torch.tensor([t]), st)], eng.source)[0] for t in ids[PREFILL:]]
+        return torch.cat(out).float().cpu()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe",
+                                        "deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
+def test_fast_path_agreement_on_cuda(tmp_path, model_type, monkeypatch):
+    """The default CUDA path (bf16 activations through the kernels) against float32, teacher-forced over 256
+    tokens, as ``test_kernels_triton.test_bf16_kernels_agree_with_float32_reference`` does for the older
+    families: on random tiny models bf16 rounding alone flips near-tied tokens (the plain torch bf16 path too),
+    so the kernels must agree with float32 at least as often as torch bf16, less 2 points, and at >= 99% of the
+    positions whose float32 margin exceeds twice torch bf16's largest logit deviation there."""
+    from deltafin.kernels import cuda as kc
+    from deltafin.runtime.engine import Engine, EngineOptions
+    from tests.test_fast_path import N
+
+    extra = {"index_topk": 32, "index_n_heads": 8} if model_type in ("deepseek_v32", "glm_moe_dsa") else {}
     _build(tmp_path, model_type, extra)
     model_dir = tf.pack_to(tmp_path, tf.DEFAULT)
     ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(0)).tolist()
-    exact = _top1(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=True, device="cuda")), ids)
-    fast = _top1(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=False, device="cuda")), ids)
-    assert (exact.cpu() == fast.cpu()).float().mean().item() >= 0.99
+
+    def run(exact: bool, mode: str) -> torch.Tensor:
+        monkeypatch.setenv("DELTAFIN_KERNELS", mode)
+        return _logits(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=exact, device="cuda")),
+                       ids)
+
+    ref = run(True, "triton")
+    torch_bf16 = run(False, "torch")
+    kc.USED.clear()
+    kernels = run(False, "triton")
+    assert any(u.startswith("triton:") for u in kc.USED)
+    top = ref.argmax(-1)
+    agree_k = (kernels.argmax(-1) == top).float()
+    agree_t = (torch_bf16.argmax(-1) == top).float()
+    top2 = ref.topk(2, -1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * (torch_bf16 - ref).abs().amax(-1)
+    print(f"{model_type}: top-1 agreement with float32: kernels {agree_k.mean():.3f}, torch bf16 "
+          f"{agree_t.mean():.3f}; on {int(decided.sum())} decided positions: kernels {agree_k[decided].mean():.3f}")
+    assert agree_k.mean() >= agree_t.mean() - 0.02
+    if decided.any():
+        assert agree_k[decided].mean() >= 0.99

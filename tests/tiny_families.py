@@ -219,8 +219,9 @@ def check_matches_hf(hf, model_dir: str, ids: list[int] | None = None, device: s
     finally:
         eng.close()
     ref_logits, ref_tokens = hf_greedy(hf, ids, n)
-    assert rel_err(logits, ref_logits) < 1e-4
-    assert tokens == ref_tokens
+    err = rel_err(logits, ref_logits)
+    assert err < 1e-4, f"prompt logits {err:.3g} from transformers'"
+    assert tokens == ref_tokens, f"tokens {tokens} against transformers' {ref_tokens}"
 
 
 def check_prompt_cache_and_batch(model_dir: str, a_len: int = 10, b_len: int = 4) -> None:

@@ -38,9 +38,10 @@ def forward_batch(model, seqs: Sequence[tuple[torch.Tensor, SequenceState]], exp
     (layers whose experts follow from the token ids) go to a source's ``prefetch`` before the first layer runs."""
     sizes = [int(ids.shape[0]) for ids, _ in seqs]
     carries = [model.embed(ids) for ids, _ in seqs]
-    if hasattr(model, "known_routes") and hasattr(experts, "prefetch"):  # experts fixed by the token ids
+    prefetch = getattr(experts, "prefetch", None)  # None: the source reads only when a layer asks
+    if hasattr(model, "known_routes") and prefetch is not None:  # experts fixed by the token ids
         for layer, eids in model.known_routes(torch.cat([ids for ids, _ in seqs])):
-            experts.prefetch(layer, eids)
+            prefetch(layer, eids)
     for i in range(model.num_layers):
         carries = [model.attn_part(i, c, st) for c, (_, st) in zip(carries, seqs, strict=True)]
         merged = model.mlp_part(i, cat(carries) if len(carries) > 1 else carries[0], experts)
