@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import tiny_families as tf
 from deltafin.k3_tiny import write_tiny_k3
 from deltafin.store.drives import parse_drives
 from deltafin.store.pack import pack
 from deltafin.tiny import TINY, build_tiny
+from tests import tiny_families as tf
 
 FAMILIES = sorted(TINY) + sorted(tf.NEW_TINY) + ["kimi_k3"]
 STEPS = 6

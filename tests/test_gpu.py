@@ -47,3 +47,21 @@ def test_cuda_streaming_independent_of_cache(family, tmp_path):
     cold, warm = _greedy(model_dir, "cuda", 0.0, 16), _greedy(model_dir, "cuda", 1.0, 16)
     assert cold == warm
     assert cold == _greedy(model_dir, "cpu", 0.0, 16)
+
+
+def test_cuda_stats_split_on_the_gpu_clock_adds_up_to_the_wall_time(tmp_path):
+    """On CUDA the stats line's split is timed with CUDA events: expert math is GPU time, waiting on I/O only the
+    time the GPU sat idle for a read, and the three parts add up to the run's wall time (none is larger)."""
+    model_dir = _pack(tmp_path, lambda p: build_tiny("qwen3_moe", p))
+    for exact in (True, False):
+        eng = Engine(model_dir, EngineOptions(exact=exact, device="cuda", cache_gb=0.0))
+        try:
+            list(eng.generate(PROMPT, 8, stop_ids=()))
+            s = eng.last_stats
+        finally:
+            eng.close()
+        wall = s.ttft_s + s.decode_s
+        assert s.clock == "gpu" and s.expert_math_s > 0 and s.io_wait_s >= 0
+        assert s.io_wait_s + s.expert_math_s <= wall * 1.02
+        assert abs(s.io_wait_s + s.expert_math_s + s.trunk_math_s - wall) <= 0.02 * wall + 1e-3
+        assert "GPU's clock" in s.summary()

@@ -27,7 +27,9 @@ NEW_TINY: dict[str, dict] = {
                      n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256),
     "minimax_m2": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-                       num_experts_per_tok=2, rotary_dim=8, max_position_embeddings=256),
+                       num_experts_per_tok=2, rotary_dim=8, max_position_embeddings=256,
+                       # said twice: transformers 5.17 reads the partial RoPE from rope_parameters only
+                       rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
     "qwen3_next": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                        shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,

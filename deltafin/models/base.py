@@ -23,6 +23,7 @@ Every family module exports ``Config`` (``Config.from_dict(d)`` ignores unknown 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
@@ -220,7 +221,9 @@ def moe_dispatch(
         got = list(fetched)
         assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
         if all(kc.grouped_eligible(x, t) for _, t in got):
-            return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
+            timed = getattr(experts, "math_span", None)  # the source's clock (CUDA events) around the launches
+            with timed() if timed is not None else contextlib.nullcontext():
+                return kc.grouped_moe(x, ids_host, weights, got, glu, getattr(experts, "slab", None))
         fetched = iter(got)
     seen = 0
     # One token (decode): each expert's slot is read off the host ids, with no per-expert index tensors; the

@@ -70,6 +70,9 @@ class DistributedExperts:
     def stats(self):
         return self.inner.stats
 
+    def settle_clock(self) -> None:
+        self.inner.settle_clock()
+
     @property
     def direct(self) -> bool:
         return self.inner.direct

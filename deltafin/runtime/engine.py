@@ -509,6 +509,7 @@ class Engine:
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()
         sampler = Sampler(sampling, prompt)
+        self._settle_clock()
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
                 self.source.per_drive())
@@ -553,8 +554,17 @@ class Engine:
         full = self.codec.decode(emitted)
         return "" if full.endswith("\ufffd") else full[len(text):]  # hold back split UTF-8
 
+    def _settle_clock(self) -> None:
+        """CUDA: the source's GPU-clock times resolved (one device synchronisation, between runs)."""
+        settle = getattr(self.source, "settle_clock", None)
+        if settle is not None:
+            settle()
+
     def _finish(self, stats: RunStats, emitted, text, t0, t_first, base) -> None:
+        self._settle_clock()
         end = time.perf_counter()
+        if getattr(self.source, "settle_clock", None) is not None and self.device.type == "cuda":
+            stats.clock = "gpu+graphs" if self._graphs else "gpu"
         src = self.source.stats
         stats.tokens = emitted
         stats.kernels = kernels.used()

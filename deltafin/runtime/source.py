@@ -17,6 +17,7 @@ reads are retried or served by a replica (``deltafin.runtime.layer_reads``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from deltafin.io.direct import DriveReader, FileDriveReader, align_up
 from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
 from deltafin.runtime.cache import ExpertCache
+from deltafin.runtime.gpu_clock import GpuClock
 from deltafin.runtime.layer_reads import LayerReads
 from deltafin.store import expert_file as ef
 from deltafin.store.model_dir import PackedModel
@@ -98,6 +100,7 @@ class StreamingExperts:
 
         self.repair_fix = f"re-run '{repair_hint(model)}' to rewrite the bad expert files"
         self.stats = SourceStats()
+        self.clock = GpuClock(self.device) if self.device.type == "cuda" else None  # CUDA: times on the GPU's clock
         self.record: list[tuple[int, list[int]]] | None = None  # (layer, ids) per fetch when a list
         self.routes: list[tuple[int, list[int]]] | None = None  # the same, for the routing-trace recorder
         self._in_copy: list = []  # (CUDA event, host buffer) pairs whose device copies may be in flight
@@ -213,17 +216,20 @@ class StreamingExperts:
         if self.slab is not None:
             self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
         if grouped and hits:  # cached experts are computed while the misses are read
-            t0 = time.perf_counter()
+            t0, span = time.perf_counter(), self.clock and self.clock.start()
             yield hits
-            self.stats.expert_math_s += time.perf_counter() - t0
+            self._math_done(t0, span)
         elif hits:
             for e, tensors in hits:
                 yield from self._timed(e, tensors)
         for source, n in ((early_reads, len(early)), (reads, len(misses))):
             for _ in range(n):
-                t0 = time.perf_counter()
+                t0, ev = time.perf_counter(), self.clock and self.clock.mark()
                 landed = source.next()
-                self.stats.io_wait_s += time.perf_counter() - t0
+                if self.clock is None:
+                    self.stats.io_wait_s += time.perf_counter() - t0
+                else:
+                    self.clock.waited(t0, time.perf_counter(), ev)
                 for item in self._deliver(layer, *landed):
                     yield [item] if grouped else item
 
@@ -315,9 +321,34 @@ class StreamingExperts:
         self._in_copy = still
 
     def _timed(self, e: int, tensors: ExpertTensors) -> Iterator[tuple[int, ExpertTensors]]:
-        t0 = time.perf_counter()
+        t0, span = time.perf_counter(), self.clock and self.clock.start()
         yield e, tensors
-        self.stats.expert_math_s += time.perf_counter() - t0
+        self._math_done(t0, span)
+
+    def _math_done(self, t0: float, span) -> None:
+        if self.clock is None:
+            self.stats.expert_math_s += time.perf_counter() - t0
+        else:
+            self.clock.end(span)
+
+    @contextlib.contextmanager
+    def math_span(self):
+        """Expert math launched after the fetch (the grouped kernels, once every expert has arrived)."""
+        t0, span = time.perf_counter(), self.clock and self.clock.start()
+        try:
+            yield
+        finally:
+            self._math_done(t0, span)
+
+    def settle_clock(self) -> None:
+        """CUDA: resolve the GPU-clock times (expert math, waits on reads that left the GPU idle) into ``stats``;
+        synchronises the device, so call it between steps, not inside one."""
+        if self.clock is None:
+            return
+        m0, i0 = self.clock.math_s, self.clock.idle_s
+        m, i = self.clock.settle()
+        self.stats.expert_math_s += m - m0
+        self.stats.io_wait_s += i - i0
 
     def per_drive(self) -> dict[str, dict]:
         return {r.label: {"reads": c.reads, "bytes": c.bytes, "busy_s": c.busy_seconds, "errors": c.errors,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+_CLOCK = {"gpu": "; on the GPU's clock (CUDA events): I/O is the time the GPU sat idle for want of experts",
+          "gpu+graphs": "; on the GPU's clock (CUDA events): I/O is the time the GPU sat idle for want of experts, "
+                        "and the expert math of decode steps replayed as CUDA graphs counts as trunk math"}
+
 
 @dataclass
 class RunStats:
@@ -30,6 +34,7 @@ class RunStats:
     device: str = "cpu"
     stop_reason: str = ""
     kernels: list = field(default_factory=list)  # fast-path kernels used so far ("triton:int8_linear", ...)
+    clock: str = "host"  # "host" (CPU, MLX), "gpu" (CUDA events), "gpu+graphs" (decode steps replayed as graphs)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -48,7 +53,7 @@ class RunStats:
             f"(prompt of {self.prompt_tokens} tokens read at {self.prefill_tok_s:.1f} tok/s)",
             f"time: waiting on I/O {fmt.duration(self.io_wait_s)} ({self.io_wait_s / total:.0%}), expert math "
             f"{fmt.duration(self.expert_math_s)} ({self.expert_math_s / total:.0%}), rest of the model (trunk math) "
-            f"{fmt.duration(self.trunk_math_s)} ({self.trunk_math_s / total:.0%})",
+            f"{fmt.duration(self.trunk_math_s)} ({self.trunk_math_s / total:.0%})" + _CLOCK.get(self.clock, ""),
             f"read {fmt.size(self.bytes_read)} of experts from the drives in {self.reads:,} reads ({io}); "
             f"{self.cache_hit_rate:.0%} of expert lookups found in memory (expert cache limit "
             f"{fmt.size(self.cache_bytes)})",
