@@ -8,6 +8,11 @@ import sys
 from deltafin.errors import UsageError
 from deltafin.kernels import mlx as km
 
+# the decoder class of each family past the plain GQA ones (``model.MLXDecoder``)
+DECODERS = {"deepseek_v3": "deltafin.mlx.deepseek:MLXDeepSeek", "kimi_k25": "deltafin.mlx.deepseek:MLXDeepSeek",
+            "kimi_k3": "deltafin.mlx.kimi_k3:MLXKimiK3", "glm4_moe": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA",
+            "minimax_m2": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA"}
+
 
 def default_here() -> bool:
     """MLX is the default device on Apple Silicon (macOS arm64) where it is installed."""
@@ -29,14 +34,13 @@ def open_mlx(packed, weights: dict, exact: bool, dtype: str, cache_bytes: int, t
              deadline):
     """(model, expert source) of a packed model on MLX (``check``ed first)."""
     check(packed)
-    from deltafin.mlx.model import MLXDecoder
+    import importlib
+
     from deltafin.mlx.source import MLXExperts
 
-    if packed.family == "deepseek_v3":
-        from deltafin.mlx.deepseek import MLXDeepSeek as MLXDecoder  # noqa: N814 (the family's decoder)
-    elif packed.family == "kimi_k3":
-        from deltafin.mlx.kimi_k3 import MLXKimiK3 as MLXDecoder  # noqa: N814
-    model = MLXDecoder(packed.family, packed.text_config, weights, exact, dtype)
+    where, name = DECODERS.get(packed.family, "deltafin.mlx.model:MLXDecoder").split(":")
+    decoder = getattr(importlib.import_module(where), name)
+    model = decoder(packed.family, packed.text_config, weights, exact, dtype)
     return model, MLXExperts(packed, cache_bytes, threads, readers, verify, deadline)
 
 

@@ -22,10 +22,11 @@ from deltafin.models.common import GQA_LAYER, QK_NORMS, take
 from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "kimi_k3")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "kimi_k3", "kimi_k25", "glm4_moe",
+            "minimax_m2")
 _ROUTERS = {"qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
             "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",),
-            "deepseek_v3": ("mlp.gate.weight",)}
+            "deepseek_v3": ("mlp.gate.weight",), "kimi_k25": ("mlp.gate.weight",)}
 _DENSE = {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
 
 
@@ -141,11 +142,14 @@ class MLXDecoder:
     def _attn_weights(self, weights: dict, p: str) -> dict:
         """A layer's norms and attention records (``p`` its checkpoint prefix) as MLX arrays."""
         names = dict(GQA_LAYER)
-        if self.family in ("qwen3_moe", "olmoe"):
+        if self._has_qk_norms():
             names |= QK_NORMS
         lw = take(weights, p, names, optional=("q_b", "k_b", "v_b", "o_b", "qn", "kn"))
         out = {n: self._mat(lw[n]) for n in ("q", "k", "v", "o")}
         return out | {n: self._vec(lw.get(n)) for n in ("ln1", "ln2", "q_b", "k_b", "v_b", "o_b", "qn", "kn")}
+
+    def _has_qk_norms(self) -> bool:
+        return self.family in ("qwen3_moe", "olmoe")
 
     def _layer(self, weights: dict, i: int) -> dict:
         p = f"model.layers.{i}."
@@ -179,21 +183,27 @@ class MLXDecoder:
         h = m.fast.rms_norm(carry.x, lw["ln1"].astype(carry.x.dtype), self.eps)
         return MXCarry(carry.x + self._attention(i, h, state))
 
-    def _attention(self, i: int, h, state: SequenceState):
+    def _qkv(self, i: int, h):
+        """q [T, H, d], k and v [T, Hkv, d] of the normed stream h [T, D], with the family's q/k norms."""
         m, lw, T = km.mx(), self.layers[i], h.shape[0]
-        H, Hkv, d = self.H, self.Hkv, self.d
         q, k, v = (km.linear(h, lw[n], lw[f"{n}_b"]) for n in ("q", "k", "v"))  # [T, H d], [T, Hkv d] x2
         if self.family == "olmoe":  # q/k norms over the full width, then the optional clip
-            q = m.fast.rms_norm(q, lw["qn"].astype(q.dtype), self.eps)
-            k = m.fast.rms_norm(k, lw["kn"].astype(k.dtype), self.eps)
+            q, k = self._qk_norm(lw, q, k)
             clip = getattr(self.cfg, "clip_qkv", None)
             if clip is not None:
                 q, k, v = (m.clip(t, -clip, clip) for t in (q, k, v))
-        q, k, v = q.reshape(T, H, d), k.reshape(T, Hkv, d), v.reshape(T, Hkv, d)
-        if self.family == "qwen3_moe":  # per head
-            q = m.fast.rms_norm(q, lw["qn"].astype(q.dtype), self.eps)
-            k = m.fast.rms_norm(k, lw["kn"].astype(k.dtype), self.eps)
-        q, k, v = (m.transpose(t, (1, 0, 2))[None] for t in (q, k, v))  # [1, H|Hkv, T, d]
+        q, k, v = q.reshape(T, self.H, self.d), k.reshape(T, self.Hkv, self.d), v.reshape(T, self.Hkv, self.d)
+        return self._qk_norm(lw, q, k) + (v,) if self.family == "qwen3_moe" else (q, k, v)  # qwen3: per head
+
+    def _qk_norm(self, lw: dict, q, k):
+        m = km.mx()
+        return m.fast.rms_norm(q, lw["qn"].astype(q.dtype), self.eps), m.fast.rms_norm(k, lw["kn"].astype(k.dtype),
+                                                                                      self.eps)
+
+    def _attention(self, i: int, h, state: SequenceState):
+        m, lw, T = km.mx(), self.layers[i], h.shape[0]
+        H, d = self.H, self.d
+        q, k, v = (m.transpose(t, (1, 0, 2))[None] for t in self._qkv(i, h))  # [1, H|Hkv, T, d]
         q, k = self._rope(q, state.pos), self._rope(k, state.pos)
         K, V = state.layers[i].update(k, v, state.pos)  # [1, Hkv, S, d]
         window, S = self._window(i), K.shape[2]
