@@ -23,10 +23,11 @@ from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "kimi_k3", "kimi_k25", "glm4_moe",
-            "minimax_m2")
+            "minimax_m2", "deepseek_v32")
 _ROUTERS = {"qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
             "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",),
-            "deepseek_v3": ("mlp.gate.weight",), "kimi_k25": ("mlp.gate.weight",)}
+            "deepseek_v3": ("mlp.gate.weight",), "kimi_k25": ("mlp.gate.weight",),
+            "deepseek_v32": ("mlp.gate.weight",)}
 _DENSE = {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
 
 
@@ -47,13 +48,13 @@ class MXCarry:
 
 class MXKVCache:
     """Keys and values [1, Hkv, capacity, d] of one layer, doubling when full; ``values=False`` keeps keys alone
-    (MLA's latent rows)."""
+    (MLA's latent rows); ``dv``: values of another width than the keys (DSA's indexer keys)."""
 
-    def __init__(self, hkv: int, d: int, max_len: int, dtype, values: bool = True):
+    def __init__(self, hkv: int, d: int, max_len: int, dtype, values: bool = True, dv: int | None = None):
         m = km.mx()
         self.max_len, self.length = max_len, 0
         self.k = m.zeros((1, hkv, min(64, max_len), d), dtype=dtype)
-        self.v = m.zeros_like(self.k) if values else None
+        self.v = m.zeros((1, hkv, self.k.shape[2], dv or d), dtype=dtype) if values else None
 
     def update(self, k, v, pos: int):
         m = km.mx()
