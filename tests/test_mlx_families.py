@@ -14,10 +14,10 @@ from tests import tiny_families as tf
 
 pytestmark = pytest.mark.skipif(bool(km.available()), reason=km.available() or "mlx present")
 pytest.importorskip("transformers")
-FAMILIES = ("kimi_k25", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa")
+FAMILIES = ("kimi_k25", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe")
 # longer than the DSA tiny models' index_topk (4), so the indexer's choice matters
 PROMPT = [3, 17, 42, 99, 5, 200, 61, 8, 150, 33]
-CHUNKED = ("deepseek_v32", "glm_moe_dsa")
+CHUNKED = ("deepseek_v32", "glm_moe_dsa", "qwen3_next")  # the indexer's choice; the DeltaNet state
 # the optional parts of a family switched on, so that they are checked too
 # and DSA with 8 indexer heads (with 2, many scores tie at 0 and the top k is the tie-break's: tests/tiny_families)
 OVERRIDES = {"glm4_moe": dict(use_qk_norm=True, attention_bias=True), "deepseek_v32": dict(index_n_heads=8),

@@ -11,7 +11,8 @@ from deltafin.kernels import mlx as km
 # the decoder class of each family past the plain GQA ones (``model.MLXDecoder``)
 DECODERS = {"deepseek_v3": "deltafin.mlx.deepseek:MLXDeepSeek", "kimi_k25": "deltafin.mlx.deepseek:MLXDeepSeek",
             "kimi_k3": "deltafin.mlx.kimi_k3:MLXKimiK3", "glm4_moe": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA",
-            "minimax_m2": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA", "deepseek_v32": "deltafin.mlx.dsa:MLXDSA"}
+            "minimax_m2": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA", "deepseek_v32": "deltafin.mlx.dsa:MLXDSA",
+            "qwen3_next": "deltafin.mlx.qwen3_next:MLXQwen3Next", "qwen3_5_moe": "deltafin.mlx.qwen3_next:MLXQwen3Next"}
 
 
 def default_here() -> bool:

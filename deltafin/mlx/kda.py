@@ -1,6 +1,7 @@
 """Kimi Delta Attention's recurrence in MLX ops: the decode step and the chunked prefill (WY form), the same
-contracts as ``models.kda.recurrent`` and ``models.kda.chunked_reference`` (its float32 reference), for the MLX
-engine's Kimi K3 layers. Letters: T tokens, H heads, K key width, V value width, c chunk length.
+contracts as ``models.kda.recurrent`` and ``models.kda.chunked_reference`` (its float32 reference), and the short
+conv and L2 norm before it, for the MLX engine's Kimi K3 KDA and Qwen3-Next Gated DeltaNet layers. Letters:
+T tokens, H heads, K key width, V value width, c chunk length.
 
 Per token (../shared/specs/KIMI_K3.md §3.1 step 7): S <- Diag(alpha) S; u = S^T k; S <- S + beta k (v - u)^T;
 o = S^T q. A chunk: with Gamma the cumulative log-decay, L = beta_r k_r.k_s e^(Gamma_r - Gamma_s) (s < r) and
@@ -12,6 +13,7 @@ Gamma_r - Gamma_s with s <= r are exponentiated (masked to -inf elsewhere), so n
 from __future__ import annotations
 
 from deltafin.kernels import mlx as km
+from deltafin.models.kda import L2_EPS
 
 CHUNK = 64
 
@@ -67,3 +69,19 @@ def _chunk(q, k, v, g, beta, S):
     last = G[:, -1:]  # [H, 1, K]
     S = S * m.exp(m.transpose(last, (0, 2, 1))) + m.transpose(k * m.exp(last - G), (0, 2, 1)) @ Vn
     return m.transpose(o, (1, 0, 2)), S
+
+
+def short_conv(x, w, hist):
+    """Causal depthwise conv over time then SiLU (§3.1 step 2; ``models.kda.short_conv``): x [T, C], w [C, W],
+    hist [W-1, C] -> (y, hist)."""
+    m = km.mx()
+    T, W = x.shape[0], w.shape[1]
+    xx = m.concatenate([hist, x])  # [W-1+T, C]
+    y = sum(xx[j : j + T] * w[:, j] for j in range(W))  # tap W-1 multiplies the current token
+    return y * m.sigmoid(y), xx[T:]
+
+
+def l2norm(x):
+    m = km.mx()
+    return x / m.sqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
+

@@ -20,7 +20,6 @@ from deltafin.mlx import kda as mkda
 from deltafin.mlx.model import MLXDecoder, MXKVCache, _plain
 from deltafin.models.base import SequenceState
 from deltafin.models.common import sigmoid_topk, take
-from deltafin.models.kda import L2_EPS
 from deltafin.models.kimi_k3 import A_LOG_FIRST_HEAD
 from deltafin.models.mla import LATENT_NORM_EPS
 
@@ -173,11 +172,11 @@ class MLXKimiK3(MLXDecoder):
         H, K, f32 = c.kda_num_heads, c.kda_head_dim, m.float32
         qkv, hist = [], []
         for j, n in enumerate("qkv"):
-            y, h = _short_conv(km.linear(x, lw[n]).astype(f32), lw[f"{n}_conv"], st.conv[j])  # [T, C]
+            y, h = mkda.short_conv(km.linear(x, lw[n]).astype(f32), lw[f"{n}_conv"], st.conv[j])  # [T, C]
             qkv.append(y.reshape(T, H, K))
             hist.append(h)
         st.conv = m.stack(hist)
-        q, k, v = _l2norm(qkv[0]) * K**-0.5, _l2norm(qkv[1]), qkv[2]
+        q, k, v = mkda.l2norm(qkv[0]) * K**-0.5, mkda.l2norm(qkv[1]), qkv[2]
         z = km.linear(km.linear(x, lw["f_a"]), lw["f_b"]).astype(f32) + lw["dt_bias"]
         g = c.gate_lower_bound * m.sigmoid(lw["A"][:, None] * z.reshape(T, H, K))  # [T, H, K] log-decay
         beta = m.sigmoid(km.linear(x, lw["b"]).astype(f32))  # [T, H]
@@ -228,18 +227,4 @@ class MLXKimiK3(MLXDecoder):
             y = m.fast.rms_norm(y, lw["lat_norm"].astype(y.dtype), c.rms_norm_eps)
         y = km.linear(y, lw["lat_up"])  # [T, D]
         return y if lw["shared_gate"] is None else y + self._swiglu(lw, "shared_", x, self.act).astype(y.dtype)
-
-
-def _short_conv(x, w, hist):
-    """Causal depthwise conv over time then SiLU (§3.1 step 2): x [T, C], w [C, W], hist [W-1, C] -> (y, hist)."""
-    m = km.mx()
-    T, W = x.shape[0], w.shape[1]
-    xx = m.concatenate([hist, x])  # [W-1+T, C]
-    y = sum(xx[j : j + T] * w[:, j] for j in range(W))  # tap W-1 multiplies the current token
-    return y * m.sigmoid(y), xx[T:]
-
-
-def _l2norm(x):
-    m = km.mx()
-    return x / m.sqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
 
