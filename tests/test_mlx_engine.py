@@ -110,17 +110,26 @@ def test_runs_are_bit_identical(packs):
     assert torch.equal(runs[0], runs[1])
 
 
+def test_every_family_runs_on_mlx():
+    from deltafin.mlx.engine import DECODERS
+    from deltafin.mlx.model import FAMILIES as RUNS
+    from deltafin.models import registry
+
+    assert set(RUNS) == set(registry.MODULES) and set(DECODERS) <= set(RUNS)
+
+
 def test_a_family_mlx_does_not_run_yet_is_refused_before_loading(tmp_path, monkeypatch):
+    """Every family runs on MLX now; a family left out of ``mlx.model.FAMILIES`` (as a new one would be) is refused
+    with one line naming --device cpu before the trunk loads."""
     import re
 
-    from deltafin.mlx.model import FAMILIES as RUNS
+    from deltafin.mlx import model as mlx_model
     from deltafin.store.model_dir import PackedModel
-    from tests.tiny_families import build, pack_to
 
-    build("deepseek_v4", tmp_path / "src")
-    model = pack_to(tmp_path)
+    runs = tuple(f for f in mlx_model.FAMILIES if f != "mixtral")
+    monkeypatch.setattr(mlx_model, "FAMILIES", runs)
+    model = pack_tiny(tmp_path, "mixtral")
     monkeypatch.setattr(PackedModel, "trunk_records", lambda *a, **k: pytest.fail("the trunk loaded"))
-    assert "deepseek_v4" not in RUNS
-    with pytest.raises(UsageError, match=re.escape(f"--device mlx runs {', '.join(RUNS)} so far, not deepseek_v4; "
+    with pytest.raises(UsageError, match=re.escape(f"--device mlx runs {', '.join(runs)} so far, not mixtral; "
                                                    "use --device cpu")):
         _engine(model, "mlx", True)

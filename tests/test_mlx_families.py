@@ -14,10 +14,14 @@ from tests import tiny_families as tf
 
 pytestmark = pytest.mark.skipif(bool(km.available()), reason=km.available() or "mlx present")
 pytest.importorskip("transformers")
-FAMILIES = ("kimi_k25", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe")
-# longer than the DSA tiny models' index_topk (4), so the indexer's choice matters
+FAMILIES = ("kimi_k25", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe",
+            "deepseek_v4")
+# longer than the DSA tiny models' index_topk (4), so the indexer's choice matters; V4's (window 8, CSA every 4
+# tokens with a top 4, HCA every 16) with its new tokens passes the window, the top k and several entries of each
 PROMPT = [3, 17, 42, 99, 5, 200, 61, 8, 150, 33]
-CHUNKED = ("deepseek_v32", "glm_moe_dsa", "qwen3_next")  # the indexer's choice; the DeltaNet state
+PROMPTS = {"deepseek_v4": tf.prompt(40)}
+# the indexer's choice; the DeltaNet state; V4's window, compressors and indexer
+CHUNKED = ("deepseek_v32", "glm_moe_dsa", "qwen3_next", "deepseek_v4")
 # the optional parts of a family switched on, so that they are checked too
 # and DSA with 8 indexer heads (with 2, many scores tie at 0 and the top k is the tie-break's: tests/tiny_families)
 OVERRIDES = {"glm4_moe": dict(use_qk_norm=True, attention_bias=True), "deepseek_v32": dict(index_n_heads=8),
@@ -52,15 +56,15 @@ def _engine(model: str, device: str, exact: bool, dtype: str = "auto") -> Engine
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lossless_pack_greedy_tokens_equal_exact(packs, family):
-    model = packs(family, "bf16")
+    model, p = packs(family, "bf16"), PROMPTS.get(family, PROMPT)
     ref = _engine(model, "cpu", True)
-    want = [t for t, _ in ref.generate(PROMPT, 24)]
-    ref_logits = ref.forward_batch([(PROMPT, ref.new_state())])[0]
+    want = [t for t, _ in ref.generate(p, 24)]
+    ref_logits = ref.forward_batch([(p, ref.new_state())])[0]
     ref.close()
     e = _engine(model, "mlx", True)
     assert e.mlx and e.math_name.startswith("mlx (cpu), exact float32")
-    got = [t for t, _ in e.generate(PROMPT, 24)]
-    logits = e.forward_batch([(PROMPT, e.new_state())])[0]
+    got = [t for t, _ in e.generate(p, 24)]
+    logits = e.forward_batch([(p, e.new_state())])[0]
     assert e.source.stats.reads > 0
     e.close()
     assert got == want
@@ -86,16 +90,17 @@ def test_default_pack_teacher_forced_top1_against_float32(packs, family):
 def test_decode_after_chunked_prefill_and_a_batch(packs, family):
     """A prompt prefilled in two calls gives the logits of one call over it all; two sequences in one step give
     each one's own logits; a copied state steps alike."""
-    e = _engine(packs(family, "bf16"), "mlx", True)
-    one = e.forward_batch([(PROMPT, e.new_state())])[0]
+    e, p = _engine(packs(family, "bf16"), "mlx", True), PROMPTS.get(family, PROMPT)
+    cut = len(p) // 2 + 1  # off the compressors' windows
+    one = e.forward_batch([(p, e.new_state())])[0]
     tol = 1e-4 * one.abs().max().item()
     st = e.new_state()
-    e.forward_batch([(PROMPT[:6], st)])
-    two = e.forward_batch([(PROMPT[6:], st)])[0]
+    e.forward_batch([(p[:cut], st)])
+    two = e.forward_batch([(p[cut:], st)])[0]
     assert torch.allclose(one, two, atol=tol)
-    a, b = e.forward_batch([(PROMPT, e.new_state()), (PROMPT[:3], e.new_state())])
+    a, b = e.forward_batch([(p, e.new_state()), (p[:3], e.new_state())])
     assert torch.allclose(a, one, atol=tol)
-    assert torch.allclose(b, e.forward_batch([(PROMPT[:3], e.new_state())])[0], atol=tol)
+    assert torch.allclose(b, e.forward_batch([(p[:3], e.new_state())])[0], atol=tol)
     twin = e.copy_state(st)
     nxt = e.forward_batch([([7], st)])[0]
     assert torch.equal(e.forward_batch([([7], twin)])[0], nxt)

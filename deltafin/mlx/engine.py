@@ -12,7 +12,8 @@ from deltafin.kernels import mlx as km
 DECODERS = {"deepseek_v3": "deltafin.mlx.deepseek:MLXDeepSeek", "kimi_k25": "deltafin.mlx.deepseek:MLXDeepSeek",
             "kimi_k3": "deltafin.mlx.kimi_k3:MLXKimiK3", "glm4_moe": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA",
             "minimax_m2": "deltafin.mlx.sigmoid_gqa:MLXSigmoidGQA", "deepseek_v32": "deltafin.mlx.dsa:MLXDSA",
-            "qwen3_next": "deltafin.mlx.qwen3_next:MLXQwen3Next", "qwen3_5_moe": "deltafin.mlx.qwen3_next:MLXQwen3Next"}
+            "qwen3_next": "deltafin.mlx.qwen3_next:MLXQwen3Next", "qwen3_5_moe": "deltafin.mlx.qwen3_next:MLXQwen3Next",
+            "deepseek_v4": "deltafin.mlx.deepseek_v4:MLXDeepSeekV4"}
 
 
 def default_here() -> bool:

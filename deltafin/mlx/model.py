@@ -23,7 +23,7 @@ from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "kimi_k3", "kimi_k25", "glm4_moe",
-            "minimax_m2", "deepseek_v32", "qwen3_next", "qwen3_5_moe")
+            "minimax_m2", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "deepseek_v4")
 _ROUTERS = {"qwen3_moe": ("mlp.gate.weight",), "olmoe": ("mlp.gate.weight",),
             "mixtral": ("block_sparse_moe.gate.weight", "mlp.gate.weight"), "gpt_oss": ("mlp.router.weight",),
             "deepseek_v3": ("mlp.gate.weight",), "kimi_k25": ("mlp.gate.weight",),
