@@ -102,8 +102,8 @@ class MLXDeepSeekV4(MLXDecoder):
             out["index"] = self._compressor_weights(weights, x) | {
                 n: self._mat(w) for n, w in take(weights, x, {"q_b": "q_b_proj.weight",
                                                               "w": "scorer.weights_proj.weight"}).items()}
-        moe = take(weights, p, {"router": "mlp.gate.weight", "bias": "mlp.gate.e_score_correction_bias",
-                                "tid2eid": "mlp.gate.tid2eid"}, optional=("bias", "tid2eid"))
+        moe = take(weights, p, {"router": "mlp.gate.weight", "bias": "mlp.gate.e_score_correction_bias"},
+                   optional=("bias",))
         out["router"] = km.prepare(_plain(moe["router"]), km.mx().float32)  # routing in float32, as the reference
         out["bias"] = None if moe["bias"] is None else _plain(moe["bias"]).float()
         if c.mlp_layer_types[i] == "hash_moe":

@@ -34,12 +34,11 @@ class MXDSACache(MXKVCache):
 class MLXDSA(MLXDeepSeek):
     """Legend: T tokens, S cached, H heads, R kv_lora_rank, r rope width, Hi / Di indexer heads / width."""
 
-    def _attn_weights(self, weights: dict, p: str) -> dict:
-        out = super()._attn_weights(weights, p)
-        i = int(p.split(".")[2])
+    def _layer(self, weights: dict, i: int) -> dict:
+        out = super()._layer(weights, i)
         if self.cfg.indexer_types[i] == "shared":  # reads the full layer's choice: no indexer of its own
             return out
-        ix = take(weights, p, _INDEXER)
+        ix = take(weights, f"model.layers.{i}.", _INDEXER)
         return out | {n: (self._vec if n.startswith("ix_ln") else self._mat)(r) for n, r in ix.items()}
 
     def new_state(self, max_len: int) -> SequenceState:

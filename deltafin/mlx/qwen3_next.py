@@ -65,7 +65,7 @@ class MLXQwen3Next(MLXDecoder):
         m = km.mx()
         proj = _FUSED if weights.get(f"{p}linear_attn.{_FUSED[0]}.weight") is not None else _SPLIT
         lw = take(weights, p, _LINEAR | {n: f"linear_attn.{n}.weight" for n in proj})
-        out = {n: self._mat(lw[n]) for n in (*proj, "out_proj.weight")}
+        out = {n: self._mat(lw[n]) for n in proj} | {"out": self._mat(lw["out_proj.weight"])}
         conv = self._vec(lw["conv1d.weight"])
         return out | {"conv": conv.reshape(conv.shape[0], -1), "A": -m.exp(self._vec(lw["A_log"])),  # [C, W], [Hv]
                       "dt_bias": self._vec(lw["dt_bias"]), "o_norm": self._vec(lw["norm.weight"])}
@@ -130,7 +130,7 @@ class MLXQwen3Next(MLXDecoder):
         g = m.broadcast_to(g[:, :, None], (T, Hv, dk))  # one decay per head
         o, st.S = (mkda.recurrent if T == 1 else mkda.chunked)(q, k, v.reshape(T, Hv, dv), g, beta, st.S)
         o = m.fast.rms_norm(o, lw["o_norm"], self.eps) * (z.astype(f32) * m.sigmoid(z.astype(f32)))
-        return km.linear(o.reshape(T, Hv * dv).astype(h.dtype), lw["out_proj.weight"])
+        return km.linear(o.reshape(T, Hv * dv).astype(h.dtype), lw["out"])
 
     # ------------------------------------------------------------------ MoE
     def _moe_side(self, i: int, x):
