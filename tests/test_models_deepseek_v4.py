@@ -272,6 +272,21 @@ def test_release_format_matches_hugging_face(release):
     tf.check_matches_hf(hf, tf.pack_to(lossless), tf.prompt(PROMPT), n=NEW)
 
 
+def test_flash_base_fp8_experts_match_hugging_face(tmp_path):
+    """V4-Flash-Base's format (experts FP8 in 128 x 128 blocks, float32 scales) is dequantized on import, and a
+    plan without the shards finds the same dtypes from its config."""
+    hf, _ = tf.deepseek_v4_release(tmp_path, experts="fp8")
+    plan = build_plan(Checkpoint(str(tmp_path / "src")))
+    assert {r.src for rs in plan.roles.values() for r in rs} == {"fp8"}
+    tf.check_matches_hf(hf, tf.pack_to(tmp_path), tf.prompt(PROMPT), n=4)
+    names = list(Checkpoint(str(tmp_path / "src")).weight_map)
+    (tmp_path / "src" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+    (tmp_path / "src" / "model.safetensors").unlink()
+    config = build_plan(Checkpoint(str(tmp_path / "src")))
+    assert config.roles == plan.roles and config.trunk == plan.trunk
+
+
 def test_release_fp4_with_another_scale_is_refused(release, tmp_path):
     """An FP4 expert whose scale is not E8M0 per 32 inputs (another microscaling format) is named, not packed."""
     import shutil

@@ -287,10 +287,11 @@ def _ds_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes[:, 0::2] | (codes[:, 1::2] << 4), (e + 127).to(torch.uint8)
 
 
-def deepseek_v4_release(root: Path, **overrides):
+def deepseek_v4_release(root: Path, experts: str = "fp4", **overrides):
     """A tiny DeepSeek-V4 at root/src in the release's format: routed experts FP4 (I8 [out, in/2], low nibble
     first, F8_E8M0 ``.scale`` [out, in/32]), the linears of ``V4_FP8`` FP8 e4m3 with an F8_E8M0 ``.scale`` per
-    128 x 128 block, names and config as released. root/float holds the dequantized float twin; returns
+    128 x 128 block, names and config as released; ``experts="fp8"``: V4-Flash-Base's format instead (every
+    linear, experts too, FP8 with float32 block scales). root/float holds the dequantized float twin; returns
     (transformers' model loaded from it, the release's tensors)."""
     import re
     import shutil
@@ -302,19 +303,19 @@ def deepseek_v4_release(root: Path, **overrides):
 
     build("deepseek_v4", root / "float", **overrides)
     sd = load_file(str(root / "float" / "model.safetensors"))
-    out = {}
+    out, e8m0 = {}, torch.float8_e8m0fnu
     for name, w in sd.items():
         rel = _v4_release_name(name)
-        if re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+        if experts == "fp4" and re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
             p, s = _ds_fp4(w)
             sd[name] = mxfp4.dequantize(p, s).to(w.dtype)
             out[rel], out[rel.removesuffix("weight") + "scale"] = p.view(torch.int8), s.view(torch.float8_e8m0fnu)
-        elif re.search(V4_FP8, name):
+        elif re.search(V4_FP8, name) or re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
             _, s = fp8.quantize(w)
             s = torch.exp2(torch.ceil(torch.log2(s)))  # E8M0: a power of two at least amax / 448
             full = s.repeat_interleave(fp8.BLOCK, 0)[: w.shape[0]].repeat_interleave(fp8.BLOCK, 1)[:, : w.shape[1]]
             out[rel], out[rel.removesuffix("weight") + "scale"] = ((w.float() / full).to(torch.float8_e4m3fn),
-                                                                   s.to(torch.float8_e8m0fnu))
+                                                                   s.to(e8m0 if experts == "fp4" else torch.float32))
             sd[name] = fp8.dequantize(out[rel], s).to(w.dtype)
         else:
             out[rel] = w
@@ -325,9 +326,11 @@ def deepseek_v4_release(root: Path, **overrides):
             shutil.copy(f, root / "src" / f.name)
     save_file(out, str(root / "src" / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((root / "src" / "config.json").read_text())
-    cfg["expert_dtype"] = "fp4"
+    cfg["expert_dtype"] = experts
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "scale_fmt": "ue8m0", "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+                                  "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+    if experts == "fp4":
+        cfg["quantization_config"]["scale_fmt"] = "ue8m0"
     (root / "src" / "config.json").write_text(json.dumps(cfg))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(root / "float"), dtype=torch.float32).eval()
     return hf, out
