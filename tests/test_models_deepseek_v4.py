@@ -262,14 +262,18 @@ def test_release_fp4_experts_are_packed_as_shipped(release):
                                                                                          "mxfp4")
 
 
-def test_release_format_matches_hugging_face(release):
+@pytest.mark.parametrize("experts", ["auto", "bf16"])
+def test_release_format_matches_hugging_face(release, experts):
     """With a lossless trunk (FP8 x E8M0 is exact in bf16) the streaming engine gives the greedy tokens of
-    transformers run on the dequantized weights."""
+    transformers run on the dequantized weights, the experts kept as shipped or dequantized to bf16 on import."""
+    from deltafin.store.pack import PackOptions
+
     root, hf, _ = release
-    lossless = root / "lossless"
+    lossless = root / f"lossless_{experts}"
     lossless.mkdir()
     (lossless / "src").symlink_to(root / "src")
-    tf.check_matches_hf(hf, tf.pack_to(lossless), tf.prompt(PROMPT), n=NEW)
+    opts = PackOptions(experts=experts, trunk="bf16", progress=False)
+    tf.check_matches_hf(hf, tf.pack_to(lossless, opts), tf.prompt(PROMPT), n=NEW)
 
 
 def test_flash_base_fp8_experts_match_hugging_face(tmp_path):
@@ -318,3 +322,43 @@ def test_release_plan_from_config_and_index_alone(release, tmp_path):
     config = build_plan(Checkpoint(str(src)))
     assert config.shapes_from == "config.json" and config.roles == headers.roles
     assert config.trunk == headers.trunk and config.expert_bytes == headers.expert_bytes
+
+
+def test_long_context_figures_in_the_docs_are_the_memory_model_s():
+    """docs/FAMILIES.md's V4-Flash state table is what store/memory.py counts for the release's config."""
+    import re
+    from pathlib import Path
+
+    from deltafin import fmt
+    from deltafin.store.memory import context_bytes, state_sizes
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "FAMILIES.md").read_text()
+    table = doc.split("## DeepSeek-V4 state at long context", 1)[1].split("Command:", 1)[0]
+    rows = {m[0]: (m[1], m[2]) for m in re.findall(r"^\| ([^|]+?) \| ([^|]+?) \| ([^|]+?) \|$", table, re.M)}
+    tc = tf.v4_flash_config()
+    fixed, per_tok, _, _ = state_sizes(tc)
+    want = {"fixed (windows, unfinished compressor windows)": (fixed, fixed / 2),
+            "per 1k tokens (CSA entries + indexer keys, HCA entries)": (per_tok * 4000, per_tok * 2000),
+            "128K tokens": (context_bytes(tc, 1 << 17), context_bytes(tc, 1 << 17, 2)),
+            "1M tokens": (context_bytes(tc, 1 << 20), context_bytes(tc, 1 << 20, 2))}
+    assert {k: rows.get(k) for k in want} == {k: (fmt.size(a), fmt.size(b)) for k, (a, b) in want.items()}
+
+
+@pytest.mark.slow
+def test_plan_of_the_flash_release_from_config_and_index(release, tmp_path):
+    """``pack --plan`` on V4-Flash as released (its config, an index of its names, no shards): 11,008 FP4 expert
+    files kept as MXFP4, the 1,199 trunk tensors (the count native conversions of the release report) with FP8
+    e4m3 linears and their E8M0 scales."""
+    from deltafin import cli
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(tf.v4_flash_config()))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        n: "model-00001-of-00046.safetensors" for n in tf.v4_flash_index(release[2])}}))
+    plan = build_plan(Checkpoint(str(src)))
+    assert plan.expert_files == 11_008 and len(plan.trunk) == 1_199
+    assert {(r.src, r.out, r.dtype) for rs in plan.roles.values() for r in rs} == {("ds_mxfp4", "mxfp4", "I8")}
+    fp8 = [t for t in plan.trunk if t.dtype == "F8_E4M3"]
+    assert fp8 and all(t.scale_inv for t in fp8) and not any(t.scale_inv for t in plan.trunk if t not in fp8)
+    assert cli.main(["pack", str(src), "--plan", "--drive", f"d0:{tmp_path}/d0=25", "--create"]) == 0

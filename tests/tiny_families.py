@@ -334,3 +334,46 @@ def deepseek_v4_release(root: Path, experts: str = "fp4", **overrides):
     (root / "src" / "config.json").write_text(json.dumps(cfg))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(root / "float"), dtype=torch.float32).eval()
     return hf, out
+
+
+def v4_flash_config() -> dict:
+    """DeepSeek-V4-Flash's config.json as released, for plans and memory figures: transformers' default
+    DeepseekV4Config (Flash's widths) with the release's own layer list, ``compress_ratios`` (2 sliding-window
+    layers, then CSA (4) and HCA (128) alternating; one more entry for the MTP layer), 3 hash-routed layers, FP4
+    experts and FP8 with E8M0 block scales."""
+    import transformers
+
+    cfg = transformers.DeepseekV4Config().to_dict()
+    for k in ("layer_types", "mlp_layer_types"):
+        cfg.pop(k)
+    n = cfg["num_hidden_layers"]
+    return {**cfg, "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, n)] + [0],
+            "num_hash_layers": 3, "expert_dtype": "fp4",
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+
+
+def v4_flash_index(tiny: dict[str, torch.Tensor]) -> list[str]:
+    """The release's tensor names at V4-Flash's depth and width, read off a tiny release-format checkpoint's
+    (``deepseek_v4_release``: layer 0 sliding and hash-routed, 1 CSA, 2 HCA): each layer takes its kind's
+    attention names and its router's, expert 0's names repeated for every expert."""
+    import re
+
+    cfg = v4_flash_config()
+    n, E = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    out = [x for x in tiny if not x.startswith("layers.")]
+    like = {0: 0, 4: 1, 128: 2}
+    for L in range(n):
+        attn, ffn = like[cfg["compress_ratios"][L]], 0 if L < cfg["num_hash_layers"] else 1
+        for x in tiny:
+            m = re.fullmatch(r"layers\.(\d+)\.(.+)", x)
+            if m is None:
+                continue
+            i, rest = int(m.group(1)), m.group(2)
+            if i != (ffn if rest.startswith("ffn.") else attn):
+                continue
+            if ".experts." not in rest:
+                out.append(f"layers.{L}.{rest}")
+            elif ".experts.0." in rest:
+                out += [f"layers.{L}.{rest.replace('.experts.0.', f'.experts.{e}.')}" for e in range(E)]
+    return out
