@@ -134,12 +134,12 @@ class _Shapes:
         scale = name + "_scale_inv"  # DeepSeek-style FP8 blocks beside the weight (V4's release: ``.scale``)
         if self._v4 is not None and name.endswith(".weight"):
             scale = name.removesuffix("weight") + "scale"
-        fp8 = scale in self.ckpt.weight_map
+        scaled = scale in self.ckpt.weight_map
         if isinstance(part, ExpertPart) and part.role in ("gate", "up", "down"):
             out, inn = shapes.swiglu_expert_shape(part.role, self.tc)
             fp4 = self._v4 is not None and self._v4[0] == "I8"
             if part.kind == "weight":
-                return ("I8", (out, inn // 2)) if fp8 and fp4 else ("F8_E4M3" if fp8 else self.dtype, (out, inn))
+                return ("I8", (out, inn // 2)) if scaled and fp4 else ("F8_E4M3" if scaled else self.dtype, (out, inn))
             if part.kind == "weight_scale_inv" and self._v4 is not None:
                 return ("F8_E8M0", (out, inn // 32)) if fp4 else (self._v4[1], (-(-out // 128), -(-inn // 128)))
             got = shapes.expert_kind_shape(part.role, part.kind, self.tc)
@@ -151,7 +151,7 @@ class _Shapes:
             if shape is not None and local.endswith("_scale_inv"):
                 return self._v4[1] if self._v4 else "F32", tuple(-(-n // 128) for n in shape)
             if shape is not None:
-                dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if fp8 else self.dtype
+                dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if scaled else self.dtype
                 return shapes.fixed_dtype(self.family.name, local) or dt, shape
         raise CheckpointError(
             f"{self.ckpt.path}: shard {self.ckpt.weight_map[name]} is not on disk and {name}'s shape cannot be "
@@ -386,7 +386,8 @@ def _ds_fp4_source(role: str, kinds: dict[str, str], shape_of: _Shapes, experts:
     ``...w{1,3,2}.scale`` is ``float8_e8m0fnu`` (safetensors F8_E8M0), [out, in/32], one power of two
     2**(byte - 127) per 32 inputs. The trunk (attention, shared expert) is FP8 e4m3 with one E8M0 ``.scale`` per
     128 x 128 block (``quantization_config``: ``quant_method fp8``, ``scale_fmt ue8m0``, ``weight_block_size
-    [128, 128]``); the compressor and indexer projections, norms, mHC and routers ship unquantized.
+    [128, 128]``), the indexer's ``wq_b`` too; the compressors' and the indexer's kv / gate / weights projections,
+    norms, mHC and routers ship unquantized.
     """
     sdt, ss = scale
     inn = s[1] * 2
@@ -394,7 +395,8 @@ def _ds_fp4_source(role: str, kinds: dict[str, str], shape_of: _Shapes, experts:
     if sdt not in ("F8_E8M0", "U8") or tuple(ss) != (s[0], inn // 32) or inn % 32:
         raise CheckpointError(f"{where}: {kinds['weight']}: FP4 {dt} {list(s)} needs an E8M0 scale [{s[0]}, "
                               f"{inn // 32}] (one per 32 inputs), but {kinds['weight_scale_inv']} is {sdt} {list(ss)};"
-                              f" only DeepSeek-V4's MXFP4 experts are supported: re-download the checkpoint")
+                              f" FP4 is read as DeepSeek-V4 ships it (MXFP4) only: the file is damaged (re-download "
+                              f"it) or in another FP4 format (dequantize its experts to bf16 first)")
     want = shapes.swiglu_expert_shape(role, shape_of.tc)
     if (s[0], inn) != want:
         raise CheckpointError(f"{where}: {kinds['weight']}: FP4 [{s[0]}, {inn}] logical, but config.json makes a "
