@@ -1,11 +1,12 @@
 """Expert parallel and classify on the families added in 2026 (Kimi K2.5, GLM-4.5, MiniMax-M2, Qwen3-Next,
-Qwen3.5, DeepSeek-V3.2, GLM-5): each tiny model (transformers' own config class, a byte tokenizer, the default
-pack) run over two ranks (gloo, each owning half of the experts) gives one process's tokens, logits and classify
-log-probabilities bit for bit, and classify's batched scores (prompts prefilled together, each label's tokens on a
-copy of the state) equal the label's log-probability from one pass over prompt + label, and from the label's
-tokens stepped one at a time. (The DSA models get 8 indexer heads here: with the shared tiny models' 2, the
-ReLU'd scores of a token are all 0 for a quarter of the tokens, and torch.topk, as in the reference, breaks a tie
-at the k-th score differently for a one-token query than for a chunk, so chunkings pick different tokens.)"""
+Qwen3.5, DeepSeek-V3.2, GLM-5, DeepSeek-V4): each tiny model (transformers' own config class, a byte
+tokenizer, the default pack) run over two ranks (gloo, each owning half of the experts) gives one process's
+tokens, logits and classify log-probabilities bit for bit, and classify's batched scores (prompts prefilled
+together, each label's tokens on a copy of the state) equal the label's log-probability from one pass over
+prompt + label, and from the label's tokens stepped one at a time. (The DSA models get 8 indexer heads here:
+with the shared tiny models' 2, the ReLU'd scores of a token are all 0 for a quarter of the tokens, and
+torch.topk, as in the reference, breaks a tie at the k-th score differently for a one-token query than for a
+chunk, so chunkings pick different tokens.)"""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ from tests.test_jobs import manual_logp
 from tests.tiny import save_byte_tokenizer
 from tests.tiny_families import DEFAULT, NEW_TINY, build, pack_to
 
-FAMILIES = ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
+FAMILIES = ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa",
+            "deepseek_v4"]
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
+# DeepSeek-V4 with a window of 4, CSA every 2 tokens (the indexer's top 2) and HCA every 4: the 8-token prompt and
+# its 8 new tokens pass the window, the top k and several compressed entries of each kind
+V4_SHORT = {"deepseek_v4": dict(sliding_window=4, index_topk=2, compress_rates={
+    "compressed_sparse_attention": 2, "heavily_compressed_attention": 4})}
 VOCAB = 320  # the byte tokenizer's
 
 
@@ -37,7 +43,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     for fam in FAMILIES:
         tiny = NEW_TINY[fam]
         over = {"text_config": {**tiny["text_config"], "vocab_size": VOCAB}} if "text_config" in tiny else \
-            {"vocab_size": VOCAB} | ({"index_n_heads": 8} if "index_topk" in tiny else {})
+            {"vocab_size": VOCAB} | ({"index_n_heads": 8} if "index_topk" in tiny else {}) | V4_SHORT.get(fam, {})
         build(fam, root / fam / "src", **over)
         save_byte_tokenizer(root / fam / "src", VOCAB)
         out[fam] = pack_to(root / fam, DEFAULT)

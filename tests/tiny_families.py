@@ -260,3 +260,122 @@ def fast_path_agreement(model_dir: str, vocab: int = 256) -> float:
     from tests.test_fast_path import _agreement
 
     return _agreement(model_dir, vocab)
+
+
+# DeepSeek-V4's linears that ship FP8 (the compressor's and the indexer's kv / gate / weights projections stay float)
+V4_FP8 = r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.indexer\.wq_b|\.shared_experts\.w[123])\.weight$"
+
+
+def _v4_release_name(name: str) -> str:
+    """transformers' save_pretrained names -> the release's (no ``model.`` prefix, ``embed`` / ``hc_head_fn``)."""
+    import re
+
+    name = {"model.embed_tokens.weight": "embed.weight"}.get(name, name)
+    name = re.sub(r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name)
+    return name.removeprefix("model.")
+
+
+def _ds_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 as DeepSeek quantizes it: per 32 inputs the scale 2**ceil(log2(amax / 6)), then the nearest E2M1 code
+    (low nibble first). Where amax / 2**k lies in (3, 4) that scale is twice Deltafin's reference choice, so a
+    re-encoded copy would differ from the shipped bytes."""
+    from deltafin.quant import mxfp4
+
+    out, inn = w.shape
+    b = w.float().reshape(out, inn // 32, 32)
+    e = torch.ceil(torch.log2(b.abs().amax(-1).clamp_min(6 * 2.0**-126) / 6))
+    q = (b / torch.exp2(e)[..., None]).clamp(-6, 6)
+    codes = (q[..., None] - torch.from_numpy(mxfp4.E2M1_VALUES)).abs().argmin(-1).to(torch.uint8).reshape(out, inn)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), (e + 127).to(torch.uint8)
+
+
+def deepseek_v4_release(root: Path, experts: str = "fp4", **overrides):
+    """A tiny DeepSeek-V4 at root/src in the release's format: routed experts FP4 (I8 [out, in/2], low nibble
+    first, F8_E8M0 ``.scale`` [out, in/32]), the linears of ``V4_FP8`` FP8 e4m3 with an F8_E8M0 ``.scale`` per
+    128 x 128 block, names and config as released; ``experts="fp8"``: V4-Flash-Base's format instead (every
+    linear, experts too, FP8 with float32 block scales). root/float holds the dequantized float twin; returns
+    (transformers' model loaded from it, the release's tensors)."""
+    import re
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from deltafin.quant import fp8, mxfp4
+
+    build("deepseek_v4", root / "float", **overrides)
+    sd = load_file(str(root / "float" / "model.safetensors"))
+    out, e8m0 = {}, torch.float8_e8m0fnu
+    for name, w in sd.items():
+        rel = _v4_release_name(name)
+        if experts == "fp4" and re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+            p, s = _ds_fp4(w)
+            sd[name] = mxfp4.dequantize(p, s).to(w.dtype)
+            out[rel], out[rel.removesuffix("weight") + "scale"] = p.view(torch.int8), s.view(torch.float8_e8m0fnu)
+        elif re.search(V4_FP8, name) or re.search(r"\.experts\.\d+\.w[123]\.weight$", name):
+            _, s = fp8.quantize(w)
+            s = torch.exp2(torch.ceil(torch.log2(s)))  # E8M0: a power of two at least amax / 448
+            full = s.repeat_interleave(fp8.BLOCK, 0)[: w.shape[0]].repeat_interleave(fp8.BLOCK, 1)[:, : w.shape[1]]
+            out[rel], out[rel.removesuffix("weight") + "scale"] = ((w.float() / full).to(torch.float8_e4m3fn),
+                                                                   s.to(e8m0 if experts == "fp4" else torch.float32))
+            sd[name] = fp8.dequantize(out[rel], s).to(w.dtype)
+        else:
+            out[rel] = w
+    save_file(sd, str(root / "float" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "src").mkdir()
+    for f in (root / "float").iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, root / "src" / f.name)
+    save_file(out, str(root / "src" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "src" / "config.json").read_text())
+    cfg["expert_dtype"] = experts
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+    if experts == "fp4":
+        cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    (root / "src" / "config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(root / "float"), dtype=torch.float32).eval()
+    return hf, out
+
+
+def v4_flash_config() -> dict:
+    """DeepSeek-V4-Flash's config.json as released, for plans and memory figures: transformers' default
+    DeepseekV4Config (Flash's widths) with the release's own layer list, ``compress_ratios`` (2 sliding-window
+    layers, then CSA (4) and HCA (128) alternating; one more entry for the MTP layer), 3 hash-routed layers, FP4
+    experts and FP8 with E8M0 block scales."""
+    import transformers
+
+    cfg = transformers.DeepseekV4Config().to_dict()
+    for k in ("layer_types", "mlp_layer_types"):
+        cfg.pop(k)
+    n = cfg["num_hidden_layers"]
+    return {**cfg, "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, n)] + [0],
+            "num_hash_layers": 3, "expert_dtype": "fp4",
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+
+
+def v4_flash_index(tiny: dict[str, torch.Tensor]) -> list[str]:
+    """The release's tensor names at V4-Flash's depth and width, read off a tiny release-format checkpoint's
+    (``deepseek_v4_release``: layer 0 sliding and hash-routed, 1 CSA, 2 HCA): each layer takes its kind's
+    attention names and its router's, expert 0's names repeated for every expert."""
+    import re
+
+    cfg = v4_flash_config()
+    n, E = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    out = [x for x in tiny if not x.startswith("layers.")]
+    like = {0: 0, 4: 1, 128: 2}
+    for L in range(n):
+        attn, ffn = like[cfg["compress_ratios"][L]], 0 if L < cfg["num_hash_layers"] else 1
+        for x in tiny:
+            m = re.fullmatch(r"layers\.(\d+)\.(.+)", x)
+            if m is None:
+                continue
+            i, rest = int(m.group(1)), m.group(2)
+            if i != (ffn if rest.startswith("ffn.") else attn):
+                continue
+            if ".experts." not in rest:
+                out.append(f"layers.{L}.{rest}")
+            elif ".experts.0." in rest:
+                out += [f"layers.{L}.{rest.replace('.experts.0.', f'.experts.{e}.')}" for e in range(E)]
+    return out

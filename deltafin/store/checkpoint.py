@@ -28,9 +28,10 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,  # OCP MX scales: DeepSeek-V4's FP4 experts and FP8 blocks
 }
 ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-            "I8": 1, "U8": 1, "BOOL": 1}
+            "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1}
 
 
 @dataclass(frozen=True, slots=True)

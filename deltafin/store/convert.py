@@ -46,7 +46,7 @@ def check_expert_sources(ckpt: Checkpoint, plan: PackPlan, layer: int, expert: i
 
 
 _PASS = {("ct_mxfp4", "mxfp4"): ("weight_packed", "weight_scale"), ("ct_int4", "int4g32"): ("weight_packed", "weight_scale"),
-         ("oss_mxfp4", "mxfp4"): ("blocks", "scales")}
+         ("oss_mxfp4", "mxfp4"): ("blocks", "scales"), ("ds_mxfp4", "mxfp4"): ("weight", "weight_scale_inv")}
 
 
 def passthrough_sections(plan: PackPlan, layer: int, expert: int) -> list[tuple[str, int | None]] | None:
@@ -81,6 +81,8 @@ def _role_record(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert:
     scales, so it is caught here, whatever the codec)."""
     if r.src == "ct_mxfp4" and r.out == "mxfp4":  # released QAT bytes: copied unchanged
         return QTensor("mxfp4", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
+    if r.src == "ds_mxfp4" and r.out == "mxfp4":  # DeepSeek-V4's FP4 (I8) and E8M0 bytes are MXFP4's
+        return QTensor("mxfp4", r.shape, *_ds_fp4(ckpt, kinds))
     if r.src == "ct_int4" and r.out == "int4g32":
         return QTensor("int4g32", r.shape, ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
     if r.src == "oss_mxfp4" and r.out == "mxfp4":
@@ -102,6 +104,8 @@ def _dense(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) 
         return fp8.dequantize(ckpt.read(kinds["weight"]), ckpt.read(kinds["weight_scale_inv"]))
     if r.src == "ct_mxfp4":
         return mxfp4.dequantize(ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
+    if r.src == "ds_mxfp4":
+        return mxfp4.dequantize(*_ds_fp4(ckpt, kinds))
     if r.src == "ct_int4":
         return int4.dequantize(ckpt.read(kinds["weight_packed"]), ckpt.read(kinds["weight_scale"]))
     if r.src == "oss_mxfp4":
@@ -110,6 +114,11 @@ def _dense(ckpt: Checkpoint, r: RoleSource, kinds: dict[str, str], expert: int) 
     if r.src == "oss_fused":
         return read_row(ckpt, kinds["fused"], expert).T.contiguous()  # stored [in, out]
     raise AssertionError(r.src)
+
+
+def _ds_fp4(ckpt: Checkpoint, kinds: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scales) as uint8 views of DeepSeek-V4's FP4 expert weight and its E8M0 scale (no conversion)."""
+    return ckpt.read(kinds["weight"]).view(torch.uint8), ckpt.read(kinds["weight_scale_inv"]).view(torch.uint8)
 
 
 ROW_BLOCK_BYTES = 32 << 20  # float32 bytes of one block of rows converted at a time (bounds pack's memory)

@@ -155,6 +155,7 @@ FAMILIES: dict[str, Family] = {
 # DeepSeek-V4's checkpoint names (as released, or as transformers' save_pretrained writes them back) -> the
 # module names of transformers' DeepseekV4ForCausalLM, routed experts kept one per expert as gate/up/down_proj
 _V4_REWRITES = tuple((re.compile(p), r) for p, r in (
+    (r"(?<!_hc)\.scale$", ".weight_scale_inv"),  # the release's block scales (FP8 128x128, FP4 1x32), as transformers
     (r"^(layers|embed|norm|hc_head)", r"model.\1"), (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
     (r"^head\.weight$", "lm_head.weight"), (r"^model\.hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
     (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),

@@ -55,7 +55,7 @@ class RoleSource:
     """How one expert tensor (role) is produced: source kinds, source format, and the output format."""
 
     role: str
-    src: str  # plain | fp8 | ct_mxfp4 | ct_int4 | oss_mxfp4 | oss_fused | bias
+    src: str  # plain | fp8 | ct_mxfp4 | ct_int4 | ds_mxfp4 | oss_mxfp4 | oss_fused | bias
     out: str  # mxfp4 | int4g32 | bf16 | f16 | f32
     shape: tuple[int, ...]  # logical [out, in] (or [n] for biases)
     dtype: str  # source dtype of the main tensor
@@ -111,6 +111,7 @@ class _Shapes:
         self.source = "headers" if self.from_headers else "headers+config.json" if self.present else "config.json"
         self._k3 = shapes.k3_shapes(tc) if family.name == "kimi_k3" and not self.from_headers else None
         self.dtype = _config_dtype({**ckpt.config, **tc})  # a multimodal text_config may leave it to the top
+        self._v4 = shapes.v4_release_dtypes(ckpt.config) if family.name == "deepseek_v4" else None
 
     def on_disk(self, name: str) -> bool:
         return self.ckpt.weight_map[name] in self.present
@@ -130,10 +131,17 @@ class _Shapes:
             if got is None:
                 raise CheckpointError(f"{name}: no shape known from config.json for this tensor; download its shard")
             return got
-        fp8 = name + "_scale_inv" in self.ckpt.weight_map  # DeepSeek-style FP8 blocks beside the weight
+        scale = name + "_scale_inv"  # DeepSeek-style FP8 blocks beside the weight (V4's release: ``.scale``)
+        if self._v4 is not None and name.endswith(".weight"):
+            scale = name.removesuffix("weight") + "scale"
+        scaled = scale in self.ckpt.weight_map
         if isinstance(part, ExpertPart) and part.role in ("gate", "up", "down"):
+            out, inn = shapes.swiglu_expert_shape(part.role, self.tc)
+            fp4 = self._v4 is not None and self._v4[0] == "I8"
             if part.kind == "weight":
-                return "F8_E4M3" if fp8 else self.dtype, shapes.swiglu_expert_shape(part.role, self.tc)
+                return ("I8", (out, inn // 2)) if scaled and fp4 else ("F8_E4M3" if scaled else self.dtype, (out, inn))
+            if part.kind == "weight_scale_inv" and self._v4 is not None:
+                return ("F8_E8M0", (out, inn // 32)) if fp4 else (self._v4[1], (-(-out // 128), -(-inn // 128)))
             got = shapes.expert_kind_shape(part.role, part.kind, self.tc)
             if got is not None:
                 return got
@@ -141,9 +149,9 @@ class _Shapes:
             local = self.family.local_name(local)
             shape = shapes.trunk_shape(self.family.name, local.removesuffix("_scale_inv"), self.tc)
             if shape is not None and local.endswith("_scale_inv"):
-                return "F32", tuple(-(-n // 128) for n in shape)
+                return self._v4[1] if self._v4 else "F32", tuple(-(-n // 128) for n in shape)
             if shape is not None:
-                dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if fp8 else self.dtype
+                dt = "F32" if local.endswith("e_score_correction_bias") else "F8_E4M3" if scaled else self.dtype
                 return shapes.fixed_dtype(self.family.name, local) or dt, shape
         raise CheckpointError(
             f"{self.ckpt.path}: shard {self.ckpt.weight_map[name]} is not on disk and {name}'s shape cannot be "
@@ -348,6 +356,8 @@ def _role_source(L: int, role: str, kinds: dict[str, str], shape_of: _Shapes, ex
             return RoleSource(role, "ct_int4", _pick(experts, "int4g32"), (s[0], s[1] * 8), sh("weight_scale")[0])
         raise CheckpointError(f"{kinds['weight_packed']}: unexpected dtype {dt} for packed expert weights")
     dt, s = sh("weight")
+    if dt in ("I8", "U8") and "weight_scale_inv" in kinds:
+        return _ds_fp4_source(role, kinds, shape_of, experts, dt, tuple(s), sh("weight_scale_inv"))
     if dt not in _PLAIN_OUT:
         raise CheckpointError(f"{kinds['weight']}: unexpected dtype {dt} for an expert weight")
     if shape_of.family.name in _SWIGLU_FAMILIES and role in ("gate", "up", "down"):
@@ -362,6 +372,36 @@ def _role_source(L: int, role: str, kinds: dict[str, str], shape_of: _Shapes, ex
     if dt.startswith("F8"):
         _check_fp8_scale(kinds["weight_scale_inv"], tuple(s), sh("weight_scale_inv"))
     return RoleSource(role, "fp8" if dt.startswith("F8") else "plain", _pick(experts, None, dt), tuple(s), dt)
+
+
+def _ds_fp4_source(role: str, kinds: dict[str, str], shape_of: _Shapes, experts: str, dt: str,
+                   s: tuple[int, ...], scale: tuple[str, tuple[int, ...]]) -> RoleSource:
+    """DeepSeek-V4's released FP4 routed experts (``expert_dtype: "fp4"``), which are MXFP4 exactly as Deltafin
+    stores it, so by default their bytes are copied unchanged.
+
+    The layout, as DeepSeek's ``inference/model.py`` declares it and transformers 5.24 (``FP8Experts`` with
+    ``expert_dtype="fp4"``, ``Fp8Dequantize._unpack_fp4``) and vLLM (``Mxfp4MoEMethod``) read it:
+    ``layers.{L}.ffn.experts.{E}.w{1,3,2}.weight`` is ``float4_e2m1fn_x2`` stored as safetensors I8,
+    [out, in/2], two E2M1 codes per byte along the input dimension, the even element in the low nibble;
+    ``...w{1,3,2}.scale`` is ``float8_e8m0fnu`` (safetensors F8_E8M0), [out, in/32], one power of two
+    2**(byte - 127) per 32 inputs. The trunk (attention, shared expert) is FP8 e4m3 with one E8M0 ``.scale`` per
+    128 x 128 block (``quantization_config``: ``quant_method fp8``, ``scale_fmt ue8m0``, ``weight_block_size
+    [128, 128]``), the indexer's ``wq_b`` too; the compressors' and the indexer's kv / gate / weights projections,
+    norms, mHC and routers ship unquantized.
+    """
+    sdt, ss = scale
+    inn = s[1] * 2
+    where = shape_of.file(kinds["weight"])
+    if sdt not in ("F8_E8M0", "U8") or tuple(ss) != (s[0], inn // 32) or inn % 32:
+        raise CheckpointError(f"{where}: {kinds['weight']}: FP4 {dt} {list(s)} needs an E8M0 scale [{s[0]}, "
+                              f"{inn // 32}] (one per 32 inputs), but {kinds['weight_scale_inv']} is {sdt} {list(ss)};"
+                              f" FP4 is read as DeepSeek-V4 ships it (MXFP4) only: the file is damaged (re-download "
+                              f"it) or in another FP4 format (dequantize its experts to bf16 first)")
+    want = shapes.swiglu_expert_shape(role, shape_of.tc)
+    if (s[0], inn) != want:
+        raise CheckpointError(f"{where}: {kinds['weight']}: FP4 [{s[0]}, {inn}] logical, but config.json makes a "
+                              f"{role} expert [out, in] = {list(want)}; the checkpoint and its config do not match")
+    return RoleSource(role, "ds_mxfp4", _pick(experts, "mxfp4"), (s[0], inn), dt)
 
 
 def _pick(experts: str, released: str | None, dtype: str | None = None) -> str:

@@ -19,10 +19,11 @@ from deltafin.errors import DeltafinError
 from deltafin.store.fileio import pread_full, write_error, write_full
 
 SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-         "I8": 1, "U8": 1, "BOOL": 1}
+         "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1}
 TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-         "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+         "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+         "F8_E8M0": torch.float8_e8m0fnu}  # OCP MX scales: DeepSeek-V4's FP4 experts and FP8 blocks
 NAMES = {v: k for k, v in TORCH.items()}
 MAX_HEADER = 100 << 20  # the safetensors format's own limit on the JSON header
 

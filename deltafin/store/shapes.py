@@ -241,3 +241,14 @@ def expert_kind_shape(role: str, kind: str, tc: dict) -> tuple[str, tuple[int, .
     return {"weight_packed": ("I32", (out, inn // 8)), "weight_scale": ("BF16", (out, inn // 32)),
             "weight_shape": ("I32", (2,)),
             "weight_scale_inv": ("F32", (-(-out // 128), -(-inn // 128)))}.get(kind)
+
+
+def v4_release_dtypes(config: dict) -> tuple[str, str]:
+    """(expert weight dtype, block scale dtype) of a DeepSeek-V4 release from its config.json, for a plan without
+    the shards: ``expert_dtype`` "fp4" (top level or in ``quantization_config``) ships I8-packed FP4 experts, else
+    FP8; ``scale_fmt`` "ue8m0" ships F8_E8M0 scales, else F32. Without ``expert_dtype``, E8M0 scales mean FP4
+    experts (V4-Flash), float ones FP8 (V4-Flash-Base)."""
+    q = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+    scale = "F8_E8M0" if q.get("scale_fmt") == "ue8m0" else "F32"
+    kind = config.get("expert_dtype") or q.get("expert_dtype") or ("fp4" if scale == "F8_E8M0" else "fp8")
+    return ("I8" if kind == "fp4" else "F8_E4M3"), scale
