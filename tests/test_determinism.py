@@ -59,13 +59,14 @@ def logits(model: str, exact: bool, together: bool = False, **kw) -> torch.Tenso
         me = 1 if together else 0
         states = [eng.new_state() for _ in seqs]
         with torch.inference_mode():
-            first = eng.step([(torch.tensor(s), st) for s, st in zip(seqs, states, strict=True)], all_logits=True)
-        out = [first[me].clone()]
+            first = eng.step([(torch.tensor(s, device=eng.device), st) for s, st in zip(seqs, states, strict=True)],
+                             all_logits=True)
+        out = [first[me].float().cpu()]
         last = [int(f[-1].argmax()) for f in first]
         for _ in range(STEPS):
             got = eng.forward_batch([([t], st) for t, st in zip(last, states, strict=True)])
             last = [int(g.argmax()) for g in got]
-            out.append(got[me][None].clone())
+            out.append(got[me][None].float().cpu())
         return torch.cat(out)
     finally:
         eng.close()
@@ -139,11 +140,11 @@ def test_without_batch_invariance_a_batch_can_change_a_sequence():
         assert torch.equal(cpu.mxfp4_linear(x[:1], p, s), one)
 
 
-def test_batch_invariant_is_refused_off_the_cpu(packed):
+def test_batch_invariant_is_refused_on_mlx(packed):
     from deltafin.errors import UsageError
 
     _, model = packed("qwen3_moe")
-    with pytest.raises(UsageError, match="--batch-invariant is built for the CPU"):
+    with pytest.raises(UsageError, match="--batch-invariant is built for the CPU and CUDA"):
         tf.engine(model, device="mlx", batch_invariant=True)
 
 
@@ -173,3 +174,14 @@ def test_cuda_k3_logits_bit_identical_cold_warm_partial_cache_and_graphs(tmp_pat
     ref = run(cuda_graphs=False)
     for kw in (dict(cuda_graphs=False), dict(), dict(), dict(cache_gb=0.0005), dict(cache_gb=1.0)):
         assert bitwise(run(**kw), ref), kw
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next", "kimi_k3"])
+def test_cuda_batch_invariant_logits_alone_equal_batched(packed, family):
+    """--batch-invariant on CUDA (bf16 fast path): P's prompt and decode logits alone equal those of P between Q
+    and R, bit for bit (one tile shape at every token count, no split-K, no decode GEMV, graphs off)."""
+    _, model = packed(family)
+    ref = logits(model, False, device="cuda", batch_invariant=True)
+    assert bitwise(logits(model, False, together=True, device="cuda", batch_invariant=True), ref)

@@ -47,14 +47,42 @@ def _logits(eng, ids: list[int]) -> torch.Tensor:
         eng.close()
 
 
+def _recording_routes(monkeypatch) -> list:
+    """Every MoE layer's routing ([T, k] expert ids per call, in call order) as the models dispatch it."""
+    import deltafin.models.common as common
+    import deltafin.models.deepseek_v4 as v4
+
+    calls: list = []
+    for mod in (common, v4):
+        real = mod.moe_dispatch
+
+        def record(x, ids, weights, layer, *a, _real=real, **kw):
+            calls.append((layer, ids.detach().sort(-1).values.cpu()))
+            return _real(x, ids, weights, layer, *a, **kw)
+
+        monkeypatch.setattr(mod, "moe_dispatch", record)
+    return calls
+
+
+def _per_position(calls: list) -> dict[int, torch.Tensor]:
+    """layer -> [positions, k] routing, the prefill's rows then each one-token step's."""
+    out: dict[int, list] = {}
+    for layer, ids in calls:
+        out.setdefault(layer, []).append(ids)
+    return {L: torch.cat(v) for L, v in out.items()}
+
+
 @pytest.mark.parametrize("model_type", ["kimi_k25", "glm4_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe",
                                         "deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
 def test_fast_path_agreement_on_cuda(tmp_path, model_type, monkeypatch):
     """The default CUDA path (bf16 activations through the kernels) against float32, teacher-forced over 256
     tokens, as ``test_kernels_triton.test_bf16_kernels_agree_with_float32_reference`` does for the older
-    families: on random tiny models bf16 rounding alone flips near-tied tokens (the plain torch bf16 path too),
-    so the kernels must agree with float32 at least as often as torch bf16, less 2 points, and at >= 99% of the
-    positions whose float32 margin exceeds twice torch bf16's largest logit deviation there."""
+    families. On random tiny models bf16 rounding alone flips near-tied choices: the greedy token, and the
+    router's top k, after which a position's logits move by far more than rounding (measured on the H200: every
+    large deviation of either bf16 path came with such a flip). So, over the positions that both bf16 paths
+    route as float32 does, the kernels must agree with float32 at least as often as the plain torch bf16 path,
+    less 2 points, and at >= 99% of those whose float32 margin exceeds twice torch bf16's largest logit
+    deviation there."""
     from deltafin.kernels import cuda as kc
     from deltafin.runtime.engine import Engine, EngineOptions
     from tests.test_fast_path import N
@@ -63,30 +91,37 @@ def test_fast_path_agreement_on_cuda(tmp_path, model_type, monkeypatch):
     _build(tmp_path, model_type, extra)
     model_dir = tf.pack_to(tmp_path, tf.DEFAULT)
     ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = _recording_routes(monkeypatch)
 
-    def run(exact: bool, mode: str) -> torch.Tensor:
+    def run(exact: bool, mode: str) -> tuple[torch.Tensor, dict]:
         monkeypatch.setenv("DELTAFIN_KERNELS", mode)
-        return _logits(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=exact, device="cuda")),
-                       ids)
+        calls.clear()
+        lg = _logits(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=exact, device="cuda")), ids)
+        return lg, _per_position(calls)
 
-    ref = run(True, "triton")
-    torch_bf16 = run(False, "torch")
+    ref, ref_routes = run(True, "triton")
+    torch_bf16, t_routes = run(False, "torch")
     kc.USED.clear()
-    kernels = run(False, "triton")
+    kernels, k_routes = run(False, "triton")
     assert any(u.startswith("triton:") for u in kc.USED)
+    same = torch.ones(N, dtype=torch.bool)
+    for L, r in ref_routes.items():
+        same &= (t_routes[L] == r).all(-1) & (k_routes[L] == r).all(-1)
     top = ref.argmax(-1)
     agree_k = (kernels.argmax(-1) == top).float()
     agree_t = (torch_bf16.argmax(-1) == top).float()
     top2 = ref.topk(2, -1).values
-    decided = (top2[:, 0] - top2[:, 1]) > 2 * (torch_bf16 - ref).abs().amax(-1)
+    decided = same & ((top2[:, 0] - top2[:, 1]) > 2 * (torch_bf16 - ref).abs().amax(-1))
     dev_k, dev_t = (kernels - ref).abs().amax(-1), (torch_bf16 - ref).abs().amax(-1)
-    print(f"{model_type}: top-1 agreement with float32: kernels {agree_k.mean():.3f}, torch bf16 "
-          f"{agree_t.mean():.3f}; on {int(decided.sum())} decided positions: kernels {agree_k[decided].mean():.3f}; "
-          f"largest logit deviation, median over positions: kernels {dev_k.median():.4f}, torch bf16 "
-          f"{dev_t.median():.4f}")
+    print(f"{model_type}: {int(same.sum())} of {N} positions routed as float32 by both bf16 paths; there top-1 "
+          f"agreement with float32: kernels {agree_k[same].mean():.3f}, torch bf16 {agree_t[same].mean():.3f} (all "
+          f"positions {agree_k.mean():.3f} / {agree_t.mean():.3f}); {int(decided.sum())} decided: kernels "
+          f"{agree_k[decided].mean():.3f}; largest logit deviation, median: kernels {dev_k[same].median():.4f}, "
+          f"torch bf16 {dev_t[same].median():.4f}")
     for j in torch.nonzero(decided & (agree_k == 0)).flatten().tolist():
         print(f"  position {j}: float32 margin {top2[j, 0] - top2[j, 1]:.4f}, deviation kernels {dev_k[j]:.4f}, "
               f"torch bf16 {dev_t[j]:.4f}")
-    assert agree_k.mean() >= agree_t.mean() - 0.02
+    assert same.float().mean() >= 0.5
+    assert agree_k[same].mean() >= agree_t[same].mean() - 0.02
     if decided.any():
         assert agree_k[decided].mean() >= 0.99

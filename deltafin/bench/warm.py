@@ -63,17 +63,24 @@ def bytes_per_token(w: dict[str, QTensor], experts: dict) -> int:
         "num_experts_per_tok"] * one
 
 
+def _sync(model) -> None:
+    if model.device.type == "cuda":  # the GPU's work is asynchronous: time it to its end
+        torch.cuda.synchronize(model.device)
+
+
 def _decode(model, experts, tokens: int, fast: bool) -> float:
     """Seconds per token over ``tokens`` one-token steps after two warm-up steps (greedy feedback)."""
     from deltafin import kernels
 
     state = model.new_state(tokens + 8)
-    tok = torch.tensor([1])
+    tok = torch.tensor([1], device=model.device)
     with torch.inference_mode(), kernels.fast(fast):
         for n in range(tokens + 2):
             if n == 2:
+                _sync(model)
                 t = time.perf_counter()
             tok = model.forward(tok, state, experts)[-1:].argmax(-1)
+    _sync(model)
     return (time.perf_counter() - t) / tokens
 
 
@@ -85,18 +92,20 @@ def invariance_cost(model, experts, tokens: int, batch: int = 8, prompt: int = 1
 
     def timed(fn, reps: int) -> float:
         fn()  # warm-up
+        _sync(model)
         t = time.perf_counter()
         for _ in range(reps):
             fn()
+        _sync(model)
         return (time.perf_counter() - t) / reps
 
     def batched() -> float:
         states = [model.new_state(tokens + 8) for _ in range(batch)]
-        seqs = lambda: [(torch.tensor([1 + j]), st) for j, st in enumerate(states)]  # noqa: E731
+        seqs = lambda: [(torch.tensor([1 + j], device=model.device), st) for j, st in enumerate(states)]  # noqa: E731
         return timed(lambda: forward_batch(model, seqs(), experts), tokens)
 
     def prefill() -> float:
-        ids = torch.arange(1, prompt + 1)
+        ids = torch.arange(1, prompt + 1, device=model.device)
         return timed(lambda: model.forward(ids, model.new_state(prompt + 1), experts), 1)
 
     best: dict[bool, dict[str, float]] = {}

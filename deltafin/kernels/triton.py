@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels import triton_gemv
+from deltafin.kernels import invariance, triton_gemv
 from deltafin.kernels.triton_gemv import sum_cast  # noqa: F401  (re-exported: triton_moe, tests)
 from deltafin.kernels.triton_tiles import (
     FMT_INT4G32,
@@ -112,6 +112,15 @@ def linear_config(fmt: str, T: int, N: int, K: int) -> dict:
             "k_per_split": k_per}
 
 
+def invariant_config(K: int) -> dict:
+    """Batch invariance (``kernels.batch_invariant``): one tile shape at every token count and no split-K, so each
+    row's sums run in the same order whatever other rows share the call (a tensor-core tile computes its rows
+    independently); the decode GEMV and the larger prefill tiles would each sum otherwise."""
+    bk = min(256, max(32, triton.next_power_of_2(K)))
+    return {"BT": 16, "BN": 64, "BK": bk, "num_warps": 4, "num_stages": 3, "splits": 1,
+            "k_per_split": triton.cdiv(K, bk) * bk}
+
+
 _FMT = {"mxfp4": FMT_MXFP4, "int8": FMT_INT8, "int4g32": FMT_INT4G32}
 # MXFP4 with bf16 activations: Triton's scaled dot (hardware-friendly E2M1 upcast) instead of the integer
 # decode; set from the H200 measurements (both are checked against the reference there).
@@ -132,6 +141,8 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T, K = x2.shape
+    if cfg is None and invariance.ENABLED.get():
+        cfg = invariant_config(K)
     if fmt == "int8" and (cfg.get("gemv") if cfg else triton_gemv.use_int8_gemv(T, N, K)):
         return triton_gemv.int8_gemv(x2, p, s, cfg).reshape(*lead, N)  # decode: the GEMV form
     c = cfg or linear_config(fmt, T, N, K)

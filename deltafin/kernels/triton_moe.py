@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltafin.kernels import triton_gemv
+from deltafin.kernels import invariance, triton_gemv
 from deltafin.kernels.triton import format_code, fp16_rows, sum_cast
 from deltafin.kernels.triton_tiles import FMT_INT4G32, FMT_MXFP4, INTERPRET, e8m0_value, glu_act, mma_weight
 
@@ -286,6 +286,8 @@ def moe_config(pairs: int, experts: int, K: int, I: int) -> dict:
     """Rows per block from the average rows per expert: 16 for decode, 64 or 128 for prefill (H200 sweep of
     ``deltafin.bench.kernels_cuda``: decode BN 64 x BK 128, 4 warps, 4 stages; prefill 128 x 128 x 64)."""
     avg = pairs / max(experts, 1)
+    if invariance.ENABLED.get():  # batch invariance: one kernel and tile at every count (see triton.invariant_config)
+        return {"BT": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "BN_down": 64, "BK_down": 128}
     if triton_gemv.GEMV_MOE and avg <= 1:  # every pair has its own expert (decode): the GEMV form
         return triton_gemv.moe_gemv_config()
     if avg <= 16:

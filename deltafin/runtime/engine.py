@@ -49,7 +49,7 @@ class EngineOptions:
     progress: bool = False  # progress with ETA on stderr for the trunk load and long prefills (the CLI's)
     exact: bool = False  # False: fused kernels (the CLI's default); True: the float32 plain-torch reference
     dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
-    batch_invariant: bool = False  # each sequence's logits independent of the others batched with it (CPU)
+    batch_invariant: bool = False  # each sequence's logits independent of the others batched with it (CPU, CUDA)
     cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
 
 
@@ -177,9 +177,9 @@ class Engine:
         self.mlx = opts.device == "mlx" or (opts.device == "auto" and default_here())
         self.opts = opts = replace(opts, device="mlx") if self.mlx else opts
         self.device = resolve_device(opts.device)
-        if opts.batch_invariant and (self.device.type != "cpu" or self.mlx):
+        if opts.batch_invariant and (self.device.type not in ("cpu", "cuda") or self.mlx):
             where = "mlx" if self.mlx else self.device.type
-            raise UsageError(f"--batch-invariant is built for the CPU; on {where} a sequence's logits can "
+            raise UsageError(f"--batch-invariant is built for the CPU and CUDA; on {where} a sequence's logits can "
                              f"depend on what is batched with it: drop --batch-invariant or use --device cpu")
         self.cluster = self.dist = None
         if world_from_env() > 1:  # launched by torchrun: this rank computes its share of the experts
@@ -423,6 +423,7 @@ class Engine:
             from deltafin.runtime import cuda_graphs
 
             why = "turned off (EngineOptions.cuda_graphs)" if not self.opts.cuda_graphs else \
+                "--batch-invariant (the graphs replay the one-token kernels)" if self.opts.batch_invariant else \
                 "a cluster rank exchanges expert results every layer" if self.cluster is not None else \
                 cuda_graphs.why_not(self.model, self.source, self.device, self.dtype)
             if why is not None and self.device.type == "cuda":
