@@ -146,7 +146,7 @@ def run(args) -> dict:
           f"{r['fraction_of_roofline']:.2f} of the memory roofline {roof:.2f} tok/s ({bw:.2f} GB/s read bandwidth "
           f"in this run / {per_tok / 1e6:.0f} MB per token; target >= {TARGET}); plain torch path "
           f"{r['torch_path_tok_s']:.3f} tok/s = {r['torch_fraction_of_roofline']:.3f}")
-    if getattr(args, "batch_invariant", False) and r["path"] == "cpu":
+    if getattr(args, "batch_invariant", False) and r["path"] in ("cpu", "triton"):
         inv = r["invariance"] = invariance_cost(model, experts, args.tokens)
         d, b = inv["default"], inv["batch_invariant"]
         print(f"batch invariance (--batch-invariant) beside the default fast path: one-sequence decode "
