@@ -219,3 +219,17 @@ def test_keep_freed_memory_on_glibc_unless_the_user_tunes_malloc(monkeypatch):
     monkeypatch.delenv("DELTAFIN_KEEP_FREED_MEMORY", raising=False)
     assert host_memory.keep_freed_memory() is glibc
     assert host_memory.keep_freed_memory() is glibc  # once is enough; a second call says the same
+
+
+def test_a_trunk_the_gpu_cannot_hold_is_refused_before_it_loads(k3_model, monkeypatch):
+    """On CUDA the whole trunk lives on the device: a GPU with too little free memory gets one line naming both
+    sizes and the way out, before any trunk byte is read."""
+    from deltafin.runtime import engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 8 << 30))
+    read = []
+    monkeypatch.setattr(PackedModel, "trunk_records", lambda self, *a, **k: read.append(1) or {})
+    with pytest.raises(UsageError, match=r"do not fit the 1\.05 MB free on cuda .*--device cpu") as e:
+        Engine(str(k3_model / "model"), EngineOptions(device="cuda"))
+    assert "\n" not in str(e.value) and not read

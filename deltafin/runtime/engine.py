@@ -53,6 +53,21 @@ class EngineOptions:
     cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
 
 
+CUDA_HEADROOM = 2 << 30  # beside the trunk: activations, the KV/latent caches' first blocks, the kernels' workspaces
+
+
+def _check_trunk_fits(trunk_bytes: int, device: torch.device) -> None:
+    """Refuse before the load a trunk that this GPU cannot hold (the whole trunk lives on the device; there is no
+    split of its layers between the GPU and the CPU yet)."""
+    from deltafin import fmt
+
+    free, total = torch.cuda.mem_get_info(device)
+    if trunk_bytes + CUDA_HEADROOM > free:
+        raise UsageError(f"the trunk ({fmt.size(trunk_bytes)}) and {fmt.size(CUDA_HEADROOM)} of working memory do not fit "
+                         f"the {fmt.size(free)} free on {device} ({fmt.size(total)} in all): run with --device cpu, "
+                         f"or on a GPU with more memory (its layers cannot be split between GPU and CPU yet)")
+
+
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
     """Half of what is left after the trunk and 2 GB of headroom: of available RAM on the CPU, of free
     device memory on CUDA (where cached experts live on the GPU)."""
@@ -209,6 +224,8 @@ class Engine:
 
             check(self.packed)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
+        if self.device.type == "cuda":
+            _check_trunk_fits(trunk_bytes, self.device)
         self.cache_bytes = self._cache_bytes(trunk_bytes)
         from deltafin.progress import bar
 
