@@ -195,13 +195,6 @@ class MLXDeepSeekV4(MLXDecoder):
         h = m.fast.rms_norm(h, self.norm.astype(h.dtype), self.eps)
         return torch.from_numpy(np.array(km.linear(h, self.lm_head).astype(m.float32)))  # [T, V]
 
-    def forward(self, ids: torch.Tensor, state: SequenceState, experts) -> torch.Tensor:
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x = self.mlp_part(i, self.attn_part(i, x, state), experts)
-        state.pos += ids.shape[0]
-        return self.head(x)
-
     # ------------------------------------------------------------------ MoE
     def _route(self, i: int, h, tokens: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The torch model's scores (sqrt softplus or sigmoid) of the device's float32 logits, on the host: top k
