@@ -107,6 +107,21 @@ def test_logits_bit_identical_across_threads_partial_cache_and_layout(packed, fa
     assert bitwise(logits(str(tmp_path / "one"), False), ref)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3", "qwen3_next", "deepseek_v4"])
+def test_fast_path_logits_bit_identical_at_any_compute_thread_count(packed, family):
+    """The CPU kernels split a matrix's rows over the threads, never its sums; DeepSeek-V4's float32 mHC mix runs
+    on one thread (``kernels.serial``), where MKL would split its sums by the thread count."""
+    _, model = packed(family)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ref = logits(model, False)
+        torch.set_num_threads(1)
+        assert bitwise(logits(model, False), ref)
+    finally:
+        torch.set_num_threads(n)
+
+
 def test_batched_prefill_of_prompts_of_other_lengths_is_each_prompt_alone(packed):
     """Engine.prefill (batch jobs, classify groups) with batch_invariant: each prompt's last logits equal those of
     the prompt prefilled alone, though the batch's longest prompt would otherwise set the chunks."""

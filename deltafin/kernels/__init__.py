@@ -57,6 +57,21 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
         _INVARIANT.reset(token)
 
 
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """Within this block, torch's CPU math runs on one thread: a plain float32 product whose sums MKL would split by
+    the thread count gives the same bits at any ``-t`` (docs/DETERMINISM.md). For small matrices only."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def invariant_enabled() -> bool:
     return _INVARIANT.get()
 

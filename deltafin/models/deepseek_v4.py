@@ -17,12 +17,14 @@ Legend: T tokens, N streams, D model width, H heads, d head width, G output grou
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from deltafin import kernels
 from deltafin.errors import UnsupportedArchitectureError
 from deltafin.models import csa
 from deltafin.models.base import (
@@ -261,7 +263,8 @@ class Model(DecoderLM):
         c, (T, N, D) = self.cfg, x.shape
         p = self.w.get
         flat = csa.unit_rms(x.reshape(T, N * D).float(), self.norm_eps)
-        mix = linear(flat, p(pre + "fn"))  # [T, (2 + N) N] or [T, N]
+        with kernels.serial() if flat.device.type == "cpu" else contextlib.nullcontext():
+            mix = linear(flat, p(pre + "fn"))  # [T, (2 + N) N] or [T, N]; one thread: the same sums at any -t
         scale, base = p(pre + "scale"), p(pre + "base")
         if collapse_only:
             w_pre = rowwise(torch.sigmoid, mix * scale + base) + c.hc_eps
