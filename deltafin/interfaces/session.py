@@ -73,6 +73,7 @@ def open_engine(args):
 
         torch.set_num_threads(args.threads)
     opts = EngineOptions(
+        adapt_threads=args.threads is None,  # -t N: exactly N threads
         device=args.device,
         cache_gb=args.cache_gb,
         threads=args.io_threads,
@@ -129,10 +130,15 @@ def start_line(eng, args) -> str:
     return (f"[deltafin] {eng.packed.model_id} ({eng.packed.family}) on {dev}; trunk "
             f"{fmt.size(eng.packed.doc['trunk']['bytes'])} resident; expert cache up to {fmt.size(eng.cache_bytes)}"
             f"{cache}; context {eng.opts.max_len:,} tokens ({eng.context_reason}); {torch.get_num_threads()} compute "
-            f"threads, {args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
+            f"threads{_adapting(eng)}, {args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
             f"{'direct' if eng.source.direct else 'buffered'} I/O"
             + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
             + f"; math: {eng.math_name}")
+
+
+def _adapting(eng) -> str:
+    p = getattr(eng, "threads", None)
+    return "" if p is None else f" (decode steps on {' or '.join(map(str, p.options))}, whichever measures fastest)"
 
 
 def report(eng, args, one_line: bool = False) -> None:

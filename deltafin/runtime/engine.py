@@ -51,6 +51,7 @@ class EngineOptions:
     dtype: str = "auto"  # activations on the fast path: auto, bf16 or f32 (ignored when exact)
     batch_invariant: bool = False  # each sequence's logits independent of the others batched with it (CPU, CUDA)
     cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
+    adapt_threads: bool = True  # CPU fast path: one-token steps take the thread count that measures fastest
 
 
 CUDA_HEADROOM = 2 << 30  # beside the trunk: activations, the KV/latent caches' first blocks, the kernels' workspaces
@@ -271,6 +272,12 @@ class Engine:
         self.routes = None
         self._on_layer = None  # prefill progress, called after each layer
         self._graphs = None  # the CUDA-graph decode runner once made (False: graphs do not apply)
+        self.threads = None  # the decode steps' thread policy, where the count cannot change a result
+        if (opts.adapt_threads and self.device.type == "cpu" and not self.mlx and not opts.exact
+                and self.cluster is None and torch.get_num_threads() > 1):
+            from deltafin.runtime.threads import ThreadPolicy
+
+            self.threads = ThreadPolicy(torch.get_num_threads())
         if opts.record_routes:
             self.record_routes(opts.record_routes)
         if self.cluster is not None:  # last: every rank is ready to follow once this returns
@@ -412,6 +419,22 @@ class Engine:
     def local_step(self, batch: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False
                    ) -> list[torch.Tensor]:
         one_token = sum(int(ids.shape[0]) for ids, _ in batch) == 1
+        if one_token and self.threads is not None:
+            return self._threaded_step(batch, all_logits)
+        return self._local_step(batch, all_logits, one_token)
+
+    def _threaded_step(self, batch, all_logits: bool) -> list[torch.Tensor]:
+        """A one-token step at the thread count the policy picks (runtime/threads.py), timed for it."""
+        n = self.threads.next()
+        torch.set_num_threads(n)
+        io0, t0 = self.source.stats.io_wait_s, time.perf_counter()
+        try:
+            return self._local_step(batch, all_logits, True)
+        finally:
+            self.threads.done(n, time.perf_counter() - t0 - (self.source.stats.io_wait_s - io0))
+            torch.set_num_threads(self.threads.most)
+
+    def _local_step(self, batch, all_logits: bool, one_token: bool) -> list[torch.Tensor]:
         if self.routes is None or not one_token:
             with self.math():
                 return self._pass(batch, all_logits, one_token)
