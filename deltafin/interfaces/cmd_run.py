@@ -43,7 +43,8 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
                    help="memory for cached experts (default: half of free memory after the trunk, printed at start; "
                         "GPU memory on CUDA)")
     m.add_argument("-t", "--threads", type=int, default=None,
-                   help="compute threads (torch.set_num_threads; default: torch's choice, printed at start)")
+                   help="compute threads, exactly (default: torch's choice, printed at start; CPU decode steps then "
+                        "run on fewer where that measures faster)")
     m.add_argument("-c", "--ctx-size", "--max-model-len", "--max-len", dest="max_len", type=int, default=None,
                    metavar="N", help="context limit in tokens (default: the model's max_position_embeddings, lowered "
                                      "to what free memory holds; printed at start)")
