@@ -64,6 +64,31 @@ def _recording_routes(monkeypatch) -> list:
     return calls
 
 
+def _recording_index_choices(monkeypatch) -> list:
+    """DeepSeek-V4's CSA indexer choices (keep-masks [T, N], in call order): another near-tie bf16 can flip."""
+    import deltafin.models.csa as csa
+
+    calls: list = []
+    real = csa.index_select
+
+    def record(*a, **kw):
+        keep = real(*a, **kw)
+        calls.append(keep.cpu())
+        return keep
+
+    monkeypatch.setattr(csa, "index_select", record)
+    return calls
+
+
+def _index_rows(calls: list, prefill: int) -> list[list[torch.Tensor]]:
+    """Per position, each CSA layer's keep-mask row: the prefill's calls come first, one per layer."""
+    m = sum(1 for c in calls if c.shape[0] == prefill)
+    rows = [list(calls[j]) for j in range(m)]  # layer j -> its rows, the prefill's first
+    for i, c in enumerate(calls[m:]):
+        rows[i % m].append(c[0])
+    return [[rows[j][t] for j in range(m)] for t in range(len(rows[0]))] if m else []
+
+
 def _per_position(calls: list) -> dict[int, torch.Tensor]:
     """layer -> [positions, k] routing, the prefill's rows then each one-token step's."""
     out: dict[int, list] = {}
@@ -79,34 +104,38 @@ def test_fast_path_agreement_on_cuda(tmp_path, model_type, monkeypatch):
     tokens, as ``test_kernels_triton.test_bf16_kernels_agree_with_float32_reference`` does for the older
     families. On random tiny models bf16 rounding alone flips near-tied choices: the greedy token, and the
     router's top k, after which a position's logits move by far more than rounding (measured on the H200: every
-    large deviation of either bf16 path came with such a flip). So, over the positions that both bf16 paths
-    route as float32 does, the kernels must agree with float32 at least as often as the plain torch bf16 path,
-    less 2 points, and at >= 99% of those whose float32 margin exceeds twice torch bf16's largest logit
-    deviation there."""
+    large deviation of either bf16 path came with such a flip); DeepSeek-V4's CSA indexer chooses its top k the
+    same way. So, over the positions that both bf16 paths route (and index) as float32 does, the kernels must
+    agree with float32 at least as often as the plain torch bf16 path, less 2 points, and at >= 99% of those
+    whose float32 margin exceeds twice torch bf16's largest logit deviation there."""
     from deltafin.kernels import cuda as kc
     from deltafin.runtime.engine import Engine, EngineOptions
-    from tests.test_fast_path import N
+    from tests.test_fast_path import PREFILL, N
 
     extra = {"index_topk": 32, "index_n_heads": 8} if model_type in ("deepseek_v32", "glm_moe_dsa") else {}
     _build(tmp_path, model_type, extra)
     model_dir = tf.pack_to(tmp_path, tf.DEFAULT)
     ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(0)).tolist()
-    calls = _recording_routes(monkeypatch)
+    calls, chosen = _recording_routes(monkeypatch), _recording_index_choices(monkeypatch)
 
-    def run(exact: bool, mode: str) -> tuple[torch.Tensor, dict]:
+    def run(exact: bool, mode: str) -> tuple[torch.Tensor, dict, list]:
         monkeypatch.setenv("DELTAFIN_KERNELS", mode)
         calls.clear()
+        chosen.clear()
         lg = _logits(Engine(model_dir, EngineOptions(cache_gb=0.05, max_len=N + 1, exact=exact, device="cuda")), ids)
-        return lg, _per_position(calls)
+        return lg, _per_position(calls), _index_rows(chosen, PREFILL)
 
-    ref, ref_routes = run(True, "triton")
-    torch_bf16, t_routes = run(False, "torch")
+    ref, ref_routes, ref_index = run(True, "triton")
+    torch_bf16, t_routes, t_index = run(False, "torch")
     kc.USED.clear()
-    kernels, k_routes = run(False, "triton")
+    kernels, k_routes, k_index = run(False, "triton")
     assert any(u.startswith("triton:") for u in kc.USED)
     same = torch.ones(N, dtype=torch.bool)
     for L, r in ref_routes.items():
         same &= (t_routes[L] == r).all(-1) & (k_routes[L] == r).all(-1)
+    for t, rows in enumerate(ref_index):  # DeepSeek-V4: the indexer chose the same compressed entries too
+        same[t] &= all(torch.equal(a, b) and torch.equal(a, c)
+                       for a, b, c in zip(rows, t_index[t], k_index[t], strict=True))
     top = ref.argmax(-1)
     agree_k = (kernels.argmax(-1) == top).float()
     agree_t = (torch_bf16.argmax(-1) == top).float()
