@@ -40,10 +40,7 @@ def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n % BLOCK:
         raise CodecError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
     blocks = w.reshape(*lead, n // BLOCK, BLOCK)
-    amax = np.abs(blocks).max(axis=-1)
-    with np.errstate(divide="ignore"):
-        exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-45))) - 2, -127)
-    exp = np.clip(exp, -127, 127).astype(np.int32)
+    exp = _shared_exponents(np.abs(blocks).max(axis=-1))
     scaled = blocks / np.exp2(exp.astype(np.float64))[..., None]
     mag = np.minimum(np.abs(scaled), 6.0)
     idx = np.searchsorted(_MIDPOINTS, mag, side="left")  # ties go to the lower magnitude...
@@ -53,6 +50,13 @@ def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = (idx | np.where(np.signbit(scaled), 8, 0)).astype(np.uint8).reshape(*lead, n)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def _shared_exponents(amax: np.ndarray) -> np.ndarray:
+    """Each block's shared exponent from its float32 amax: floor(log2(amax)) - 2, -127 for a zero block."""
+    with np.errstate(divide="ignore"):
+        exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-45))) - 2, -127)
+    return np.clip(exp, -127, 127).astype(np.int32)
 
 
 def dequantize_ref(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -119,7 +123,52 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return out.reshape(*lead, half * 2).to(dtype)
 
 
+# elements quantized per step: each float32 temporary (256 KiB) stays under pack's fixed 1 MiB mmap threshold
+# (fileio.return_freed_memory), so it is reused from the heap, not faulted in afresh, and stays in the cache
+QUANTIZE_STEP = 1 << 16
+_TWO22 = 0x4A800000  # float32 bits of 2**22, whose ulp is 0.5
+
+
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float tensor (any float dtype) with the reference convention."""
-    packed, scales = quantize_ref(w.detach().to(torch.float32).cpu().numpy())
-    return torch.from_numpy(packed), torch.from_numpy(scales)
+    """Quantize a float tensor (any float dtype): the same bytes as :func:`quantize_ref`, in vectorised torch
+    a block of rows at a time. A tensor holding NaN or inf takes the reference itself (packs refuse those
+    unless told otherwise, so the fast path need not reproduce how they saturate)."""
+    w = w.detach().cpu()
+    *lead, n = w.shape
+    if n % BLOCK:
+        raise CodecError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
+    rows = w.reshape(-1, n)
+    R = rows.shape[0]
+    packed = torch.empty(R, n // 2, dtype=torch.uint8)
+    scales = torch.empty(R, n // BLOCK, dtype=torch.uint8)
+    step = max(1, QUANTIZE_STEP // max(n, 1))
+    for a in range(0, R, step):
+        b = min(a + step, R)
+        if not _quantize_rows(rows[a:b], packed[a:b], scales[a:b]):
+            p, s = quantize_ref(w.to(torch.float32).numpy())
+            return torch.from_numpy(p), torch.from_numpy(s)
+    return packed.reshape(*lead, n // 2), scales.reshape(*lead, n // BLOCK)
+
+
+def _quantize_rows(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Rows [r, n] into ``packed`` [r, n/2] and ``scales`` [r, n/32]; False (nothing written) if any is not
+    finite. Exact: dividing by a power of two is exact wherever the result is a normal float32 (smaller results
+    all round to code 0), and both roundings below are IEEE round-half-to-even, as the reference's ties."""
+    r, n = w.shape
+    x = w.to(torch.float32, copy=True).reshape(r, n // BLOCK, BLOCK)  # [r, n/32, 32]
+    sign = (x.view(torch.int32) >> 28).bitwise_and_(8)  # the sign bit, as code bit 3
+    amax = x.abs_().amax(dim=-1)  # [r, n/32]
+    if not bool(torch.isfinite(amax).all()):
+        return False
+    exp = _shared_exponents(amax.numpy())
+    scales.copy_(torch.from_numpy(exp + 127))
+    mag = x.div_(torch.from_numpy(np.exp2(exp.astype(np.float32))).unsqueeze(-1))  # |scaled| < 8
+    # below 2 the E2M1 step is 0.5: adding 2**22 (ulp 0.5) rounds to it; the count of halves is the code
+    code = mag.clamp(max=2.0).add_(4194304.0).view(torch.int32).sub_(_TWO22)
+    # from 1 up, one mantissa bit: round float32's 23 bits to 1 (half to even); exponent|bit is then the code
+    bits = mag.view(torch.int32)
+    high = (bits >> 22).bitwise_and_(1).add_(bits).add_(0x1FFFFF).bitwise_right_shift_(22).sub_(252)
+    torch.maximum(code, high, out=code).clamp_(max=7).bitwise_or_(sign)
+    pairs = code.view(r, n).view(torch.int64)  # two codes a word, the even element in the low half
+    packed.copy_(pairs.bitwise_or_(pairs >> 28))  # the low byte is even | odd << 4; copy_ keeps that byte
+    return True
