@@ -7,6 +7,8 @@ The GGUF order (low nibble = element j, high = element j + 16 of a block) is con
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -123,10 +125,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return out.reshape(*lead, half * 2).to(dtype)
 
 
-# elements quantized per step: each float32 temporary (256 KiB) stays under pack's fixed 1 MiB mmap threshold
-# (fileio.return_freed_memory), so it is reused from the heap, not faulted in afresh, and stays in the cache
-QUANTIZE_STEP = 1 << 16
+QUANTIZE_STEP = 1 << 18  # elements quantized per step: 1 MiB float32 work buffers, reused, stay in the cache
 _TWO22 = 0x4A800000  # float32 bits of 2**22, whose ulp is 0.5
+_scratch = threading.local()  # each thread's work buffers: no allocation (or page faults) per step
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,33 +143,46 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = torch.empty(R, n // 2, dtype=torch.uint8)
     scales = torch.empty(R, n // BLOCK, dtype=torch.uint8)
     step = max(1, QUANTIZE_STEP // max(n, 1))
+    bufs = _buffers(min(step, R) * n)
     for a in range(0, R, step):
         b = min(a + step, R)
-        if not _quantize_rows(rows[a:b], packed[a:b], scales[a:b]):
+        if not _quantize_rows(rows[a:b], packed[a:b], scales[a:b], bufs):
             p, s = quantize_ref(w.to(torch.float32).numpy())
             return torch.from_numpy(p), torch.from_numpy(s)
     return packed.reshape(*lead, n // 2), scales.reshape(*lead, n // BLOCK)
 
 
-def _quantize_rows(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> bool:
+def _buffers(size: int) -> list[torch.Tensor]:
+    """Four int32 work buffers of at least ``size`` elements, this thread's own."""
+    have = getattr(_scratch, "bufs", None)
+    if have is None or have[0].numel() < size:
+        have = _scratch.bufs = [torch.empty(size, dtype=torch.int32) for _ in range(4)]
+    return have
+
+
+def _quantize_rows(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bufs: list[torch.Tensor]) -> bool:
     """Rows [r, n] into ``packed`` [r, n/2] and ``scales`` [r, n/32]; False (nothing written) if any is not
     finite. Exact: dividing by a power of two is exact wherever the result is a normal float32 (smaller results
     all round to code 0), and both roundings below are IEEE round-half-to-even, as the reference's ties."""
     r, n = w.shape
-    x = w.to(torch.float32, copy=True).reshape(r, n // BLOCK, BLOCK)  # [r, n/32, 32]
-    sign = (x.view(torch.int32) >> 28).bitwise_and_(8)  # the sign bit, as code bit 3
+    bits, sign, code, high = (b[: r * n].view(r, n // BLOCK, BLOCK) for b in bufs)
+    x = bits.view(torch.float32)
+    x.copy_(w.reshape(r, n // BLOCK, BLOCK))  # [r, n/32, 32] float32
+    torch.bitwise_right_shift(bits, 28, out=sign).bitwise_and_(8)  # the sign bit, as code bit 3
     amax = x.abs_().amax(dim=-1)  # [r, n/32]
     if not bool(torch.isfinite(amax).all()):
         return False
     exp = _shared_exponents(amax.numpy())
     scales.copy_(torch.from_numpy(exp + 127))
-    mag = x.div_(torch.from_numpy(np.exp2(exp.astype(np.float32))).unsqueeze(-1))  # |scaled| < 8
+    x.div_(torch.from_numpy(np.exp2(exp.astype(np.float32))).unsqueeze(-1))  # |scaled| < 8
     # below 2 the E2M1 step is 0.5: adding 2**22 (ulp 0.5) rounds to it; the count of halves is the code
-    code = mag.clamp(max=2.0).add_(4194304.0).view(torch.int32).sub_(_TWO22)
+    torch.clamp(x, max=2.0, out=code.view(torch.float32)).view(torch.float32).add_(4194304.0)
+    code.sub_(_TWO22)
     # from 1 up, one mantissa bit: round float32's 23 bits to 1 (half to even); exponent|bit is then the code
-    bits = mag.view(torch.int32)
-    high = (bits >> 22).bitwise_and_(1).add_(bits).add_(0x1FFFFF).bitwise_right_shift_(22).sub_(252)
+    torch.bitwise_right_shift(bits, 22, out=high).bitwise_and_(1).add_(bits).add_(0x1FFFFF)
+    high.bitwise_right_shift_(22).sub_(252)
     torch.maximum(code, high, out=code).clamp_(max=7).bitwise_or_(sign)
-    pairs = code.view(r, n).view(torch.int64)  # two codes a word, the even element in the low half
-    packed.copy_(pairs.bitwise_or_(pairs >> 28))  # the low byte is even | odd << 4; copy_ keeps that byte
+    pairs, shifted = code.view(r, n).view(torch.int64), high.view(r, n).view(torch.int64)  # even code low
+    torch.bitwise_right_shift(pairs, 28, out=shifted)
+    packed.copy_(pairs.bitwise_or_(shifted))  # the low byte is even | odd << 4; copy_ keeps that byte
     return True
