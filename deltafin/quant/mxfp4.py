@@ -182,7 +182,8 @@ def _quantize_rows(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     torch.bitwise_right_shift(bits, 22, out=high).bitwise_and_(1).add_(bits).add_(0x1FFFFF)
     high.bitwise_right_shift_(22).sub_(252)
     torch.maximum(code, high, out=code).clamp_(max=7).bitwise_or_(sign)
-    pairs, shifted = code.view(r, n).view(torch.int64), high.view(r, n).view(torch.int64)  # even code low (little-endian)
+    # two codes a word, the even element in the low half (little-endian)
+    pairs, shifted = code.view(r, n).view(torch.int64), high.view(r, n).view(torch.int64)
     torch.bitwise_right_shift(pairs, 28, out=shifted)
     packed.copy_(pairs.bitwise_or_(shifted))  # the low byte is even | odd << 4; copy_ keeps that byte
     return True
