@@ -108,6 +108,10 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--slice-layers", type=int, default=3, help="--k3-slice: layers (layer 0 dense, then MoE)")
     b.add_argument("--slice-experts", type=int, default=32, help="--k3-slice: experts per MoE layer (real size)")
     b.add_argument("--slice-prompt", type=int, default=512, help="--k3-slice: prompt tokens of the run (default 512)")
+    b.add_argument("--bf16", action="store_true",
+                   help="instead: convert a random bf16 Qwen3-MoE (1.4 GB) to MXFP4 experts and an int8 trunk")
+    b.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="--bf16: where the random checkpoint is built and kept (default: inside --dir, removed)")
     b.add_argument("--json", metavar="PATH")
     b = _synthetic_bench(sub, "decode", "expert streaming at Kimi K3's expert size beside the raw read rate", 4, 64)
     b.add_argument("--synthetic", default="k3", choices=["k3", "k3-slice"],

@@ -101,3 +101,21 @@ def test_drop_cached_takes_files_and_folders(tmp_path):
     (tmp_path / "a" / "x").write_bytes(os.urandom(4096))
     (tmp_path / "y").write_bytes(b"1")
     peer.drop_cached([str(tmp_path / "a"), str(tmp_path / "y")])  # no error on either
+
+
+def test_bench_pack_bf16_arguments_are_checked_first(capsys, tmp_path):
+    """bench pack --bf16 writes its random checkpoint at --checkpoint: a folder holding anything else is refused
+    before anything is written (a real model there is never overwritten), as is a second benchmark at once."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 2048}))
+    cases = [(["--bf16", "--k3-slice"], "give one of them"), (["--checkpoint", str(tmp_path / "new")], "add --bf16"),
+             (["--bf16", "--checkpoint", str(real)], "holds something other")]
+    for argv, needle in cases:
+        rc = cli.main(["bench", "pack", *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert sorted(os.listdir(real)) == ["config.json"] and not (tmp_path / "new").exists()
+    kept = dict(peer_tools.SHAPES["pack"])
+    kept["num_local_experts"] = kept.pop("num_experts")  # as transformers 5 saves it
+    assert peer_tools.same_shape(kept, "pack") and not peer_tools.same_shape(kept, "issue")

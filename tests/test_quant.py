@@ -153,6 +153,54 @@ def test_mxfp4_rejects_mismatched_shapes_and_widths():
         mxfp4.quantize_ref(_gaussian((4, 48), 9))
 
 
+def _mxfp4_both(w: np.ndarray, dtype: torch.dtype = torch.float32) -> None:
+    """The torch quantizer gives the reference's bytes for ``w`` cast to ``dtype``."""
+    t = torch.from_numpy(w).to(dtype)
+    want_p, want_s = mxfp4.quantize_ref(t.to(torch.float32).numpy())
+    got_p, got_s = mxfp4.quantize(t)
+    assert got_p.dtype == torch.uint8 and got_s.dtype == torch.uint8
+    assert np.array_equal(got_s.numpy(), want_s), dtype
+    bad = np.argwhere(got_p.numpy() != want_p)
+    assert bad.size == 0, f"{dtype}: {len(bad)} packed bytes differ, first at {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp4_torch_quantize_gives_the_reference_bytes(dtype, monkeypatch):
+    monkeypatch.setattr(mxfp4, "QUANTIZE_STEP", 3 * 256)  # several steps, the last one short
+    rng = _rng(20)
+    w = _gaussian((2, 37, 256), 21)  # blocks at exponents far apart: subnormal, tiny and huge values
+    lo, hi = (-24, 14) if dtype == torch.float16 else (-140, 120)
+    w *= np.exp2(rng.integers(lo, hi, (2, 37, 8, 1))).repeat(32, -1).reshape(2, 37, 256).astype(np.float32)
+    w[0, 3] = 0.0  # zero blocks (scale 2^-127) and signed zeros
+    w[1, 5, ::2] = -0.0
+    _mxfp4_both(w, dtype)
+    _mxfp4_both(_gaussian((48, 96), 22) * np.float32(0.02), dtype)  # a trunk-like scale
+
+
+def test_mxfp4_torch_quantize_rounds_every_value_like_the_reference():
+    """Blocks with amax 4 (shared exponent 0) carry every bf16 value below 8 in magnitude, the E2M1 ties and
+    their float32 neighbours: each element's rounding is compared on its own."""
+    bf = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().numpy()
+    vals = bf[np.isfinite(bf) & (np.abs(bf) < 8)]
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0], dtype=np.float32)
+    near = np.concatenate([np.nextafter(ties, 0), ties, np.nextafter(ties, 8)])
+    vals = np.concatenate([vals, near, -near, _rng(23).uniform(-8, 8, 4000).astype(np.float32)])
+    vals = np.concatenate([vals, np.zeros(-len(vals) % 31, np.float32)]).reshape(-1, 31)
+    w = np.concatenate([np.full((len(vals), 1), 4.0, np.float32), vals], axis=1)  # amax in [4, 8): exponent 0
+    assert np.all(mxfp4.quantize_ref(w)[1] == 127)
+    _mxfp4_both(w)
+
+
+def test_mxfp4_torch_quantize_of_nan_and_inf_takes_the_reference():
+    w = _gaussian((16, 128), 24)
+    w[2, 7], w[9, 100], w[11, 0] = np.nan, np.inf, -np.inf
+    p, s = mxfp4.quantize(torch.from_numpy(w))
+    want_p, want_s = mxfp4.quantize_ref(w)
+    assert np.array_equal(p.numpy(), want_p) and np.array_equal(s.numpy(), want_s)
+    with pytest.raises(CodecError):
+        mxfp4.quantize(torch.ones(4, 48))
+
+
 # ---------------------------------------------------------------- int8
 
 
@@ -165,6 +213,35 @@ def test_int8_per_row_error_bound_and_torch_matches_reference():
     tq, ts = int8.quantize(torch.from_numpy(w))
     assert np.array_equal(tq.numpy(), q) and np.array_equal(ts.numpy(), s)
     assert np.array_equal(int8.dequantize(tq, ts).numpy(), int8.dequantize_ref(q, s))
+
+
+@pytest.mark.parametrize("shape", [(37, 160), (3, 5, 96), (96,)])
+def test_int8_torch_quantize_in_steps_gives_the_reference_bytes(shape, monkeypatch):
+    monkeypatch.setattr(int8, "QUANTIZE_STEP", 4 * 96)  # several steps of whole rows, the last one short
+    w = _gaussian(shape, 12) * np.exp(_rng(13).uniform(-30, 30, shape[:-1] + (1,))).astype(np.float32)
+    if len(shape) == 2:
+        w[4] = 0.0  # a zero row: scale 1
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.from_numpy(w).to(dtype)
+        q, s = int8.quantize_ref(t.float().numpy())
+        tq, ts = int8.quantize(t)
+        assert tq.dtype == torch.int8 and tuple(ts.shape) == shape[:-1]
+        assert np.array_equal(tq.numpy(), q) and np.array_equal(ts.numpy(), s), dtype
+
+
+def test_nonfinite_found_from_exponent_bits_as_isfinite_finds_it(monkeypatch):
+    from deltafin.store import convert
+
+    monkeypatch.setattr(convert, "FINITE_STEP", 1000)  # several steps
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        w = torch.from_numpy(_gaussian((40, 70), 14)).to(dtype)
+        w[0, 0] = torch.finfo(dtype).max  # the largest finite value is finite
+        w[1, 1] = -torch.finfo(dtype).max
+        assert not convert.has_nonfinite(w)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            v = w.clone()
+            v[39, 69] = bad  # in the last step
+            assert convert.has_nonfinite(v) and convert.has_nonfinite(v.T), (dtype, bad)
 
 
 def test_int8_matmul_equals_dequantize_then_matmul():

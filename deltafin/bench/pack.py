@@ -2,6 +2,8 @@
 
 The source is a synthetic checkpoint in the Kimi K3 layout with real-size MXFP4 experts (17,547,264
 bytes each, copied unchanged by the packer), so the figure is the packer's own cost per expert byte.
+``--bf16`` packs a random bf16 Qwen3-MoE at the issue's widths instead (bench peer's checkpoint, 2 layers
+of 64 experts) to the default pack, MXFP4 experts and an int8 trunk: the figure is the conversion's cost.
 """
 
 from __future__ import annotations
@@ -92,6 +94,67 @@ def run(folder: str | None, gb: float, json_path: str | None = None) -> dict:
     print(f"pack {rec['pack_GBps']:.2f} GB/s vs raw write {raw:.2f} GB/s = {rec['ratio']:.2f}x (target >= 0.70); "
           f"{s.expert_files} K3-size experts, peak RSS {rec['peak_rss_bytes'] / 2**20:,.0f} MiB; Kimi K3 "
           f"(1.45 TB of experts) would pack in {rec['k3_projected_hours']:.2f} h at this rate")
+    if json_path:
+        from deltafin.store.manifest import write_json_atomic
+
+        write_json_atomic(json_path, rec)
+    return rec
+
+
+def check_bf16_args(bf16: bool, k3_slice: bool, checkpoint: str | None) -> None:
+    """Before any work: one benchmark at a time, and --checkpoint a folder this benchmark may write (new,
+    empty, or the random checkpoint it built before: a real model there is never written over)."""
+    from deltafin.bench.peer_tools import same_shape
+    from deltafin.errors import UsageError
+
+    if bf16 and k3_slice:
+        raise UsageError("bench pack: --bf16 and --k3-slice are two benchmarks; give one of them")
+    if checkpoint is None:
+        return
+    if not bf16:
+        raise UsageError(f"bench pack: --checkpoint {checkpoint} is where --bf16 builds its random checkpoint; add "
+                         f"--bf16 or leave --checkpoint out")
+    if os.path.isdir(checkpoint) and os.listdir(checkpoint):
+        try:
+            with open(os.path.join(checkpoint, "config.json")) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            cfg = {}
+        if not isinstance(cfg, dict) or not same_shape(cfg, "pack"):
+            raise UsageError(f"bench pack: --checkpoint {checkpoint} holds something other than this benchmark's "
+                             f"random checkpoint; give a new or empty folder")
+    elif os.path.exists(checkpoint) and not os.path.isdir(checkpoint):
+        raise UsageError(f"bench pack: --checkpoint {checkpoint} is a file; give a new or empty folder")
+
+
+def run_bf16(folder: str | None, checkpoint: str | None, json_path: str | None = None) -> dict:
+    """Pack a random bf16 Qwen3-MoE (built at ``checkpoint`` if missing, kept there) to MXFP4 experts and an
+    int8 trunk, from the page cache; the time beside the raw direct write rate before and after."""
+    from deltafin.bench.peer_tools import build_checkpoint
+    from deltafin.store.drives import DriveArg
+    from deltafin.store.pack import WRITERS, PackOptions, pack
+
+    work = tempfile.mkdtemp(prefix="deltafin-bench-pack-", dir=folder)
+    try:
+        src = checkpoint or os.path.join(work, "src")
+        build_checkpoint(src, "pack")
+        _warm(src)
+        src_bytes = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n.endswith(".safetensors"))
+        raw_before = raw_write_gbps(work, src_bytes // 3, WRITERS)
+        t0 = time.perf_counter()
+        s = pack(src, os.path.join(work, "out"), [DriveArg("d0", os.path.join(work, "drive"), 2.0)],
+                 PackOptions(progress=False))
+        dt = time.perf_counter() - t0
+        raw = max(raw_before, raw_write_gbps(work, src_bytes // 3, WRITERS))
+        rate = s.bytes_written / dt / 1e9
+        rec = {"bench": "pack-bf16", "source_bytes": src_bytes, "expert_files": s.expert_files,
+               "bytes_written": s.bytes_written, "seconds": dt, "source_GBps": src_bytes / dt / 1e9,
+               "pack_GBps": rate, "raw_write_GBps": raw, "ratio": rate / raw, "peak_rss_bytes": s.peak_rss_bytes}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"pack bf16 -> MXFP4 experts + int8 trunk: {src_bytes / 1e9:.2f} GB in {dt:.1f} s ({rec['source_GBps']:.3f} "
+          f"GB/s of source); wrote {s.bytes_written / 1e9:.2f} GB at {rate:.3f} GB/s vs raw write {raw:.2f} GB/s = "
+          f"{rec['ratio']:.2f}x; peak RSS {s.peak_rss_bytes / 2**20:,.0f} MiB")
     if json_path:
         from deltafin.store.manifest import write_json_atomic
 

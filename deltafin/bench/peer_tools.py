@@ -25,6 +25,10 @@ SHAPES = {
     "small": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                   num_experts=16, num_experts_per_tok=4),
+    # bench pack --bf16: the issue's widths, 2 layers of 64 experts, vocabulary 16,000 (1.4 GB in bf16)
+    "pack": dict(vocab_size=16000, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                 num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 num_experts=64, num_experts_per_tok=8),
 }
 HOW_TO_GET = ("llama.cpp not found: build it from source, e.g. 'pip download llama-cpp-python --no-binary :all: "
               "--no-deps' and 'cmake -S <sdist>/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release && cmake "
@@ -114,7 +118,7 @@ def build_checkpoint(path: str, shape: str, seed: int = 0) -> dict:
     if os.path.isfile(index):
         with open(os.path.join(path, "config.json")) as f:
             have = json.load(f)
-        if all(have.get(k) == v for k, v in SHAPES[shape].items()):
+        if same_shape(have, shape):
             cfg.save_pretrained(path)
             return cfg.to_dict()
     os.makedirs(path, exist_ok=True)
@@ -141,6 +145,12 @@ def build_checkpoint(path: str, shape: str, seed: int = 0) -> dict:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     os.replace(index + ".tmp", index)
     return cfg.to_dict()
+
+
+def same_shape(cfg: dict, shape: str) -> bool:
+    """Whether a saved config is this shape's (transformers 5 saves ``num_experts`` as ``num_local_experts``)."""
+    alias = {"num_experts": "num_local_experts"}
+    return all(cfg.get(k, cfg.get(alias.get(k, k))) == v for k, v in SHAPES[shape].items())
 
 
 def _per_expert(names: dict[str, tuple]) -> dict[str, tuple]:

@@ -18,10 +18,19 @@ def run(args) -> int:
 
         getattr(mlx_bench, args.bench)(args)
         return 0
+    if args.bench == "pack":
+        from deltafin.bench.pack import check_bf16_args
+
+        check_bf16_args(args.bf16, args.k3_slice, args.checkpoint)
     if args.bench == "pack" and args.k3_slice:
         from deltafin.bench.k3_slice import run as bench_slice
 
         bench_slice(args.dir, args.slice_layers, args.slice_experts, json_path=args.json, prompt=args.slice_prompt)
+        return 0
+    if args.bench == "pack" and args.bf16:
+        from deltafin.bench.pack import run_bf16
+
+        run_bf16(args.dir, args.checkpoint, args.json)
         return 0
     if args.bench == "pack":
         from deltafin.bench.pack import run as bench_pack

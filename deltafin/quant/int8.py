@@ -19,12 +19,27 @@ def dequantize_ref(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.asarray(q, dtype=np.float32) * np.asarray(s, dtype=np.float32)[..., None]
 
 
+QUANTIZE_STEP = 1 << 16  # elements a step: float32 temporaries under pack's 1 MiB mmap threshold, kept in cache
+
+
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = w.detach().to(torch.float32)
-    amax = w.abs().amax(dim=-1, keepdim=True)
-    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.clamp(torch.round(w / s), -127, 127).to(torch.int8)
-    return q, s.squeeze(-1)
+    """The reference's bytes (rows are independent), a block of whole rows at a time."""
+    w = w.detach().cpu()
+    if w.dim() == 0:
+        q, s = quantize(w.reshape(1))
+        return q.reshape(()), s.reshape(())
+    *lead, n = w.shape
+    rows = w.reshape(-1, n)
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    s = torch.empty(rows.shape[0], dtype=torch.float32)
+    step = max(1, QUANTIZE_STEP // max(n, 1))
+    for a in range(0, rows.shape[0], step):
+        x = rows[a : a + step].to(torch.float32, copy=True)
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        sa = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q[a : a + step] = x.div_(sa).round_().clamp_(-127, 127)
+        s[a : a + step] = sa.squeeze(-1)
+    return q.reshape(*lead, n), s.reshape(lead)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

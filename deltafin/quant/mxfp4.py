@@ -7,6 +7,8 @@ The GGUF order (low nibble = element j, high = element j + 16 of a block) is con
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -40,10 +42,7 @@ def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n % BLOCK:
         raise CodecError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
     blocks = w.reshape(*lead, n // BLOCK, BLOCK)
-    amax = np.abs(blocks).max(axis=-1)
-    with np.errstate(divide="ignore"):
-        exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-45))) - 2, -127)
-    exp = np.clip(exp, -127, 127).astype(np.int32)
+    exp = _shared_exponents(np.abs(blocks).max(axis=-1))
     scaled = blocks / np.exp2(exp.astype(np.float64))[..., None]
     mag = np.minimum(np.abs(scaled), 6.0)
     idx = np.searchsorted(_MIDPOINTS, mag, side="left")  # ties go to the lower magnitude...
@@ -53,6 +52,13 @@ def quantize_ref(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = (idx | np.where(np.signbit(scaled), 8, 0)).astype(np.uint8).reshape(*lead, n)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def _shared_exponents(amax: np.ndarray) -> np.ndarray:
+    """Each block's shared exponent from its float32 amax: floor(log2(amax)) - 2, -127 for a zero block."""
+    with np.errstate(divide="ignore"):
+        exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-45))) - 2, -127)
+    return np.clip(exp, -127, 127).astype(np.int32)
 
 
 def dequantize_ref(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -119,7 +125,65 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return out.reshape(*lead, half * 2).to(dtype)
 
 
+QUANTIZE_STEP = 1 << 18  # elements quantized per step: 1 MiB float32 work buffers, reused, stay in the cache
+_TWO22 = 0x4A800000  # float32 bits of 2**22, whose ulp is 0.5
+_scratch = threading.local()  # each thread's work buffers: no allocation (or page faults) per step
+
+
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a float tensor (any float dtype) with the reference convention."""
-    packed, scales = quantize_ref(w.detach().to(torch.float32).cpu().numpy())
-    return torch.from_numpy(packed), torch.from_numpy(scales)
+    """Quantize a float tensor (any float dtype): the same bytes as :func:`quantize_ref`, in vectorised torch
+    a block of rows at a time. A tensor holding NaN or inf takes the reference itself (packs refuse those
+    unless told otherwise, so the fast path need not reproduce how they saturate)."""
+    w = w.detach().cpu()
+    *lead, n = w.shape
+    if n % BLOCK:
+        raise CodecError(f"mxfp4: input dimension {n} is not a multiple of {BLOCK}")
+    rows = w.reshape(-1, n)
+    R = rows.shape[0]
+    packed = torch.empty(R, n // 2, dtype=torch.uint8)
+    scales = torch.empty(R, n // BLOCK, dtype=torch.uint8)
+    step = max(1, QUANTIZE_STEP // max(n, 1))
+    bufs = _buffers(min(step, R) * n)
+    for a in range(0, R, step):
+        b = min(a + step, R)
+        if not _quantize_rows(rows[a:b], packed[a:b], scales[a:b], bufs):
+            p, s = quantize_ref(w.to(torch.float32).numpy())
+            return torch.from_numpy(p), torch.from_numpy(s)
+    return packed.reshape(*lead, n // 2), scales.reshape(*lead, n // BLOCK)
+
+
+def _buffers(size: int) -> list[torch.Tensor]:
+    """Four int32 work buffers of at least ``size`` elements, this thread's own."""
+    have = getattr(_scratch, "bufs", None)
+    if have is None or have[0].numel() < size:
+        have = _scratch.bufs = [torch.empty(size, dtype=torch.int32) for _ in range(4)]
+    return have
+
+
+def _quantize_rows(w: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bufs: list[torch.Tensor]) -> bool:
+    """Rows [r, n] into ``packed`` [r, n/2] and ``scales`` [r, n/32]; False (nothing written) if any is not
+    finite. Exact: dividing by a power of two is exact wherever the result is a normal float32 (smaller results
+    all round to code 0), and both roundings below are IEEE round-half-to-even, as the reference's ties."""
+    r, n = w.shape
+    bits, sign, code, high = (b[: r * n].view(r, n // BLOCK, BLOCK) for b in bufs)
+    x = bits.view(torch.float32)
+    x.copy_(w.reshape(r, n // BLOCK, BLOCK))  # [r, n/32, 32] float32
+    torch.bitwise_right_shift(bits, 28, out=sign).bitwise_and_(8)  # the sign bit, as code bit 3
+    amax = x.abs_().amax(dim=-1)  # [r, n/32]
+    if not bool(torch.isfinite(amax).all()):
+        return False
+    exp = _shared_exponents(amax.numpy())
+    scales.copy_(torch.from_numpy(exp + 127))
+    x.div_(torch.from_numpy(np.exp2(exp.astype(np.float32))).unsqueeze(-1))  # |scaled| < 8
+    # below 2 the E2M1 step is 0.5: adding 2**22 (ulp 0.5) rounds to it; the count of halves is the code
+    torch.clamp(x, max=2.0, out=code.view(torch.float32)).view(torch.float32).add_(4194304.0)
+    code.sub_(_TWO22)
+    # from 1 up, one mantissa bit: round float32's 23 bits to 1 (half to even); exponent|bit is then the code
+    torch.bitwise_right_shift(bits, 22, out=high).bitwise_and_(1).add_(bits).add_(0x1FFFFF)
+    high.bitwise_right_shift_(22).sub_(252)
+    torch.maximum(code, high, out=code).clamp_(max=7).bitwise_or_(sign)
+    # two codes a word, the even element in the low half (little-endian)
+    pairs, shifted = code.view(r, n).view(torch.int64), high.view(r, n).view(torch.int64)
+    torch.bitwise_right_shift(pairs, 28, out=shifted)
+    packed.copy_(pairs.bitwise_or_(shifted))  # the low byte is even | odd << 4; copy_ keeps that byte
+    return True

@@ -127,10 +127,26 @@ _ST_OUT = {"int8": "I8", "bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 def check_finite(w: torch.Tensor, name: str, where: str = "") -> None:
     """NaN or inf in a weight is damage (a bad download, a broken conversion), never a value to pack."""
-    if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+    if w.is_floating_point() and has_nonfinite(w):
         bad = int((~torch.isfinite(w)).sum())
         raise CheckpointError(f"{name}: {bad:,} NaN/inf values{where}; the checkpoint is damaged: re-download it, or "
                               f"pack with --allow-nonfinite to keep them as they are")
+
+
+_EXPONENT_FIELD = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                   torch.float32: (torch.int32, 0x7F800000)}
+FINITE_STEP = 1 << 17  # elements checked per step: small temporaries, reused from the heap
+
+
+def has_nonfinite(w: torch.Tensor) -> bool:
+    """Whether a float tensor holds NaN or inf: an exponent field of all ones, found as the largest masked
+    field a block at a time (isfinite's bool temporaries cost about 20 times as much)."""
+    kind = _EXPONENT_FIELD.get(w.dtype)
+    if kind is None:
+        return not bool(torch.isfinite(w).all())
+    flat = w.reshape(-1).view(kind[0])
+    return any(int((flat[a : a + FINITE_STEP] & kind[1]).amax()) == kind[1]
+               for a in range(0, flat.numel(), FINITE_STEP))
 
 
 class TrunkStream:
