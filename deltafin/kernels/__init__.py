@@ -59,8 +59,9 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def serial() -> Iterator[None]:
-    """Within this block, torch's CPU math runs on one thread: a plain float32 product whose sums MKL would split by
-    the thread count gives the same bits at any ``-t`` (docs/DETERMINISM.md). For small matrices only."""
+    """Within this block, torch's CPU math runs on one thread: a small float32 product whose sums MKL would split
+    by the thread count gives the same bits at any ``-t`` (docs/DETERMINISM.md); the packer's own threads encode
+    an expert each without torch's wake-ups."""
     n = torch.get_num_threads()
     if n == 1:
         yield

@@ -93,22 +93,12 @@ def pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: Pack
         if stray:
             raise own.OwnershipError(f"{out} already holds files Deltafin did not write ({', '.join(stray)}); "
                                      f"give a new or empty folder as OUT")
-    with model_lock(out, "pack"), _torch_threads(1):
+    from deltafin.kernels import serial
+
+    # torch's own threads off while packing: the packer's threads each encode an expert, and torch's wake-ups
+    # on its small steps cost more than they gain (a pack took 2-3x as long with them)
+    with model_lock(out, "pack"), serial():
         return _pack(src, out, drive_args, opts)
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    """torch's own worker threads off while packing: the packer's threads each encode an expert, and torch's
-    wake-ups on its small steps cost more than they gain (a pack took 2-3x as long with them)."""
-    import torch
-
-    was = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
 
 
 def _pack(src: str | Checkpoint, out: str, drive_args: list[DriveArg], opts: PackOptions) -> PackSummary:
