@@ -64,24 +64,30 @@ def _warm(folder: str) -> None:
                 pass
 
 
-def run(folder: str | None, gb: float, json_path: str | None = None) -> dict:
+def _timed_pack(src: str, work: str, probe_bytes: int, gbps: float, opts) -> tuple:
+    """(summary, seconds, raw write GB/s) of packing ``src`` from the page cache into ``work``. The ceiling is the
+    disk's raw direct write rate at the packer's concurrency, probed before and after the pack (this disk's rate
+    drifts; the higher of the two is the stricter limit)."""
     from deltafin.store.drives import DriveArg
-    from deltafin.store.pack import WRITERS, PackOptions, pack
+    from deltafin.store.pack import WRITERS, pack
+
+    _warm(src)  # the source comes from the page cache: the figure is the packer's, not the source disk's
+    raw_before = raw_write_gbps(work, probe_bytes, WRITERS)
+    t0 = time.perf_counter()
+    s = pack(src, os.path.join(work, "out"), [DriveArg("d0", os.path.join(work, "drive"), gbps)], opts)
+    dt = time.perf_counter() - t0
+    return s, dt, max(raw_before, raw_write_gbps(work, probe_bytes, WRITERS))
+
+
+def run(folder: str | None, gb: float, json_path: str | None = None) -> dict:
+    from deltafin.store.pack import PackOptions
 
     work = tempfile.mkdtemp(prefix="deltafin-bench-pack-", dir=folder)
     try:
         experts = max(int(gb * 1e9 / K3_EXPERT_BYTES / 2), 1)
         src = os.path.join(work, "src")
         synthetic_k3_source(src, layers=2, experts=experts)
-        _warm(src)  # the source comes from the page cache: the figure is the packer's writing, not the source disk
-        # The ceiling: the disk's raw direct write rate at the packer's concurrency, measured before and
-        # after the pack (this disk's rate drifts; the higher of the two is the stricter limit).
-        raw_before = raw_write_gbps(work, int(gb * 1e9), WRITERS)
-        t0 = time.perf_counter()
-        s = pack(src, os.path.join(work, "out"), [DriveArg("d0", os.path.join(work, "drive"), 1.0)],
-                 PackOptions(trunk="bf16", progress=False))
-        dt = time.perf_counter() - t0
-        raw = max(raw_before, raw_write_gbps(work, int(gb * 1e9), WRITERS))
+        s, dt, raw = _timed_pack(src, work, int(gb * 1e9), 1.0, PackOptions(trunk="bf16", progress=False))
         rate = s.bytes_written / dt / 1e9
         rec = {
             "bench": "pack", "expert_files": s.expert_files, "bytes_written": s.bytes_written, "seconds": dt,
@@ -131,21 +137,14 @@ def run_bf16(folder: str | None, checkpoint: str | None, json_path: str | None =
     """Pack a random bf16 Qwen3-MoE (built at ``checkpoint`` if missing, kept there) to MXFP4 experts and an
     int8 trunk, from the page cache; the time beside the raw direct write rate before and after."""
     from deltafin.bench.peer_tools import build_checkpoint
-    from deltafin.store.drives import DriveArg
-    from deltafin.store.pack import WRITERS, PackOptions, pack
+    from deltafin.store.pack import PackOptions
 
     work = tempfile.mkdtemp(prefix="deltafin-bench-pack-", dir=folder)
     try:
         src = checkpoint or os.path.join(work, "src")
         build_checkpoint(src, "pack")
-        _warm(src)
         src_bytes = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n.endswith(".safetensors"))
-        raw_before = raw_write_gbps(work, src_bytes // 3, WRITERS)
-        t0 = time.perf_counter()
-        s = pack(src, os.path.join(work, "out"), [DriveArg("d0", os.path.join(work, "drive"), 2.0)],
-                 PackOptions(progress=False))
-        dt = time.perf_counter() - t0
-        raw = max(raw_before, raw_write_gbps(work, src_bytes // 3, WRITERS))
+        s, dt, raw = _timed_pack(src, work, src_bytes // 3, 2.0, PackOptions(progress=False))
         rate = s.bytes_written / dt / 1e9
         rec = {"bench": "pack-bf16", "source_bytes": src_bytes, "expert_files": s.expert_files,
                "bytes_written": s.bytes_written, "seconds": dt, "source_GBps": src_bytes / dt / 1e9,
