@@ -145,7 +145,7 @@ def check_layers(tc: dict, names, has_experts: bool, where: str) -> None:
     missing = sorted(set(range(n)) - found)
     if missing:
         raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the weights have no layer {missing[0]} (they hold "
-                              f"layers 0-{max(found)}); fix config.json")
+                              f"layers {min(found)}-{max(found)}); fix config.json")
     if max(found) >= n + extra:
         raise CheckpointError(f"{where}: num_hidden_layers = {n}, but the weights hold layer {max(found)} "
                               f"({max(found) + 1 - extra} layers); fix config.json")
