@@ -119,3 +119,13 @@ def test_bench_pack_bf16_arguments_are_checked_first(capsys, tmp_path):
     kept = dict(peer_tools.SHAPES["pack"])
     kept["num_local_experts"] = kept.pop("num_experts")  # as transformers 5 saves it
     assert peer_tools.same_shape(kept, "pack") and not peer_tools.same_shape(kept, "issue")
+
+
+def test_bench_pack_of_k3_size_experts_runs(tmp_path, capsys):
+    """`bench pack --gb`: its synthetic K3 source passes pack's checks (every declared layer present) and the
+    figure is printed beside the raw write rate of the same run."""
+    from deltafin.bench.pack import run
+
+    rec = run(str(tmp_path), 0.1)  # 2 experts a layer, 2 layers
+    assert rec["expert_files"] == 4 and rec["pack_GBps"] > 0 and rec["raw_write_GBps"] > 0
+    assert "vs raw write" in capsys.readouterr().out

@@ -48,7 +48,9 @@ def synthetic_k3_source(path: str, layers: int, experts: int, seed: int = 0) -> 
             save_file(tensors, os.path.join(path, shard))
             weight_map.update({k: shard for k in tensors})
     glob = {"language_model.model.embed_tokens.weight": rng.standard_normal((1024, 256), dtype=np.float32),
-            "language_model.lm_head.weight": rng.standard_normal((1024, 256), dtype=np.float32)}
+            "language_model.lm_head.weight": rng.standard_normal((1024, 256), dtype=np.float32),
+            # the dense layer 0's stand-in: pack checks that the weights hold every layer the config declares
+            "language_model.model.layers.0.input_layernorm.weight": np.ones(256, dtype=np.float32)}
     save_file(glob, os.path.join(path, "model-global.safetensors"))
     weight_map.update({k: "model-global.safetensors" for k in glob})
     with open(os.path.join(path, "config.json"), "w") as f:
