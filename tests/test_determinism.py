@@ -200,3 +200,30 @@ def test_cuda_batch_invariant_logits_alone_equal_batched(packed, family):
     _, model = packed(family)
     ref = logits(model, False, device="cuda", batch_invariant=True)
     assert bitwise(logits(model, False, together=True, device="cuda", batch_invariant=True), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_k3"])
+def test_cuda_logits_bit_identical_across_read_order_threads_layout_and_batch(packed, family, exact, tmp_path):
+    """On CUDA, both paths: reads landing out of order (jittered emulated drives), 1 or 8 reader threads a drive,
+    the same source packed onto one drive, and (batch-invariant) P between two other sequences leave P's prompt
+    and decode logits bit for bit as they were."""
+    lossless, default = packed(family)
+    model = lossless if exact else default
+    ref = logits(model, exact, device="cuda")
+    src = Path(model).parent / "src"
+    pack(str(src), str(tmp_path / "one"), parse_drives([f"{tmp_path}/one0=1"]), tf.LOSSLESS if exact else tf.DEFAULT)
+    variants = {
+        "reads landing out of order": (model, dict(emulate_drives=JITTER)),
+        "1 reader thread a drive": (model, dict(threads=1)),
+        "8 reader threads a drive": (model, dict(threads=8)),
+        "every expert cached": (model, dict(cache_gb=1.0)),
+        "one drive": (str(tmp_path / "one"), {}),
+    }
+    for what, (m, kw) in variants.items():
+        assert bitwise(logits(m, exact, device="cuda", **kw), ref), f"{family}: {what} changed the logits"
+    alone = logits(model, exact, device="cuda", batch_invariant=True)
+    assert bitwise(logits(model, exact, together=True, device="cuda", batch_invariant=True), alone), \
+        f"{family}: batched with two others changed the logits (batch-invariant)"

@@ -109,6 +109,76 @@ def test_kda_step_matches_torch_form():
         assert _rel(hist_k, hist_t) < 1e-6 and _rel(S_k, S_t) < 1e-5, step
 
 
+def _gdn_torch(qkv, taps, hist, z, b, a, A, dt_bias, o_norm, S, Hk, K, V, eps):
+    """qwen3_next's torch form of one Gated DeltaNet token (the reference)."""
+    from deltafin.models import kda
+
+    Hv = S.shape[0]
+    x, hist = kda.short_conv(qkv.float(), taps, hist)
+    q, k, v = x.split([Hk * K, Hk * K, Hv * V], dim=-1)
+    q = kda.l2norm(q.view(1, Hk, K)).repeat_interleave(Hv // Hk, dim=1) * K**-0.5
+    k = kda.l2norm(k.view(1, Hk, K)).repeat_interleave(Hv // Hk, dim=1)
+    g = (A * torch.nn.functional.softplus(a.float() + dt_bias)).unsqueeze(-1).expand(1, Hv, K)
+    o, S = kda.recurrent(q, k, v.view(1, Hv, V), g, torch.sigmoid(b.float()), S)
+    o = rms_norm(o, o_norm, eps) * torch.nn.functional.silu(z.float().view(1, Hv, V))
+    return o.reshape(1, Hv * V), hist, S
+
+
+def test_gdn_step_matches_torch_form():
+    """Three one-token Gated DeltaNet steps (2 key heads, 2 value heads each, key width 32, value width 16) with
+    the state carried: output, conv history and recurrent state."""
+    Hk, Hv, K, V = 2, 4, 32, 16
+    C = 2 * Hk * K + Hv * V
+    taps, dt_bias = _rand(C, 4, seed=40, scale=0.5), _rand(Hv, seed=41)
+    A, o_norm = -_rand(Hv, seed=42, scale=0.5).exp(), 1 + 0.1 * _rand(V, seed=43)
+    hist_t, S_t = _rand(3, C, seed=44), _rand(Hv, K, V, seed=45, scale=0.1)
+    hist_k, S_k = hist_t.clone(), S_t.clone()
+    for step in range(3):
+        qkv, z = _rand(1, C, seed=50 + 10 * step, scale=2.0), _rand(Hv, V, seed=51 + 10 * step, scale=2.0)
+        b, a = _rand(1, Hv, seed=52 + 10 * step), _rand(1, Hv, seed=53 + 10 * step, scale=3.0)
+        ref, hist_t, S_t = _gdn_torch(qkv, taps, hist_t, z, b, a, A, dt_bias, o_norm, S_t, Hk, K, V, 1e-6)
+        out = S.gdn_step(qkv, taps, hist_k, z, b, a, A, dt_bias, o_norm, S_k, Hk, 1e-6, K**-0.5, 1e-6)
+        assert _rel(out, ref) < 1e-5, step
+        assert _rel(hist_k, hist_t) < 1e-6 and _rel(S_k, S_t) < 1e-5, step
+
+
+def test_tiny_qwen3_next_on_the_kernel_path(tmp_path, monkeypatch):
+    """The tiny Qwen3-Next in bf16 through the fused Gated DeltaNet step and KDA's in-chunk products, a 70-token
+    prompt (two chunks) and three decode steps: as close to the float32 reference as the plain bf16 torch path."""
+    from deltafin.models import registry
+    from deltafin.models.base import QTensor, ResidentExperts
+    from deltafin.runtime.batch import forward_batch
+    from deltafin.store.drives import parse_drives
+    from deltafin.store.model_dir import PackedModel
+    from deltafin.store.pack import pack
+    from tests import tiny_families as tf
+
+    tf.build("qwen3_next", tmp_path / "src")
+    pack(str(tmp_path / "src"), str(tmp_path / "m"), parse_drives([f"{tmp_path}/d0"]), tf.DEFAULT)
+    pm = PackedModel.open(str(tmp_path / "m"))
+    src = ResidentExperts({(L, e): pm.read_expert(L, e) for L in pm.moe_layers for e in range(pm.num_experts)}, DEV)
+    trunk = pm.trunk_records()
+    for name, rec in trunk.items():  # mild decays, as trained models have: the products kernel's sub-blocks apply
+        if name.endswith("A_log"):
+            trunk[name] = QTensor("f32", rec.shape, torch.full(rec.shape, -4.0))
+    logits = {}
+    kernels = "triton" if DEV == "cuda" else "interpret"
+    for mode, dtype in (("torch", torch.float32), ("torch", torch.bfloat16), (kernels, torch.bfloat16)):
+        model = registry.build(pm.family, pm.text_config, dict(trunk), DEV, dtype)
+        monkeypatch.setenv("DELTAFIN_KERNELS", mode)
+        kc.USED.clear()
+        st = model.new_state(96)
+        with torch.inference_mode():
+            out = [forward_batch(model, [(torch.arange(3, 73, device=DEV), st)], src)[0].float()]
+            out += [forward_batch(model, [(torch.tensor([t], device=DEV), st)], src)[0].float() for t in (7, 8, 9)]
+        logits[mode, dtype] = torch.stack(out)
+    assert {"triton:gdn_step", "triton:kda_products"} <= kc.USED
+    ref = logits["torch", torch.float32]
+    # this random model's state sums many tokens, so bf16 is far from float32 (0.23 measured, the kernels 0.23
+    # too); a dropped gate or a wrong head would be O(1)
+    assert _rel(logits[kernels, torch.bfloat16], ref) < 1.1 * _rel(logits["torch", torch.bfloat16], ref)
+
+
 def test_tiny_k3_decode_on_the_kernel_path(monkeypatch):
     """Decode steps of the tiny Kimi K3 in bf16 through every fused kernel (KDA step, mix + norm, norms,
     SiTU-GLU, int8 linears, grouped experts) against the float32 reference: within bf16 rounding (measured

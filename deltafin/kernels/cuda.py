@@ -129,3 +129,15 @@ def kda_step(x: torch.Tensor, H: int, K: int, W: int, hist: torch.Tensor, S: tor
     if not (triton_small.kda_fits(H, K, W) and hist.is_contiguous() and S.is_contiguous()):
         return None
     return _small("kda_step", x, 0, *args[:6], hist, *args[6:12], S, *args[12:])
+
+
+def gdn_step(x: torch.Tensor, Hk: int, Hv: int, K: int, V: int, W: int, hist: torch.Tensor, S: torch.Tensor,
+             *args):
+    """One token of a Gated DeltaNet layer from its projections to the gated norm (``triton_small.gdn_step``),
+    or None (the torch forms run)."""
+    from deltafin.kernels import triton_small
+
+    if not (triton_small.gdn_fits(Hk, Hv, K, V, W) and hist.is_contiguous() and S.is_contiguous()):
+        return None
+    qkv, taps, z, b, a, A, dt_bias, o_norm, *rest = args
+    return _small("gdn_step", x, 0, qkv, taps, hist, z, b, a, A, dt_bias, o_norm, S, Hk, *rest)

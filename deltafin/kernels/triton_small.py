@@ -192,3 +192,58 @@ def kda_step(yq, yk, yv, wq, wk, wv, hist, z, dt_bias, A_log, b, gl, o_norm, S, 
                            o_norm, S, out, C, float(bound), float(eps), float(scale), float(l2_eps), K=K, W=4,
                            num_warps=16 if K * K > 8192 else 4)
     return out
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+
+
+@triton.jit
+def _gdn_step_kernel(y_ptr, w_ptr, hist_ptr, z_ptr, b_ptr, a_ptr, A_ptr, dtb_ptr, onw_ptr, S_ptr, out_ptr,
+                     Hk, C, eps, scale, l2_eps, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     W: tl.constexpr):
+    """One key head of a one-token Gated DeltaNet step and its R value heads: conv+SiLU of q, k and the heads'
+    v, L2 norms, each value head's scalar decay and delta-rule update of S [K, V] in place, the output read
+    from the new state, its RMSNorm and SiLU(z) gate. One program owns a key head's q/k channels, so their
+    conv history moves on once."""
+    hk = tl.program_id(0)
+    ok, ov = tl.arange(0, K), tl.arange(0, V)
+    q = _conv_silu(y_ptr, w_ptr, hist_ptr, hk * K + ok, C, W)
+    k = _conv_silu(y_ptr, w_ptr, hist_ptr, Hk * K + hk * K + ok, C, W)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + l2_eps) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + l2_eps)
+    for j in tl.static_range(R):
+        hv = hk * R + j
+        cv = 2 * Hk * K + hv * V + ov
+        v = _conv_silu(y_ptr, w_ptr, hist_ptr, cv, C, W)
+        beta = _sigmoid(tl.load(b_ptr + hv).to(tl.float32))
+        g = tl.load(A_ptr + hv) * _softplus(tl.load(a_ptr + hv).to(tl.float32) + tl.load(dtb_ptr + hv))
+        s_ptrs = S_ptr + hv.to(tl.int64) * K * V + ok[:, None] * V + ov[None, :]
+        S = tl.load(s_ptrs) * tl.exp(g)
+        u = tl.sum(k[:, None] * S, 0)  # S^T k
+        S = S + (beta * k)[:, None] * (v - u)[None, :]
+        tl.store(s_ptrs, S)
+        o = tl.sum(q[:, None] * S, 0)
+        o = o / tl.sqrt(tl.sum(o * o, 0) / V + eps) * tl.load(onw_ptr + ov)
+        zz = tl.load(z_ptr + hv * V + ov).to(tl.float32)
+        tl.store(out_ptr + hv * V + ov, (o * zz * _sigmoid(zz)).to(out_ptr.dtype.element_ty))
+
+
+def gdn_fits(Hk: int, Hv: int, K: int, V: int, W: int) -> bool:
+    pow2 = all(n == triton.next_power_of_2(n) and 16 <= n <= 128 for n in (K, V))
+    return W == 4 and pow2 and Hv % Hk == 0
+
+
+def gdn_step(qkv, taps, hist, z, b, a, A, dt_bias, o_norm, S, Hk: int, eps: float, scale: float, l2_eps: float
+             ) -> torch.Tensor:
+    """The Gated DeltaNet layer of one token between its projections and out_proj (qwen3_next ``_delta_net``,
+    T = 1). qkv [1, C] (q | k | v channels), z [Hv, V], b and a [1, Hv] in x's dtype; taps [C, 4], hist [3, C]
+    and S [Hv, K, V] float32 (both updated in place); A (-exp(A_log)), dt_bias [Hv] and o_norm [V] float32.
+    Returns the gated, normed output [1, Hv * V] in qkv's dtype."""
+    Hv, K, V = S.shape
+    out = torch.empty((1, Hv * V), device=qkv.device, dtype=qkv.dtype)
+    _gdn_step_kernel[(Hk,)](qkv.contiguous(), taps, hist, z.contiguous(), b.contiguous(), a.contiguous(), A, dt_bias,
+                            o_norm, S, out, Hk, qkv.shape[-1], float(eps), float(scale), float(l2_eps), R=Hv // Hk,
+                            K=K, V=V, W=4, num_warps=16 if K * V > 8192 else 4)
+    return out

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import UnsupportedArchitectureError
+from deltafin.kernels import cuda as kc
 from deltafin.models import kda
 from deltafin.models.base import SequenceState, dense, linear, linears, rms_norm, rowwise
 from deltafin.models.common import (
@@ -202,6 +203,12 @@ class Model(DecoderLM):
         c, T, a = self.cfg, h.shape[0], f"model.layers.{i}.linear_attn."
         Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         qkv, z, b, g_in = self._projections(i, h)
+        if T == 1 and kc.enabled(h):  # the fast CUDA path: conv to gated norm in one launch
+            o = kc.gdn_step(h, Hk, Hv, dk, dv, c.linear_conv_kernel_dim, st.conv, st.S, qkv, self.w[a + "conv1d.weight"],
+                            z.reshape(Hv, dv), b, g_in, self.w[a + "A_log"], self.w[a + "dt_bias"],
+                            dense(self.w[a + "norm.weight"], torch.float32), self.norm_eps, dk**-0.5, kda.L2_EPS)
+            if o is not None:
+                return linear(o, self.w[a + "out_proj.weight"])
         x, st.conv = kda.short_conv(qkv.float(), self.w[a + "conv1d.weight"], st.conv)  # [T, C], SiLU'd
         q, k, v = x.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
         r = Hv // Hk
@@ -210,8 +217,11 @@ class Model(DecoderLM):
         beta = torch.sigmoid(b.float())  # [T, Hv]
         g = self.w[a + "A_log"] * F.softplus(g_in.float() + self.w[a + "dt_bias"])  # [T, Hv] log-decay
         g = g.unsqueeze(-1).expand(T, Hv, dk)  # one decay per head: KDA's per-channel decay, all equal
-        step = kda.recurrent if T == 1 else kda.chunked
-        o, st.S = step(q, k, v.view(T, Hv, dv), g, beta, st.S)  # [T, Hv, dv]
+        if T == 1:
+            o, st.S = kda.recurrent(q, k, v.view(T, Hv, dv), g, beta, st.S)  # [T, Hv, dv]
+        else:  # KDA's chunked prefill, with its fused in-chunk products on the fast CUDA path
+            products = kc.kda_products if kc.enabled(h) else None
+            o, st.S = kda.chunked(q, k, v.view(T, Hv, dv), g, beta, st.S, products=products)
         o = rms_norm(o, self.w[a + "norm.weight"], self.norm_eps) * F.silu(z.float())  # the gated output norm
         return linear(o.reshape(T, Hv * dv).to(h.dtype), self.w[a + "out_proj.weight"])
 
