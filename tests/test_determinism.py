@@ -5,6 +5,7 @@ compared bit for bit, not tokens: a random tiny model's margins would hide round
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,10 +102,18 @@ def test_logits_bit_identical_across_threads_partial_cache_and_layout(packed, fa
     ref = logits(model, False)
     for kw in (dict(threads=1), dict(threads=8), dict(cache_gb=0.0003)):
         assert bitwise(logits(model, False, **kw), ref), kw
-    # another layout: the same source packed onto one drive
+    # other layouts of the same source: one drive; three drives by count; every expert striped over three by
+    # bandwidth; and extra copies of the hot experts (replicas, from a routing trace of this prompt)
     src = Path(model).parent / "src"
-    pack(str(src), str(tmp_path / "one"), parse_drives([f"{tmp_path}/one0=1"]), tf.DEFAULT)
-    assert bitwise(logits(str(tmp_path / "one"), False), ref)
+    trace = tmp_path / "routes.jsonl"
+    logits(model, False, record_routes=str(trace))
+    three = [f"{tmp_path}/{{}}0=2", f"{tmp_path}/{{}}1=1", f"{tmp_path}/{{}}2=0.5"]
+    layouts = {"one": ([f"{tmp_path}/one0=1"], {}), "roundrobin": (three, {}), "stripe-bandwidth": (three, {}),
+               "replicas": (three, dict(trace=str(trace), spare_gb=0.001))}
+    for name, (drives, extra) in layouts.items():
+        opts = replace(tf.DEFAULT, placement="bandwidth" if name == "one" else name, **extra)
+        pack(str(src), str(tmp_path / name), parse_drives([d.format(name) for d in drives]), opts)
+        assert bitwise(logits(str(tmp_path / name), False), ref), f"{family}: the {name} layout changed the logits"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3", "qwen3_next", "deepseek_v4"])

@@ -88,7 +88,7 @@ def add_compute_args(p) -> None:
                    help="activations on the fast path: auto = bf16 on CUDA, f32 on the CPU (measured faster there)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="each sequence's logits bit-identical whatever is batched with it (server, batch, classify); "
-                        "CPU only; its cost: docs/DETERMINISM.md")
+                        "CPU and CUDA; its cost: docs/DETERMINISM.md")
 
 
 def add_sampling_args(p) -> None:
