@@ -217,19 +217,23 @@ def test_cuda_batch_invariant_logits_alone_equal_batched(packed, family):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "kimi_k3"])
 def test_cuda_logits_bit_identical_across_read_order_threads_layout_and_batch(packed, family, exact, tmp_path):
     """On CUDA, both paths: reads landing out of order (jittered emulated drives), 1 or 8 reader threads a drive,
-    the same source packed onto one drive, and (batch-invariant) P between two other sequences leave P's prompt
+    the same source packed onto one drive or striped over three, and (batch-invariant) P between two other sequences leave P's prompt
     and decode logits bit for bit as they were."""
     lossless, default = packed(family)
     model = lossless if exact else default
     ref = logits(model, exact, device="cuda")
     src = Path(model).parent / "src"
-    pack(str(src), str(tmp_path / "one"), parse_drives([f"{tmp_path}/one0=1"]), tf.LOSSLESS if exact else tf.DEFAULT)
+    opts = tf.LOSSLESS if exact else tf.DEFAULT
+    pack(str(src), str(tmp_path / "one"), parse_drives([f"{tmp_path}/one0=1"]), opts)
+    pack(str(src), str(tmp_path / "striped"), parse_drives([f"{tmp_path}/s{j}={r}" for j, r in enumerate((2, 1, 0.5))]),
+         replace(opts, placement="stripe-bandwidth"))
     variants = {
         "reads landing out of order": (model, dict(emulate_drives=JITTER)),
         "1 reader thread a drive": (model, dict(threads=1)),
         "8 reader threads a drive": (model, dict(threads=8)),
         "every expert cached": (model, dict(cache_gb=1.0)),
         "one drive": (str(tmp_path / "one"), {}),
+        "striped over three drives": (str(tmp_path / "striped"), {}),
     }
     for what, (m, kw) in variants.items():
         assert bitwise(logits(m, exact, device="cuda", **kw), ref), f"{family}: {what} changed the logits"
