@@ -117,6 +117,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     b.add_argument("--synthetic", default="k3", choices=["k3", "k3-slice"],
                    help="k3: K3 expert files streamed; k3-slice: a K3 slice at the real widths in GPU memory")
     b.add_argument("--tokens", type=int, default=6)
+    b.add_argument("--context", type=int, nargs="+", metavar="N", default=[],
+                   help="k3-slice: also decode N tokens deep (e.g. 32768 131072 200000), beside the default context")
     b.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
                    help="check every read against its checksum, as 'run' does by default (its cost is reported)")
     b = _synthetic_bench(sub, "prefill", "time to first token beside the read floor (cold cache, K3 expert size)",

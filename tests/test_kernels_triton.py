@@ -476,3 +476,15 @@ def test_fp16_rows_scales_by_powers_of_two():
     big = x16.float().abs().amax(-1)
     assert torch.all((big[[0, 2]] >= 2**13) & (big[[0, 2]] < 2**14)) and inv[1] == 1.0
     torch.testing.assert_close(x16.float() * inv[:, None], x, rtol=2**-11, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke runs the interpreter on the CPU")
+def test_k3_slice_smoke_decodes_deep_in_a_context(capsys):
+    """The slice benchmark's --context: a state that deep (latent caches filled), decode timed beside the default
+    context's (tiny widths on the CPU: this checks the script, not speed)."""
+    from deltafin.bench import k3_slice_gpu
+
+    assert k3_slice_gpu.main(["--smoke", "--layers", "5", "--experts", "8", "--tokens", "1", "--prefill",
+                              "--torch-steps", "1", "--context", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "decode 40 tokens deep (CUDA graphs, 4096-row caches)" in out and "tok/s of math, beside" in out
