@@ -229,3 +229,23 @@ def test_hand_over_moves_every_tensor_of_a_carry_and_keeps_integer_ones():
     assert torch.equal(h.blocks[1], c.blocks[1].bfloat16())
     ids = torch.arange(3)
     assert offload.hand_over(ids, torch.device("cpu"), torch.bfloat16).dtype == torch.long
+
+
+def test_engine_refuses_a_split_off_cuda_before_the_trunk_loads(packed, monkeypatch):
+    from deltafin.runtime.engine import Engine, EngineOptions
+
+    model = packed("qwen3_moe")
+
+    def no_load(*a, **k):
+        raise AssertionError("the trunk was loaded before the options were checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(PackedModel, "trunk_records", no_load)
+        for kw, flag in ((dict(gpu_layers=2), "--gpu-layers"), (dict(gpu_memory_gb=8.0), "--gpu-memory-gb")):
+            with pytest.raises(UsageError, match=f"{flag}: .*this run is on cpu .*use --device cuda"):
+                Engine(model, EngineOptions(device="cpu", **kw))
+    eng = Engine(model, EngineOptions(device="cpu", gpu_layers=0, cache_gb=0.0))  # 0: what the CPU does anyway
+    try:
+        assert eng.offload is None and not isinstance(eng.model, offload.SplitModel)
+    finally:
+        eng.close()

@@ -19,7 +19,7 @@ from deltafin.models.base import SequenceState
 from deltafin.quant.record import QTensor
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
-from deltafin.runtime.offload import SplitModel
+from deltafin.runtime.offload import SplitExperts, SplitModel
 from deltafin.runtime.prefill_plan import default_context, plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
@@ -285,6 +285,14 @@ class Engine:
                              "without them under torchrun")
         self.gpu = self.device
         self.offload = plan_gpu(self.packed, self.device, self.opts)
+        if self.cluster is not None and not self.offload.all_gpu:
+            from deltafin import fmt
+
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise UsageError(f"the trunk ({fmt.size(self.packed.doc['trunk']['bytes'])}) and {fmt.size(CUDA_HEADROOM)} "
+                             f"of working memory do not fit the {fmt.size(free)} free on {self.device} "
+                             f"({fmt.size(total)} in all), and a torchrun rank keeps its whole trunk on its GPU: run "
+                             f"on GPUs with more memory, with --device cpu, or as one process (--gpu-layers)")
         if self.opts.gpu_memory_gb is not None:  # the caching allocator refuses to grow past the cap
             _, total = torch.cuda.mem_get_info(self.device)
             torch.cuda.set_per_process_memory_fraction(min(self.opts.gpu_memory_gb * GB / total, 1.0), self.device)
@@ -297,8 +305,7 @@ class Engine:
         from deltafin.progress import bar
         from deltafin.runtime import offload
 
-        if own is not None or self.cluster is not None:
-            raise UsageError("--gpu-layers/--gpu-memory-gb: a torchrun rank keeps its whole trunk on its GPU")
+        assert own is None and self.cluster is None, "a torchrun rank keeps its whole trunk on its GPU"
         plan, gpu, cpu = self.offload, self.device, torch.device("cpu")
         self.dtype = compute_dtype(opts.exact, opts.dtype, gpu)
         cpu_dtype = compute_dtype(opts.exact, opts.dtype, cpu)
@@ -405,14 +412,20 @@ class Engine:
         """Every rank's ``rank_stats`` (the leader asks the followers); one entry without a cluster."""
         return [self.rank_stats()] if self.dist is None else self.dist.stats(self.rank_stats())
     def _state_budget(self) -> int:
-        """Half of the memory left for sequence state once the expert cache is full, on the state's device."""
+        """Half of the memory left for sequence state once the expert cache is full, on the state's device (a split
+        trunk: the GPU's, beside its own cache, under --gpu-memory-gb)."""
+        cache = self.cache_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            if self.opts.gpu_memory_gb is not None:
+                free = min(free, int(self.opts.gpu_memory_gb * GB) - torch.cuda.memory_reserved(self.device))
+            if isinstance(self.source, SplitExperts):
+                cache = self.source.cache_bytes[1]
         else:
             import psutil
 
             free = psutil.virtual_memory().available
-        return max(int((free - self.cache_bytes) * 0.5), 0)
+        return max(int((free - cache) * 0.5), 0)
 
     def record_routes(self, path: str | None):
         """Write the routes of every one-token forward pass (decode steps) to ``path`` as JSONL, or stop (None).
