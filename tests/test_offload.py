@@ -249,3 +249,15 @@ def test_engine_refuses_a_split_off_cuda_before_the_trunk_loads(packed, monkeypa
         assert eng.offload is None and not isinstance(eng.model, offload.SplitModel)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+def test_sizes_from_the_manifest_are_the_loaded_records(packed, family):
+    """The plan's byte counts (from the manifest, before any load) are the records' as loaded, layer by layer."""
+    pm = PackedModel.open(packed(family))
+    L = int(pm.text_config["num_hidden_layers"])
+    s = TrunkSizes.from_manifest(pm.doc["trunk"]["tensors"], L)
+    recs = pm.trunk_records()
+    assert s.total == pm.doc["trunk"]["bytes"] == sum(r.nbytes for r in recs.values())
+    for i in range(L):
+        assert s.layers[i] == sum(r.nbytes for n, r in recs.items() if n.startswith(f"model.layers.{i}."))
