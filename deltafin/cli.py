@@ -90,7 +90,7 @@ def _synthetic_bench(sub, name: str, help_: str, layers: int, experts: int) -> a
     b.add_argument("--device", default="cpu")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
-    if name in ("decode", "prefill"):
+    if name == "decode":  # --synthetic k3-slice: the slice's trunk split between the GPU and the CPU
         from deltafin.interfaces.cmd_run import add_offload_args
 
         add_offload_args(b)

@@ -261,3 +261,27 @@ def test_sizes_from_the_manifest_are_the_loaded_records(packed, family):
     assert s.total == pm.doc["trunk"]["bytes"] == sum(r.nbytes for r in recs.values())
     for i in range(L):
         assert s.layers[i] == sum(r.nbytes for n, r in recs.items() if n.startswith(f"model.layers.{i}."))
+
+
+@pytest.mark.parametrize("gpu_layers", [None, 0, 2, 4])
+def test_bench_k3_slice_offload_smoke_on_the_cpu(monkeypatch, tmp_path, capsys, gpu_layers):
+    """The offload bench's code at tiny widths with both sides on the CPU (speed is not the point): the split it
+    reports, its projection and bound, its JSON record."""
+    import argparse
+    import json
+
+    from deltafin.bench import k3_offload
+    from deltafin.bench import k3_slice_gpu as ks
+
+    monkeypatch.setattr(ks, "SLICE_TEXT", dict(ks.SLICE_TEXT))  # the smoke run narrows the widths in place
+    a = argparse.Namespace(layers=5, experts=8, tokens=2, json=str(tmp_path / "r.json"), smoke=True)
+    r = k3_offload.run(a, "decode", gpu_layers, None)
+    n = 5 if gpu_layers is None else gpu_layers
+    assert r["gpu_layers"] == n and json.loads((tmp_path / "r.json").read_text())["gpu_layers"] == n
+    out = capsys.readouterr().out
+    assert r["offload"] in out and "memory-read bound" in out
+    if 0 < n < 4:  # a MoE layer on each side: projected
+        assert r["k3_93_layers_s"] > 0 and r["handover_s"] > 0 and r["k3_gpu_layers"] == round(93 * n / 5)
+    assert r["memory_read_bound_s"] > 0 and set(r["bytes_per_token"]) == {"cpu", "gpu"}
+    with pytest.raises(UsageError, match="time decode steps"):
+        k3_offload.run(a, "prefill", 2, None)

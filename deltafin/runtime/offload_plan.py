@@ -56,16 +56,21 @@ class TrunkSizes:
     @classmethod
     def from_manifest(cls, tensors: Mapping[str, Mapping], num_layers: int) -> TrunkSizes:
         """From the manifest's ``trunk.tensors`` ({name: {format, shape}})."""
+        return cls.from_nbytes({n: record_bytes(t["format"], t["shape"]) for n, t in tensors.items()}, num_layers)
+
+    @classmethod
+    def from_nbytes(cls, nbytes: Mapping[str, int], num_layers: int) -> TrunkSizes:
+        """From each trunk record's bytes by name."""
         layers, embed, head = [0] * num_layers, 0, 0
-        for name, t in tensors.items():
-            n, i = record_bytes(t["format"], t["shape"]), layer_of(name)
+        for name, n in nbytes.items():
+            i = layer_of(name)
             if i is not None and i < num_layers:
                 layers[i] += n
             elif name == EMBED:
                 embed += n
             else:
                 head += n
-        if "lm_head.weight" not in tensors:
+        if "lm_head.weight" not in nbytes:
             head += embed  # tied: the head's copy of the table
         return cls(tuple(layers), embed, head)
 
