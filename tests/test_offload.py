@@ -25,7 +25,7 @@ from deltafin.runtime.source import StreamingExperts
 from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel
 from deltafin.store.pack import pack
-from deltafin.tiny import build_tiny
+from deltafin.tiny import TINY, build_tiny
 from tests import tiny_families as tf
 
 MB = 10**6
@@ -170,7 +170,16 @@ def _source(pm: PackedModel) -> StreamingExperts:
     return StreamingExperts(pm, 0, 2, "cpu", reserve=False)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_k3", "deepseek_v4"])
+FIRST = ["qwen3_moe", "deepseek_v3", "kimi_k3", "deepseek_v4"]
+OTHERS = sorted((set(TINY) | set(tf.NEW_TINY)) - set(FIRST))
+
+
+@pytest.mark.parametrize("family", OTHERS)
+def test_every_family_split_on_one_device_is_the_unsplit_model(packed, family):
+    test_split_on_one_device_is_the_unsplit_model(packed, family, torch.float32)
+
+
+@pytest.mark.parametrize("family", FIRST)
 @pytest.mark.parametrize("high_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_split_on_one_device_is_the_unsplit_model(packed, family, high_dtype):
     """Both sides on the CPU: layers [first, L) in ``high_dtype``. In float32 the split must be the unsplit model
