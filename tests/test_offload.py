@@ -54,7 +54,7 @@ def test_plan_too_small_for_the_head_runs_on_the_cpu_unless_capped():
     assert p.gpu_layers == 0 and "GPU: none" in p.describe() and "+ head" in p.describe()
     with pytest.raises(UsageError, match=r"--gpu-memory-gb 0.02: the head and the last layer need 0.04 GB.*"
                                          r"--gpu-memory-gb 0.04 or more"):
-        plan_offload(SIZES, 20 * MB, 5 * MB, capped=True)
+        plan_offload(SIZES, 20 * MB, 5 * MB, cap_gb=0.02)
 
 
 def test_plan_given_layers():
@@ -65,7 +65,7 @@ def test_plan_given_layers():
         plan_offload(SIZES, 10**12, 5 * MB, gpu_layers=9)
     with pytest.raises(UsageError, match=r"--gpu-layers 6: .* 0.08 GB .*--gpu-memory-gb \(0.07 GB\).*"
                                          r"--gpu-layers 4 or fewer or raise --gpu-memory-gb"):
-        plan_offload(SIZES, 70 * MB, 5 * MB, gpu_layers=6, capped=True)
+        plan_offload(SIZES, 70 * MB, 5 * MB, gpu_layers=6, cap_gb=0.07)
     with pytest.raises(UsageError, match="the memory free on cuda:0"):
         plan_offload(SIZES, 70 * MB, 5 * MB, gpu_layers=6, where="cuda:0")
 

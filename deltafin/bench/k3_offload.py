@@ -96,7 +96,7 @@ def _plan(a, tc, w, expert_bytes: int, gpu_layers, cap_gb, gpu: torch.device):
     else:  # the CPU smoke run: no GPU memory to fit
         free, headroom = 1 << 60, 0
     budget = free if cap_gb is None else min(int(cap_gb * 1e9), free)
-    return plan_offload(sizes, budget, headroom, gpu_layers, cap_gb is not None, str(gpu)), trunk_only
+    return plan_offload(sizes, budget, headroom, gpu_layers, cap_gb, str(gpu)), trunk_only
 
 
 def _model(tc, w, plan, gpu: torch.device):

@@ -73,8 +73,8 @@ def plan_gpu(packed: PackedModel, device: torch.device, opts: EngineOptions):
     from deltafin.runtime.offload_plan import TrunkSizes, plan_offload
 
     sizes = TrunkSizes.from_manifest(packed.doc["trunk"]["tensors"], int(packed.text_config["num_hidden_layers"]))
-    budget, capped = gpu_budget(device, opts.gpu_memory_gb)
-    return plan_offload(sizes, budget, CUDA_HEADROOM, opts.gpu_layers, capped, str(device))
+    budget, _ = gpu_budget(device, opts.gpu_memory_gb)
+    return plan_offload(sizes, budget, CUDA_HEADROOM, opts.gpu_layers, opts.gpu_memory_gb, str(device))
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:

@@ -147,15 +147,15 @@ def most_layers(sizes: TrunkSizes, room: int) -> int:
 
 
 def plan_offload(sizes: TrunkSizes, budget: int, headroom: int, gpu_layers: int | None = None,
-                 capped: bool = False, where: str = "the GPU") -> OffloadPlan:
+                 cap_gb: float | None = None, where: str = "the GPU") -> OffloadPlan:
     """Where each trunk layer goes for ``budget`` bytes of GPU memory, ``headroom`` of them kept for working
     memory (activations, caches' first blocks, kernels' workspaces).
 
-    ``gpu_layers`` (--gpu-layers) fixes N; it must fit the budget. Without it N is what fits. ``capped``: the
-    budget is --gpu-memory-gb (a cap that cannot hold the head and one layer is refused, where an uncapped GPU
-    that small runs every layer on the CPU). Raises UsageError naming the option and the fix.
+    ``gpu_layers`` (--gpu-layers) fixes N; it must fit the budget. Without it N is what fits. ``cap_gb``: the
+    --gpu-memory-gb that set the budget, or None (a cap that cannot hold the head and one layer is refused, where
+    an uncapped GPU that small runs every layer on the CPU). Raises UsageError naming the option and the fix.
     """
-    L = len(sizes.layers)
+    L, capped = len(sizes.layers), cap_gb is not None
     room = budget - headroom
     if gpu_layers is not None:
         if not 0 <= gpu_layers <= L:
@@ -167,12 +167,14 @@ def plan_offload(sizes: TrunkSizes, budget: int, headroom: int, gpu_layers: int 
             cap = "--gpu-memory-gb" if capped else f"the memory free on {where}"
             raise UsageError(f"--gpu-layers {gpu_layers}: those layers and the head take {_gb(plan.gpu_bytes)} GB "
                              f"plus {_gb(headroom)} GB of working memory, more than {cap} ({_gb(budget)} GB) holds; "
-                             f"give --gpu-layers {fit} or fewer" + (" or raise --gpu-memory-gb" if capped else ""))
+                             f"give --gpu-layers {fit}" + (" or fewer" if fit else "")
+                             + (" or raise --gpu-memory-gb" if capped else ""))
         return plan
     n = most_layers(sizes, room)
     if n == 0 and capped:
         need = gpu_bytes_for(sizes, 1) + headroom
-        raise UsageError(f"--gpu-memory-gb {_gb(budget)}: the head and the last layer need {_gb(need)} GB on the "
+        free = "" if budget >= cap_gb * GB else f" ({_gb(budget)} GB of it is free)"
+        raise UsageError(f"--gpu-memory-gb {cap_gb:.2f}{free}: the head and the last layer need {_gb(need)} GB on the "
                          f"GPU (with {_gb(headroom)} GB of working memory); give --gpu-memory-gb {_gb(need, up=True)} "
                          f"or more, or --device cpu")
     why = "--gpu-memory-gb" if capped else f"what fits the memory free on {where}"
