@@ -294,3 +294,56 @@ def test_bench_k3_slice_offload_smoke_on_the_cpu(monkeypatch, tmp_path, capsys, 
     assert r["memory_read_bound_s"] > 0 and set(r["bytes_per_token"]) == {"cpu", "gpu"}
     with pytest.raises(UsageError, match="time decode steps"):
         k3_offload.run(a, "prefill", 2, None)
+
+
+def _engine_split_on_cpu(monkeypatch, model_dir: str, gpu_layers: int, **kw):
+    """The engine's split path (``_open_split``: loading, the two models, the two sources, their caches) with its
+    GPU side on the CPU: CUDA is faked up to the plan, which then names the CPU as the device of the last layers."""
+    from deltafin.runtime import engine as eng_mod
+    from deltafin.runtime.engine import Engine, EngineOptions
+
+    def place(self):
+        self.gpu = torch.device("cpu")
+        self.offload = eng_mod.plan_gpu(self.packed, self.device, self.opts)
+        self.device = torch.device("cpu")  # what _open_split takes for the GPU
+
+    with monkeypatch.context() as m:
+        m.setattr(eng_mod, "resolve_device", lambda d: torch.device("cuda"))
+        m.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
+        m.setattr(Engine, "_place_layers", place)
+        return Engine(model_dir, EngineOptions(device="cuda", gpu_layers=gpu_layers, max_len=128, threads=2, **kw))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+def test_engine_split_path_gives_the_cpu_engine_s_tokens_and_logits(packed, monkeypatch, family, capsys):
+    import argparse
+
+    from deltafin.interfaces.session import start_line
+    from deltafin.runtime.engine import Engine, EngineOptions
+
+    model = packed(family)
+    prompt = tf.prompt(9)
+
+    def run(eng):
+        try:
+            st = eng.new_state()
+            with torch.inference_mode():
+                lg = eng.step([(torch.tensor(prompt), st)], all_logits=True)[0].float()
+            toks = [t for t, _ in eng.generate(prompt, 6, stop_ids=())]
+            return lg, toks, eng.last_stats
+        finally:
+            eng.close()
+
+    for exact in (True, False):
+        ref_lg, ref_toks, _ = run(Engine(model, EngineOptions(device="cpu", exact=exact, max_len=128, threads=2,
+                                                              cache_gb=0.0)))
+        for cache in (0.0, 1.0):
+            eng = _engine_split_on_cpu(monkeypatch, model, 1, exact=exact, cache_gb=cache)
+            assert isinstance(eng.model, offload.SplitModel) and isinstance(eng.source, offload.SplitExperts)
+            assert eng.offload.gpu_layers == 1 and eng.device_label == "cpu + cpu"
+            assert sum(eng.source.cache_bytes) == int(cache * 1e9)
+            line = start_line(eng, argparse.Namespace(device="cuda", cache_gb=cache, io_threads=2))
+            assert eng.offload.describe() in line and "+ head" in line
+            lg, toks, stats = run(eng)
+            assert torch.equal(lg.view(torch.int32), ref_lg.view(torch.int32)), (exact, cache)
+            assert toks == ref_toks and stats.bytes_read > 0 and stats.reads > 0
