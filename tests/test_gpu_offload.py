@@ -54,6 +54,10 @@ def _check_split(eng: Engine, n: int, L: int) -> None:
         assert isinstance(eng.model, SplitModel) and isinstance(eng.source, SplitExperts)
         assert eng.model.first == L - n and eng.model.high.device.type == "cuda"
         assert eng.model.low.device.type == "cpu"
+        st = eng.new_state()  # each layer's cache on its layer's device (KVCache.k, an MLA GrowingCache.buf)
+        where = [getattr(s, "k", getattr(s, "buf", None)) for s in st.layers]
+        if all(isinstance(t, torch.Tensor) for t in where):
+            assert [t.device.type for t in where] == ["cpu"] * (L - n) + ["cuda"] * n
     else:
         assert not isinstance(eng.model, SplitModel)
         assert eng.device.type == ("cuda" if n == L else "cpu")
