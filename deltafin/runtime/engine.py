@@ -297,6 +297,9 @@ class Engine:
             _, total = torch.cuda.mem_get_info(self.device)
             torch.cuda.set_per_process_memory_fraction(min(self.opts.gpu_memory_gb * GB / total, 1.0), self.device)
         if self.offload.gpu_layers == 0:
+            if self.opts.gpu_layers is None:
+                log.warning("%s has too little free memory for the head and one layer beside %s of working memory: "
+                            "every layer runs on the CPU", self.device, f"{CUDA_HEADROOM / GB:.2f} GB")
             self.device = torch.device("cpu")
 
     def _open_split(self, opts: EngineOptions, own) -> None:
