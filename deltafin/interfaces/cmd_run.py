@@ -84,8 +84,9 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
 def add_offload_args(p) -> None:
     """Partial GPU offload (docs/RUNNING.md): how much of the trunk goes to the CUDA GPU."""
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int, default=None, metavar="N",
-                   help="CUDA: run the last N layers and the head on the GPU, the rest on the CPU (default: as many as "
-                        "fit beside the expert cache; the split is printed at start)")
+                   help="CUDA: run the last N layers and the head on the GPU, the rest on the CPU (default: the whole "
+                        "trunk if it fits, else as many layers as fit; the expert cache gets half of what is left; "
+                        "the split is printed at start)")
     p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GB",
                    help="CUDA: the most GPU memory the engine uses for trunk layers, expert cache and working memory "
                         "(default: what is free)")
