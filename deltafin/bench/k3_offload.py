@@ -91,6 +91,7 @@ def _plan(a, tc, w, expert_bytes: int, gpu_layers, cap_gb, gpu: torch.device):
     sizes = TrunkSizes(tuple(b + (a.experts * expert_bytes if i else 0) for i, b in enumerate(sizes.layers)),
                        sizes.embed, sizes.head)
     if gpu.type == "cuda":
+        torch.cuda.empty_cache()  # the build's draws
         free, _ = torch.cuda.mem_get_info(gpu)
         headroom = CUDA_HEADROOM
     else:  # the CPU smoke run: no GPU memory to fit
