@@ -183,17 +183,21 @@ def _check_messages(messages) -> list[dict]:
 
 def load(model: str, *, device: str = "auto", cache_gb: float | None = None, max_len: int | None = None,
          exact: bool = False, dtype: str = "auto", io_threads: int = 4, drive_map: dict[str, str] | None = None,
-         chat_template: str | None = None, verify_reads: bool = True, progress: bool = False) -> Model:
-    """Open a packed model (a folder, or its id as ``deltafin list`` shows it) as ``deltafin run`` does."""
+         chat_template: str | None = None, verify_reads: bool = True, progress: bool = False,
+         gpu_layers: int | None = None, gpu_memory_gb: float | None = None) -> Model:
+    """Open a packed model (a folder, or its id as ``deltafin list`` shows it) as ``deltafin run`` does.
+    ``gpu_layers``/``gpu_memory_gb``: partial GPU offload on CUDA (``--gpu-layers``/``--gpu-memory-gb``)."""
     from deltafin.interfaces.checks import check_engine_numbers
     from deltafin.interfaces.paths import resolve_packed
     from deltafin.runtime.engine import Engine, EngineOptions
+    from deltafin.runtime.offload_plan import check_offload_args
 
     check_engine_numbers(cache_gb=cache_gb, io_threads=io_threads, max_len=max_len, style="python")
+    check_offload_args(gpu_layers, gpu_memory_gb, device)
     path = resolve_packed(model)
     eng = Engine(path, EngineOptions(device=device, cache_gb=cache_gb, threads=io_threads, max_len=max_len,
                                      exact=exact, dtype=dtype, drive_map=drive_map, verify_reads=verify_reads,
-                                     progress=progress))
+                                     progress=progress, gpu_layers=gpu_layers, gpu_memory_gb=gpu_memory_gb))
     if chat_template is not None:
         if eng.codec is None:
             eng.close()

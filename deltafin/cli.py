@@ -90,6 +90,10 @@ def _synthetic_bench(sub, name: str, help_: str, layers: int, experts: int) -> a
     b.add_argument("--device", default="cpu")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dir", default=None, help="scratch folder on the drive to measure")
+    if name == "decode":  # --synthetic k3-slice: the slice's trunk split between the GPU and the CPU
+        from deltafin.interfaces.cmd_run import add_offload_args
+
+        add_offload_args(b)
     b.add_argument("--json", metavar="PATH")
     from deltafin.interfaces.cmd_run import add_compute_args
 
@@ -290,8 +294,8 @@ def _log_level(args: argparse.Namespace) -> int:
 
 def habits(argv: list[str]) -> tuple[list[str], list[str]]:
     """Flags other runners' users type, rewritten to Deltafin's: ``-m MODEL`` becomes the model positional,
-    ``-ngl N`` / ``--n-gpu-layers N`` becomes ``--device`` (there is no per-layer offload). Returns the new argv
-    and the notes to print."""
+    (``-ngl N`` / ``--n-gpu-layers N`` are spellings of ``--gpu-layers N``). Returns the new argv and the notes to
+    print."""
     cmd = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
     if cmd is None:
         return argv, []
@@ -303,15 +307,6 @@ def habits(argv: list[str]) -> tuple[list[str], list[str]]:
             model = val if eq else next(it, None)
             if model is None:
                 notes.append(f"error: {flag} needs a model: {flag} MODEL")
-        elif flag in ("-ngl", "--n-gpu-layers", "--gpu-layers"):
-            n = val if eq else next(it, "")
-            if "--device" in argv:
-                notes.append(f"{flag} {n}: ignored; --device already says where the trunk and the expert cache go")
-                continue
-            device = "cpu" if n.strip() == "0" else "auto"
-            notes.append(f"{flag} {n}: Deltafin has no per-layer GPU offload; the whole trunk and the expert cache go "
-                         f"to one device, so this means --device {device} (auto: CUDA, then Apple MPS, then CPU)")
-            rest += ["--device", device]
         else:
             rest.append(a)
     if model is not None:
@@ -330,6 +325,15 @@ def check_args(args: argparse.Namespace) -> None:
         checks.check_engine_numbers(cache if isinstance(cache, (int, float)) else None, getattr(args, "io_threads", None),
                                     getattr(args, "max_len", None),
                                     getattr(args, "threads", None) if args.command in CLUSTER_COMMANDS else None)
+    if hasattr(args, "gpu_layers"):
+        from deltafin.errors import UsageError
+        from deltafin.runtime.offload_plan import check_offload_args
+
+        check_offload_args(args.gpu_layers, args.gpu_memory_gb, getattr(args, "device", "auto"))
+        if args.command == "bench" and getattr(args, "synthetic", "k3-slice") != "k3-slice" and (
+                args.gpu_layers is not None or args.gpu_memory_gb is not None):
+            raise UsageError("--gpu-layers/--gpu-memory-gb split a trunk between GPU and CPU; the streamed bench "
+                             "(--synthetic k3) has no trunk: add --synthetic k3-slice --device cuda")
     for flag in ("stats_json", "json", "record_routes"):
         v = getattr(args, flag, None)
         if isinstance(v, str):

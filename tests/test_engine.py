@@ -221,15 +221,28 @@ def test_keep_freed_memory_on_glibc_unless_the_user_tunes_malloc(monkeypatch):
     assert host_memory.keep_freed_memory() is glibc  # once is enough; a second call says the same
 
 
-def test_a_trunk_the_gpu_cannot_hold_is_refused_before_it_loads(k3_model, monkeypatch):
-    """On CUDA the whole trunk lives on the device: a GPU with too little free memory gets one line naming both
-    sizes and the way out, before any trunk byte is read."""
+def test_a_trunk_the_gpu_cannot_hold_runs_on_the_cpu_or_is_refused_before_it_loads(k3_model, monkeypatch):
+    """On CUDA a trunk larger than the GPU is split (runtime/offload_plan.py); a GPU too small for the head and one
+    layer runs every layer on the CPU, and what --gpu-layers/--gpu-memory-gb ask for that the GPU cannot hold gets
+    one line naming the option and the fix, before any trunk byte is read."""
     from deltafin.runtime import engine as eng_mod
 
     monkeypatch.setattr(eng_mod, "resolve_device", lambda d: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 8 << 30))
     read = []
-    monkeypatch.setattr(PackedModel, "trunk_records", lambda self, *a, **k: read.append(1) or {})
-    with pytest.raises(UsageError, match=r"do not fit the 1\.05 MB free on cuda .*--device cpu") as e:
-        Engine(str(k3_model / "model"), EngineOptions(device="cuda"))
-    assert "\n" not in str(e.value) and not read
+    with monkeypatch.context() as m:
+        m.setattr(PackedModel, "trunk_records", lambda self, *a, **k: read.append(1) or {})
+        for kw, msg in ((dict(gpu_layers=2), r"--gpu-layers 2: .*more than the memory free on cuda \(0\.00 GB\) "
+                                             r"holds; give --gpu-layers 0$"),
+                        (dict(gpu_memory_gb=0.5), r"--gpu-memory-gb 0\.50 \(0\.00 GB of it is free\): the head and "
+                                                  r"the last layer need 2\.15 GB .*--gpu-memory-gb 2\.15 or more")):
+            with pytest.raises(UsageError, match=msg) as e:
+                Engine(str(k3_model / "model"), EngineOptions(device="cuda", **kw))
+            assert "\n" not in str(e.value) and not read
+    eng = Engine(str(k3_model / "model"), EngineOptions(device="cuda", cache_gb=0.0))
+    try:
+        assert eng.offload.gpu_layers == 0 and eng.device.type == "cpu" and eng.device_label == "cpu"
+        assert eng.offload.describe().startswith("GPU: none, CPU: layers 0-") and "+ head" in eng.offload.describe()
+        assert len(list(eng.generate([1, 2, 3], 2, stop_ids=()))) == 2
+    finally:
+        eng.close()

@@ -80,10 +80,9 @@ def test_interrupted_pack_says_rerun_resumes(tmp_path, capsys, monkeypatch):
 
 def test_habits_of_other_runners(model, capsys):
     argv, notes = cli.habits(["run", "-m", model, "-ngl", "99", "--n-predict", "3", "-p", "hi"])
-    assert argv[:2] == ["run", model] and "--device" in argv and notes and "no per-layer GPU offload" in notes[0]
+    assert argv[:2] == ["run", model] and not notes  # -ngl is --gpu-layers itself (partial GPU offload)
     args = cli.build_parser().parse_args(argv)
-    assert (args.model, args.device, args.max_tokens) == (model, "auto", 3)
-    assert cli.habits(["run", "-ngl", "0", "m"])[0][-2:] == ["cpu", "m"] or "cpu" in cli.habits(["run", "-ngl", "0", "m"])[0]
+    assert (args.model, args.device, args.gpu_layers, args.max_tokens) == (model, "auto", 99, 3)
     argv, _ = cli.habits(["batch", "--model=m", "in.jsonl", "out.jsonl"])
     assert cli.build_parser().parse_args(argv).model == "m"
     assert cli.main([]) == 0

@@ -58,8 +58,9 @@ def _record(name: str, t: torch.Tensor):
     return QTensor(fmt, tuple(t.shape), t.contiguous())
 
 
-def build(layers: int, experts: int, device: torch.device, seed: int = 0):
-    """(config, trunk records by packed name) of the slice."""
+def build(layers: int, experts: int, device: torch.device, seed: int = 0, host: bool = False):
+    """(config, trunk records by packed name) of the slice, drawn on ``device``; ``host``: each record moved to
+    host memory as it is made (the same values: a trunk that the GPU need not hold whole)."""
     cfg = k3_tiny.tiny_config(**SLICE_TEXT, num_hidden_layers=layers, num_experts=experts)
     tc = cfg["text_config"]
     r, d = _GpuRand(seed, device), tc["hidden_size"]
@@ -81,12 +82,15 @@ def build(layers: int, experts: int, device: torch.device, seed: int = 0):
             t |= {f"block_sparse_moe.{k}": x for k, x in moe.items()}
         for k, x in t.items():
             w[f"model.layers.{L}.{k}"] = _record(f"model.layers.{L}.{k}", x)
+            if host:
+                w[f"model.layers.{L}.{k}"] = w[f"model.layers.{L}.{k}"].to("cpu")
+        del t
         torch.cuda.empty_cache() if device.type == "cuda" else None
     top = {"model.embed_tokens.weight": r.normal((tc["vocab_size"], d), 1.0).to(torch.bfloat16),
            "lm_head.weight": r.linear(tc["vocab_size"], d, 4.0), "model.norm.weight": r.norm(d),
            "model.output_attn_res_norm.weight": r.norm(d),
            "model.output_attn_res_proj.weight": r.normal((1, d), 0.1).to(torch.bfloat16)}
-    w |= {k: _record(k, x) for k, x in top.items()}
+    w |= {k: _record(k, x).to("cpu") if host else _record(k, x) for k, x in top.items()}
     return tc, w
 
 
@@ -306,6 +310,11 @@ def from_cli(args, mode: str) -> dict:
         from deltafin.errors import UsageError
 
         raise UsageError("--synthetic k3-slice times the CUDA kernels; run it with --device cuda")
+    if getattr(args, "gpu_layers", None) is not None or getattr(args, "gpu_memory_gb", None) is not None:
+        # the trunk split between the GPU and the CPU
+        from deltafin.bench.k3_offload import run as run_offload
+
+        return run_offload(a, mode, args.gpu_layers, args.gpu_memory_gb)
     return run(a, mode)
 
 

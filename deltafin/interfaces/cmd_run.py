@@ -42,6 +42,7 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
     m.add_argument("--cache-gb", type=float, default=None,
                    help="memory for cached experts (default: half of free memory after the trunk, printed at start; "
                         "GPU memory on CUDA)")
+    add_offload_args(m)
     m.add_argument("-t", "--threads", type=int, default=None,
                    help="compute threads, exactly (default: torch's choice, printed at start; CPU decode steps then "
                         "run on fewer where that measures faster)")
@@ -78,6 +79,17 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
                        help="write the routing trace (JSONL: per decoded token, per MoE layer, the expert ids) for "
                             "'deltafin place --policy coactivation|replicas --trace PATH'")
     o.add_argument("--quiet", action="store_true", help="print only the generated text")
+
+
+def add_offload_args(p) -> None:
+    """Partial GPU offload (docs/RUNNING.md): how much of the trunk goes to the CUDA GPU."""
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int, default=None, metavar="N",
+                   help="CUDA: run the last N layers and the head on the GPU, the rest on the CPU (default: the whole "
+                        "trunk if it fits, else as many layers as fit; the expert cache gets half of what is left; "
+                        "the split is printed at start)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GB",
+                   help="CUDA: the most GPU memory the engine uses for trunk layers, expert cache and working memory "
+                        "(default: what is free)")
 
 
 def add_compute_args(p) -> None:

@@ -89,6 +89,8 @@ def open_engine(args):
         exact=args.exact,
         dtype=args.dtype,
         batch_invariant=getattr(args, "batch_invariant", False),
+        gpu_layers=args.gpu_layers,
+        gpu_memory_gb=args.gpu_memory_gb,
     )
     template = read_template(args.chat_template_file) if args.chat_template_file else None
     eng = Engine(resolve_packed(args.model), opts)
@@ -133,7 +135,7 @@ def start_line(eng, args) -> str:
             f"threads{_adapting(eng)}, {args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
             f"{'direct' if eng.source.direct else 'buffered'} I/O"
             + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
-            + f"; math: {eng.math_name}")
+            + f"; math: {eng.math_name}" + (f"; {eng.offload.describe()}" if eng.offload is not None else ""))
 
 
 def _adapting(eng) -> str:

@@ -216,7 +216,10 @@ class DecoderLM:
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.num_layers, self.vocab_size = cfg.num_hidden_layers, cfg.vocab_size
         self.norm_eps = cfg.rms_norm_eps
-        self.w: dict[str, QTensor | torch.Tensor] = {n: t.to(self.device) for n, t in weights.items()}
+        # records on the meta device stand in for layers another device runs (runtime/offload.py): kept as they are
+        self.w: dict[str, QTensor | torch.Tensor] = {
+            n: t if t.data.device.type == "meta" else t.to(self.device) for n, t in weights.items()
+        }
         top = take(
             self.w,
             "",

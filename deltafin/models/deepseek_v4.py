@@ -253,8 +253,8 @@ class Model(DecoderLM):
     def known_routes(self, ids: torch.Tensor) -> list[tuple[int, list[int]]]:
         """(layer, expert ids) of the hash-routed layers for tokens ``ids`` [T]: fixed by the token ids, so the
         engine reads them before those layers run."""
-        ids = ids.to(self.device)
-        return [(i, torch.unique(t[ids]).tolist()) for i, t in self.tid2eid.items()]
+        ids = ids.to(self.device)  # a table on the meta device is a layer another device runs (runtime/offload.py)
+        return [(i, torch.unique(t[ids]).tolist()) for i, t in self.tid2eid.items() if t.device.type != "meta"]
 
     # ------------------------------------------------------------------ mHC
 

@@ -19,6 +19,7 @@ from deltafin.models.base import SequenceState
 from deltafin.quant.record import QTensor
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
+from deltafin.runtime.offload import SplitExperts, SplitModel
 from deltafin.runtime.prefill_plan import default_context, plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
@@ -52,21 +53,28 @@ class EngineOptions:
     batch_invariant: bool = False  # each sequence's logits independent of the others batched with it (CPU, CUDA)
     cuda_graphs: bool = True  # Kimi K3 bf16 decode on CUDA replays CUDA graphs (also off: DELTAFIN_CUDA_GRAPHS=0)
     adapt_threads: bool = True  # CPU fast path: one-token steps take the thread count that measures fastest
+    gpu_layers: int | None = None  # CUDA: the last N layers (and the head) on the GPU, the rest on the CPU
+    gpu_memory_gb: float | None = None  # CUDA: the most GPU memory the engine uses (trunk, expert cache, working)
 
 
 CUDA_HEADROOM = 2 << 30  # beside the trunk: activations, the KV/latent caches' first blocks, the kernels' workspaces
 
 
-def _check_trunk_fits(trunk_bytes: int, device: torch.device) -> None:
-    """Refuse before the load a trunk that this GPU cannot hold (the whole trunk lives on the device; there is no
-    split of its layers between the GPU and the CPU yet)."""
-    from deltafin import fmt
+def gpu_budget(device: torch.device, cap_gb: float | None) -> tuple[int, bool]:
+    """(bytes the engine may place on the GPU, whether --gpu-memory-gb set them): the memory free on the device,
+    or the cap when it is smaller."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return (free, False) if cap_gb is None else (min(int(cap_gb * GB), free), True)
 
-    free, total = torch.cuda.mem_get_info(device)
-    if trunk_bytes + CUDA_HEADROOM > free:
-        raise UsageError(f"the trunk ({fmt.size(trunk_bytes)}) and {fmt.size(CUDA_HEADROOM)} of working memory do not fit "
-                         f"the {fmt.size(free)} free on {device} ({fmt.size(total)} in all): run with --device cpu, "
-                         f"or on a GPU with more memory (its layers cannot be split between GPU and CPU yet)")
+
+def plan_gpu(packed: PackedModel, device: torch.device, opts: EngineOptions):
+    """Which trunk layers go to the GPU (``runtime/offload_plan.py``), from the manifest, before the trunk loads;
+    a request that cannot be met is refused naming the option."""
+    from deltafin.runtime.offload_plan import TrunkSizes, plan_offload
+
+    sizes = TrunkSizes.from_manifest(packed.doc["trunk"]["tensors"], int(packed.text_config["num_hidden_layers"]))
+    budget, _ = gpu_budget(device, opts.gpu_memory_gb)
+    return plan_offload(sizes, budget, CUDA_HEADROOM, opts.gpu_layers, opts.gpu_memory_gb, str(device))
 
 
 def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) -> int:
@@ -225,8 +233,18 @@ class Engine:
 
             check(self.packed)
         trunk_bytes = int(self.packed.doc["trunk"]["bytes"])
-        if self.device.type == "cuda":
-            _check_trunk_fits(trunk_bytes, self.device)
+        self.offload = None  # on CUDA, which layers the GPU holds (OffloadPlan)
+        if self.device.type == "cuda" and not self.mlx:
+            self._place_layers()
+            if self.offload.split:
+                self._open_split(opts, own)
+                self._open_rest(opts)
+                return
+        elif opts.gpu_memory_gb is not None or opts.gpu_layers:
+            flag = "--gpu-memory-gb" if opts.gpu_memory_gb is not None else "--gpu-layers"
+            raise UsageError(f"{flag}: the trunk is split between a CUDA GPU and the CPU, and this run is on "
+                             f"{'mlx' if self.mlx else self.device.type} (--device {opts.device}); use --device cuda "
+                             f"on a machine with a CUDA GPU, or drop {flag}")
         self.cache_bytes = self._cache_bytes(trunk_bytes)
         from deltafin.progress import bar
 
@@ -260,6 +278,74 @@ class Engine:
                                        opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
         self._open_rest(opts)
 
+    def _place_layers(self) -> None:
+        """The offload plan on CUDA, and the memory cap enforced; every layer on the CPU (0) runs the CPU path."""
+        if self.cluster is not None and (self.opts.gpu_layers is not None or self.opts.gpu_memory_gb is not None):
+            raise UsageError("--gpu-layers/--gpu-memory-gb: a torchrun rank keeps its whole trunk on its GPU; run "
+                             "without them under torchrun")
+        self.gpu = self.device
+        self.offload = plan_gpu(self.packed, self.device, self.opts)
+        if self.cluster is not None and not self.offload.all_gpu:
+            from deltafin import fmt
+
+            free, total = torch.cuda.mem_get_info(self.device)
+            raise UsageError(f"the trunk ({fmt.size(self.packed.doc['trunk']['bytes'])}) and {fmt.size(CUDA_HEADROOM)} "
+                             f"of working memory do not fit the {fmt.size(free)} free on {self.device} "
+                             f"({fmt.size(total)} in all), and a torchrun rank keeps its whole trunk on its GPU: run "
+                             f"on GPUs with more memory, with --device cpu, or as one process (--gpu-layers)")
+        if self.opts.gpu_memory_gb is not None:  # the caching allocator refuses to grow past the cap
+            _, total = torch.cuda.mem_get_info(self.device)
+            torch.cuda.set_per_process_memory_fraction(min(self.opts.gpu_memory_gb * GB / total, 1.0), self.device)
+        if self.offload.gpu_layers == 0:
+            if self.opts.gpu_layers is None:
+                log.warning("%s has too little free memory for the head and one layer beside %s of working memory: "
+                            "every layer runs on the CPU", self.device, f"{CUDA_HEADROOM / GB:.2f} GB")
+            self.device = torch.device("cpu")
+
+    def _open_split(self, opts: EngineOptions, own) -> None:
+        """The trunk's first layers on the CPU, the rest and the head on the GPU (``runtime/offload.py``); each
+        side streams its layers' experts into its own cache."""
+        from deltafin.progress import bar
+        from deltafin.runtime import offload
+
+        assert own is None and self.cluster is None, "a torchrun rank keeps its whole trunk on its GPU"
+        plan, gpu, cpu = self.offload, self.device, torch.device("cpu")
+        self.dtype = compute_dtype(opts.exact, opts.dtype, gpu)
+        cpu_dtype = compute_dtype(opts.exact, opts.dtype, cpu)
+        with bar(int(self.packed.doc["trunk"]["bytes"]), "loading trunk", enabled=opts.progress) as b:
+            records = self.packed.trunk_records(b.update)
+        self.model = offload.build_split(self.packed.family, self.packed.text_config, records, plan, gpu, cpu_dtype,
+                                         self.dtype, widen_small if cpu_dtype == torch.float32 else None)
+        del records
+        if self.dtype == torch.bfloat16:
+            self.model.stack_decode_projections()
+        if opts.emulate_drives:
+            from deltafin.io.emulator import emulated_readers
+
+            readers = emulated_readers(opts.emulate_drives, self.packed)
+        else:
+            readers = [FileDriveReader(d.label, d.path) for d in self.packed.drives]
+        host, on_gpu = self._split_cache_bytes()
+        deadline = _deadline(opts.read_deadline_s)
+        sources = [StreamingExperts(self.packed, n, opts.threads, dev, readers, opts.verify_reads, deadline=deadline)
+                   for n, dev in ((host, cpu), (on_gpu, gpu))]
+        self.source = offload.SplitExperts(*sources, plan.first_gpu)
+        self.cache_bytes = host + on_gpu
+
+    def _split_cache_bytes(self) -> tuple[int, int]:
+        """(host, GPU) expert cache budgets of a split trunk: --cache-gb shared in proportion to the MoE layers on
+        each side; by default half of the GPU budget left after its layers and the working memory, and half of
+        the RAM left after the CPU's layers."""
+        from deltafin.runtime.offload_plan import split_cache
+
+        plan = self.offload
+        if self.opts.cache_gb is not None:
+            on_gpu, host = split_cache(int(self.opts.cache_gb * GB), self.packed.moe_layers, plan)
+            return host, on_gpu
+        budget, _ = gpu_budget(self.device, self.opts.gpu_memory_gb)
+        on_gpu = max(int((budget - plan.gpu_bytes - CUDA_HEADROOM) * 0.5), 0)
+        return default_cache_bytes(plan.cpu_bytes), on_gpu
+
     def _open_rest(self, opts: EngineOptions) -> None:
         from deltafin.runtime.tokenizer import load_codec
 
@@ -288,6 +374,9 @@ class Engine:
         half of what is free after the trunk (in RAM shared by the ranks of this machine)."""
         if self.opts.cache_gb is not None:
             return int(self.opts.cache_gb * GB)
+        if self.device.type == "cuda" and self.opts.gpu_memory_gb is not None:  # half of what the cap leaves
+            budget, _ = gpu_budget(self.device, self.opts.gpu_memory_gb)
+            return max(int((budget - trunk_bytes - CUDA_HEADROOM) * 0.5), 0)
         if self.cluster is not None:
             rk = self.packed.doc["experts"].get("ranks")
             if rk is not None and rk["ranks"][self.cluster.rank]["cache_gb"] > 0:
@@ -326,14 +415,20 @@ class Engine:
         """Every rank's ``rank_stats`` (the leader asks the followers); one entry without a cluster."""
         return [self.rank_stats()] if self.dist is None else self.dist.stats(self.rank_stats())
     def _state_budget(self) -> int:
-        """Half of the memory left for sequence state once the expert cache is full, on the state's device."""
+        """Half of the memory left for sequence state once the expert cache is full, on the state's device (a split
+        trunk: the GPU's, beside its own cache, under --gpu-memory-gb)."""
+        cache = self.cache_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            if self.opts.gpu_memory_gb is not None:
+                free = min(free, int(self.opts.gpu_memory_gb * GB) - torch.cuda.memory_reserved(self.device))
+            if isinstance(self.source, SplitExperts):
+                cache = self.source.cache_bytes[1]
         else:
             import psutil
 
             free = psutil.virtual_memory().available
-        return max(int((free - self.cache_bytes) * 0.5), 0)
+        return max(int((free - cache) * 0.5), 0)
 
     def record_routes(self, path: str | None):
         """Write the routes of every one-token forward pass (decode steps) to ``path`` as JSONL, or stop (None).
@@ -352,11 +447,15 @@ class Engine:
     def math(self):
         """The compute path for model calls made in this block (``kernels.math``): fused kernels unless the options
         say exact, on the CPU with denormals flushed."""
-        return kernels.math(self.opts.exact, self.device.type, self.opts.batch_invariant)
+        split = self.offload is not None and self.offload.split  # the CPU's layers run the CPU's fast path
+        return kernels.math(self.opts.exact, "cpu" if split else self.device.type, self.opts.batch_invariant)
 
     @property
     def device_label(self) -> str:
-        """The device the step runs on, for start lines and stats ('mlx' for the MLX engine)."""
+        """The device the step runs on, for start lines and stats ('mlx' for the MLX engine, 'cuda:0 + cpu' for a
+        trunk split between them)."""
+        if self.offload is not None and self.offload.split:
+            return f"{self.device} + cpu"
         return "mlx" if self.mlx else str(self.device)
 
     @property
@@ -367,6 +466,12 @@ class Engine:
             return f"{device_name()}, {'exact float32' if self.opts.exact else str(self.model.dtype).rsplit('.', 1)[-1]} activations"
         if self.opts.exact:
             return "exact float32 reference (plain torch)"
+        if self.offload is not None and self.offload.split:
+            from deltafin.kernels import cpu
+
+            low = str(self.model.low.dtype).removeprefix("torch.")
+            return (f"fused kernels ({kernels.backend_name('cuda')} on the GPU's layers, "
+                    f"{str(self.dtype).removeprefix('torch.')} activations; cpu, {cpu.isa()} on the CPU's, {low})")
         name = kernels.backend_name(self.device.type)
         if name == "cpu":
             from deltafin.kernels import cpu
@@ -463,6 +568,7 @@ class Engine:
             from deltafin.runtime import cuda_graphs
 
             why = "turned off (EngineOptions.cuda_graphs)" if not self.opts.cuda_graphs else \
+                "the trunk's layers are split between the GPU and the CPU" if isinstance(self.model, SplitModel) else \
                 "--batch-invariant (the graphs replay the one-token kernels)" if self.opts.batch_invariant else \
                 "a cluster rank exchanges expert results every layer" if self.cluster is not None else \
                 cuda_graphs.why_not(self.model, self.source, self.device, self.dtype)
@@ -632,3 +738,5 @@ class Engine:
             self.dist.close()
         self.record_routes(None)
         self.source.close()
+        if self.opts.gpu_memory_gb is not None and self.offload is not None:  # the cap was this engine's
+            torch.cuda.set_per_process_memory_fraction(1.0, self.gpu)
