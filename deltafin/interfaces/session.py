@@ -78,6 +78,7 @@ def open_engine(args):
         cache_gb=args.cache_gb,
         threads=args.io_threads,
         verify_reads=args.verify_reads,
+        verify_on=getattr(args, "verify_on", "auto"),
         drive_map=parse_drive_map(args.drive_map),
         emulate_drives=args.emulate_drives,
         max_len=args.max_len,
@@ -133,7 +134,12 @@ def start_line(eng, args) -> str:
             f"threads{_adapting(eng)}, {args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
             f"{'direct' if eng.source.direct else 'buffered'} I/O"
             + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
-            + f"; math: {eng.math_name}")
+            + _checks_where(eng) + f"; math: {eng.math_name}")
+
+
+def _checks_where(eng) -> str:
+    where = getattr(eng.source, "checks_where", "host")
+    return {"gpu": ", reads checked on the GPU", "host": ", reads checked on the host"}.get(where, ", reads unchecked")
 
 
 def _adapting(eng) -> str:
