@@ -295,6 +295,8 @@ class StreamingExperts:
             fits = self._slab_ready(ef.decode(data, layout, where), nbytes, layout)
         except ExpertFileError:
             fits = False
+        if not fits and self.slab is None:  # experts of no slab format: the reader threads check them from now on
+            self.gpu_checks = False
         slot = self._take_slot() if fits else (None, False)
         if slot[0] is None:
             return self._to_device(layer, e, *self._host_checked(layer, e, buf, nbytes, where, reads))
