@@ -255,3 +255,15 @@ def test_gpu_checks_catch_a_corrupted_expert(k3_model, tmp_path):
             with pytest.raises(ExpertChecksumError, match="checksum mismatch") as err:
                 _cuda_logits(root, "gpu")
             assert any(p in str(err.value) for p in bad)
+
+
+def test_cli_verify_on_gpu_on_the_cpu_is_one_line_before_the_model_opens(k3_model, capsys):
+    from deltafin import cli
+
+    rc = cli.main(["run", str(k3_model / "model"), "-p", "hi", "--device", "cpu", "--verify-on", "gpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert "--verify-on gpu: reads are checked on the GPU only with --device cuda" in err
+    with pytest.raises(SystemExit) as bad:  # argparse's choices
+        cli.main(["run", str(k3_model / "model"), "-p", "hi", "--verify-on", "sometimes"])
+    assert bad.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err

@@ -68,6 +68,9 @@ def open_engine(args):
     from deltafin.store.manifest import parse_drive_map
 
     check_engine_numbers(args.cache_gb, args.io_threads, args.max_len, args.threads)
+    if getattr(args, "verify_on", "auto") == "gpu" and args.device == "cpu":  # before the trunk loads
+        raise UsageError("--verify-on gpu: reads are checked on the GPU only with --device cuda; use --verify-on "
+                         "auto or host")
     if args.threads is not None:
         import torch
 
