@@ -104,7 +104,7 @@ def xxh3_gbps_threads(threads: int, nbytes: int, total_per_thread: int = 256 << 
 
 def xxh3_gpu_gbps(nbytes: int, rows: int = 16) -> tuple[float, float]:
     """(xxh3-64 on the GPU, the device's own copy) in GB/s of bytes hashed / copied: ``rows`` expert files in
-    device memory hashed in one launch (as a layer's are), and the same bytes copied device to device (each byte
+    device memory hashed in one pair of launches (as a layer's are), and the same bytes copied device to device (each byte
     read and written), both timed with events, the best of three."""
     from deltafin import kernels
 

@@ -238,7 +238,7 @@ def xxh3_available(device: torch.device) -> bool:
 def xxh3_64_rows(data: torch.Tensor, rows: Sequence[int], lengths: Sequence[int],
                  launched: Callable[[], None] | None = None) -> list[int] | None:
     """xxh3-64 digests of rows of a uint8 tensor on the device (expert files in their slab slots), row ``rows[i]``
-    over its first ``lengths[i]`` bytes, all in one launch; None where no kernel runs for that device (the caller
+    over its first ``lengths[i]`` bytes, in one pair of launches; None where no kernel runs for that device (the caller
     hashes on the host). ``launched``: called once the launch is queued, before the host waits for it."""
     return kc.xxh3_64_rows(data, rows, lengths, launched)
 

@@ -38,7 +38,7 @@ class EngineOptions:
     cache_gb: float | None = None  # None: derived from free memory and trunk size
     threads: int = 4  # reader threads per drive
     verify_reads: bool = True  # every expert read checked against its checksum (in the reader threads)
-    verify_on: str = "auto"  # where: "gpu" (in the slab slots, one launch a layer), "host", "auto" (gpu on CUDA)
+    verify_on: str = "auto"  # where: "gpu" (in the slab slots, two launches a layer), "host", "auto" (gpu on CUDA)
     drive_map: dict | None = None
     emulate_drives: str | None = None
     max_len: int | None = 4096  # None: the model's max_position_embeddings, lowered to what free memory holds

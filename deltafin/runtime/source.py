@@ -229,7 +229,7 @@ class StreamingExperts:
         elif hits:
             for e, tensors in hits:
                 yield from self._timed(e, tensors)
-        # GPU checks: the layer's landed experts are held until one launch has checked them all in their slots
+        # GPU checks: the layer's landed experts are held until one pair of launches has checked them all in their slots
         checks = [] if self.gpu_checks and self.model.stripe(layer) is None else None
         held = []
         for source, n in ((early_reads, len(early)), (reads, len(misses))):
@@ -315,7 +315,7 @@ class StreamingExperts:
         return reads.reread(e, ef.checksum_error(where, expected, got, self.repair_fix))
 
     def _check_on_gpu(self, layer: int, checks: list) -> None:
-        """Check the layer's experts that landed unchecked, in their slab slots, in one launch, before any math
+        """Check the layer's experts that landed unchecked, in their slab slots, in one pair of launches, before any math
         reads them. The host waits here for the layer's copies (which the grouped launch needs anyway), the
         launch and 64 bytes an expert; timed in ``stats``. A mismatch reads the expert's next copy (checked on the
         host) into the same slot, so the views already handed out stay valid; with no copy left it is dropped
