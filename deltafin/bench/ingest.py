@@ -4,11 +4,11 @@ Measured in one run over one synthetic model of Kimi K3-size expert files (``ben
 expert bytes:
 
 * limits: a memory copy on every core, xxh3-64 on one core and on every core, page-locked host -> device
-  (CUDA), the layer's expert math with the weights already in memory, and, at each reads-in-flight setting,
+  (CUDA), xxh3-64 on the GPU beside the device's own copy rate (CUDA), the layer's expert math with the weights already in memory, and, at each reads-in-flight setting,
   the raw rate of whole-file reads of the same files;
 * the engine end to end (``StreamingExperts.fetch``, as decode uses it, cold): reads alone, checked and not,
   and full decode (reads + the layer's expert math on the device), with the time the reader threads spent
-  checking;
+  checking; on CUDA full decode with reads checked on the GPU (the default there) and on the host;
 * ``--offered``: the same files served by an emulated drive at each offered rate (``deltafin.io.emulator``):
   delivered / offered on the CPU and on CUDA, the curve (``--plot``);
 * ``--drives SPEC`` (``report4``: the public Kimi K3 write-up's four drives, 25 GB/s summed): decode at Kimi
@@ -49,6 +49,9 @@ class Pass:
     io_wait_s: float
     first_ms: float = 0.0  # median, over layers, from the layer's fetch to its first expert landing
     layer_ms: float = 0.0  # median time of a layer's fetch
+    checks: str = "host"  # where reads were checked: host, gpu, off
+    gpu_check_s: float = 0.0  # GPU time of the checks' launches
+    gpu_check_wait_s: float = 0.0  # host time from their launch to the digests (the layer's copies included)
 
     @property
     def gbps(self) -> float:
@@ -97,6 +100,35 @@ def xxh3_gbps_threads(threads: int, nbytes: int, total_per_thread: int = 256 << 
 
     work(0)
     return threads * per * nbytes / _threads(threads, work) / 1e9
+
+
+def xxh3_gpu_gbps(nbytes: int, rows: int = 16) -> tuple[float, float]:
+    """(xxh3-64 on the GPU, the device's own copy) in GB/s of bytes hashed / copied: ``rows`` expert files in
+    device memory hashed in one pair of launches (as a layer's are), and the same bytes copied device to device (each byte
+    read and written), both timed with events, the best of three."""
+    from deltafin import kernels
+
+    data = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(data)
+    slots, lengths = list(range(rows)), [nbytes] * rows
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def best(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t = float("inf")
+        for _ in range(3):
+            a.record()
+            fn()
+            b.synchronize()
+            t = min(t, a.elapsed_time(b) / 1e3)
+        return t
+
+    if kernels.xxh3_64_rows(data, slots, lengths) is None:
+        return 0.0, 0.0
+    hashed = best(lambda: kernels.xxh3_64_rows(data, slots, lengths, b.record))
+    copied = best(lambda: (dst.copy_(data), b.record()))
+    return data.numel() / hashed / 1e9, data.numel() / copied / 1e9
 
 
 def h2d_gbps(nbytes: int, copies: int = 16) -> float:
@@ -155,11 +187,13 @@ def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
 
 
 def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, verify: bool, math: bool,
-                readers=None) -> Pass:
-    """Decode ``rts`` cold through a fresh source (read buffers mapped at open, outside the timing)."""
+                readers=None, verify_on: str = "auto") -> Pass:
+    """Decode ``rts`` cold through a fresh source (read buffers mapped at open, outside the timing); reads checked
+    where ``verify_on`` says (``StreamingExperts``: auto is the GPU on CUDA)."""
     from deltafin.runtime.source import StreamingExperts
 
-    src = StreamingExperts(pm, cache_bytes=0, threads=threads, device=device, verify=verify, readers=readers)
+    src = StreamingExperts(pm, cache_bytes=0, threads=threads, device=device, verify=verify, readers=readers,
+                           verify_on=verify_on)
     layer = _layer_fn(device, math)
     marks: list[tuple[float, float, float]] = []
     try:
@@ -175,7 +209,7 @@ def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, 
         first = sorted((f - a) * 1e3 for a, f, _ in marks)
         whole = sorted((b - a) * 1e3 for a, _, b in marks)
         return Pass(wall, st.bytes_read, check, st.expert_math_s, st.io_wait_s, first[len(first) // 2],
-                    whole[len(whole) // 2])
+                    whole[len(whole) // 2], src.checks_where, st.gpu_check_s, st.gpu_check_wait_s)
     finally:
         src.close()
 
@@ -310,14 +344,18 @@ def _run(args) -> dict:
         }
         if args.device == "cuda":
             lim["h2d_pinned_GBps"] = h2d_gbps(nbytes)
+            lim["xxh3_gpu_GBps"], lim["d2d_copy_GBps"] = xxh3_gpu_gbps(nbytes, args.k)
         _print_limits(rec)
         rec["settings"] = []
         for t in args.threads_list:
             raw = raw_read_gbps(paths, nbytes, t)
             row = {"in_flight": t, "raw_GBps": raw}
-            for name, verify, math in (("io_verified", True, False), ("io_unverified", False, False),
-                                       ("full", True, True)):
-                p = decode_pass(pm, rts, t, args.device, verify, math)
+            passes = [("io_verified", True, False, "auto"), ("io_unverified", False, False, "auto"),
+                      ("full", True, True, "auto")]
+            if args.device == "cuda":  # the default checks reads on the GPU there: the host's checks beside them
+                passes.append(("full_host_checks", True, True, "host"))
+            for name, verify, math, where in passes:
+                p = decode_pass(pm, rts, t, args.device, verify, math, verify_on=where)
                 row[name] = _pass_doc(p)
             row["raw_GBps_after"] = raw_read_gbps(paths, nbytes, t)
             row["raw_GBps"] = max(raw, row["raw_GBps_after"])  # the stricter of the two probes
@@ -357,7 +395,8 @@ def _with_drive_rate(root: str, gbps: float):
 def _pass_doc(p: Pass) -> dict:
     return {"GBps": p.gbps, "seconds": p.seconds, "bytes": p.bytes, "check_s": p.check_s,
             "check_cores": p.check_s / p.seconds, "io_wait_s": p.io_wait_s, "first_ms": p.first_ms,
-            "layer_ms": p.layer_ms}
+            "layer_ms": p.layer_ms, "checks": p.checks, "gpu_check_s": p.gpu_check_s,
+            "gpu_check_wait_s": p.gpu_check_wait_s}
 
 
 def _rate_ratios(row: dict, rec: dict, device: str) -> None:
@@ -368,9 +407,12 @@ def _rate_ratios(row: dict, rec: dict, device: str) -> None:
     limit = min(raw, rec["limits"]["h2d_pinned_GBps"]) if device == "cuda" else raw
     # files in memory (tmpfs, page cache): every byte decoded is copied by the kernel (read + write), hashed (read)
     # and then copied to the device (CUDA) or read by the expert math (CPU): the host's memory traffic bounds the
-    # path too, at a quarter of the copy's traffic
-    touches = 4
+    # path too, at a quarter of the copy's traffic; with the checks on the GPU the hash's read is gone: a third
+    touches = 3 if row["full"].get("checks") == "gpu" else 4
     row["memory_bound_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / touches
+    row["memory_bound_host_checks_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / 4
+    if "full_host_checks" in row:
+        row["full_host_checks_over_limit"] = row["full_host_checks"]["GBps"] / limit
     row["full_limit_GBps"] = limit
     row["full_over_limit"] = row["full"]["GBps"] / limit
     io_s = row["full"]["bytes"] / (raw * 1e9)
@@ -467,6 +509,9 @@ def _print_limits(rec: dict) -> None:
             f"{lim['math_s_per_token'] * 1e3:.2f} ms a token ({rec['layers']} layers x {rec['k']})")
     if "h2d_pinned_GBps" in lim:
         line += f"; page-locked host->device {lim['h2d_pinned_GBps']:.1f} GB/s"
+    if lim.get("xxh3_gpu_GBps"):
+        line += (f"; xxh3 on the GPU {lim['xxh3_gpu_GBps']:.0f} GB/s beside the device's own copy "
+                 f"{lim['d2d_copy_GBps']:.0f} GB/s ({lim['xxh3_gpu_GBps'] / lim['d2d_copy_GBps']:.2f})")
     print(line, flush=True)
 
 
@@ -479,5 +524,19 @@ def _print_row(row: dict, device: str) -> None:
           f"{row['io_unverified']['first_ms']:.1f} ms, at raw {row['layer_ms_at_raw']:.1f}); full decode on {device} {f['GBps']:.2f} GB/s = "
           f"{row['full_over_limit']:.2f} of {row['full_limit_GBps']:.2f} (target >= "
           f"{0.9 if device == 'cuda' else 0.8:.2f}), step {row['step_over_bound']:.2f}x max(I/O, math) "
-          f"(target <= 1.15); from memory the host's memory traffic allows {row['memory_bound_GBps']:.1f}",
-          flush=True)
+          f"(target <= 1.15); from memory the host's memory traffic allows {row['memory_bound_GBps']:.1f}"
+          + _checks_note(row), flush=True)
+
+
+def _checks_note(row: dict) -> str:
+    """Where full decode's reads were checked, and on CUDA the host's checks beside the GPU's."""
+    f = row["full"]
+    if f.get("checks") != "gpu":
+        return f"; reads checked on the {f.get('checks', 'host')}"
+    note = (f"; reads checked on the GPU ({f['gpu_check_s'] * 1e3:.1f} ms of GPU time, the host waited "
+            f"{f['gpu_check_wait_s'] * 1e3:.1f} ms for them and the layers' copies)")
+    h = row.get("full_host_checks")
+    if h is not None:
+        note += (f"; with host checks {h['GBps']:.2f} GB/s = {row['full_host_checks_over_limit']:.2f} (checksums on "
+                 f"{h['check_cores']:.1f} cores; memory traffic allows {row['memory_bound_host_checks_GBps']:.1f})")
+    return note

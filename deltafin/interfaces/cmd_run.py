@@ -61,6 +61,9 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
     d.add_argument("--verify-reads", action=argparse.BooleanOptionalAction, default=True,
                    help="check every expert read against its checksum (default; a bad copy is read from a "
                         "replica); --no-verify-reads skips it")
+    d.add_argument("--verify-on", choices=["auto", "host", "gpu"], default="auto",
+                   help="where reads are checked: gpu (in GPU memory, two launches a layer, no host core hashing), "
+                        "host (the reader threads), auto (default: gpu on CUDA where the kernel runs, else host)")
     d.add_argument("--read-deadline", type=float, default=None, metavar="SECONDS",
                    help="least time a read may take before it is retried once, then read from a replica or "
                         "reported (default 5; longer for reads queued behind many others: 10x their time at "

@@ -68,6 +68,9 @@ def open_engine(args):
     from deltafin.store.manifest import parse_drive_map
 
     check_engine_numbers(args.cache_gb, args.io_threads, args.max_len, args.threads)
+    if getattr(args, "verify_on", "auto") == "gpu" and args.device == "cpu":  # before the trunk loads
+        raise UsageError("--verify-on gpu: reads are checked on the GPU only with --device cuda; use --verify-on "
+                         "auto or host")
     if args.threads is not None:
         import torch
 
@@ -78,6 +81,7 @@ def open_engine(args):
         cache_gb=args.cache_gb,
         threads=args.io_threads,
         verify_reads=args.verify_reads,
+        verify_on=getattr(args, "verify_on", "auto"),
         drive_map=parse_drive_map(args.drive_map),
         emulate_drives=args.emulate_drives,
         max_len=args.max_len,
@@ -135,7 +139,13 @@ def start_line(eng, args) -> str:
             f"threads{_adapting(eng)}, {args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
             f"{'direct' if eng.source.direct else 'buffered'} I/O"
             + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
-            + f"; math: {eng.math_name}" + (f"; {eng.offload.describe()}" if eng.offload is not None else ""))
+            + _checks_where(eng) + f"; math: {eng.math_name}"
+            + (f"; {eng.offload.describe()}" if eng.offload is not None else ""))
+
+
+def _checks_where(eng) -> str:
+    where = getattr(eng.source, "checks_where", "host")
+    return {"gpu": ", reads checked on the GPU", "host": ", reads checked on the host"}.get(where, ", reads unchecked")
 
 
 def _adapting(eng) -> str:

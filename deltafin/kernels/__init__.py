@@ -6,7 +6,8 @@ caller turned the fast path on for its thread with ``with kernels.fast():`` (the
 ``kernels/cpu.py``) or ``cuda`` (Triton kernels, ``kernels/triton.py``, imported only when Triton imports);
 a backend offers ``{format}_linear(x, data, scale) -> [T, out]`` for the formats it fuses. Anything a
 backend does not cover (plain weights, other formats, a missing backend) takes the torch path, so the fast
-path never refuses a model.
+path never refuses a model. The checks of expert files already in device memory dispatch here too
+(``xxh3_64_rows``: the xxh3 kernel on CUDA, else None and the caller hashes on the host).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import contextvars
 import importlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import torch
@@ -227,6 +228,19 @@ def exp_(x: torch.Tensor) -> torch.Tensor:
     if _FAST.get() and x.device.type == "cpu":
         x.clamp_(min=EXP_FLOOR)
     return x.exp_()
+
+
+def xxh3_available(device: torch.device) -> bool:
+    """Whether ``xxh3_64_rows`` hashes tensors on ``device`` there (CUDA with Triton)."""
+    return kc.xxh3_available(torch.device(device))
+
+
+def xxh3_64_rows(data: torch.Tensor, rows: Sequence[int], lengths: Sequence[int],
+                 launched: Callable[[], None] | None = None) -> list[int] | None:
+    """xxh3-64 digests of rows of a uint8 tensor on the device (expert files in their slab slots), row ``rows[i]``
+    over its first ``lengths[i]`` bytes, in one pair of launches; None where no kernel runs for that device (the caller
+    hashes on the host). ``launched``: called once the launch is queued, before the host waits for it."""
+    return kc.xxh3_64_rows(data, rows, lengths, launched)
 
 
 def matmul_many(x: torch.Tensor, ws: list[QTensor | torch.Tensor]) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,6 +42,55 @@ def linear(x: torch.Tensor, w) -> torch.Tensor | None:
     if w.format == "int8":
         return K.int8_linear(x, w.data, w.scale)
     return K.int4g32_linear(x, w.data, w.scale)
+
+
+def xxh3_available(device: torch.device) -> bool:
+    """Whether ``xxh3_64_rows`` runs its kernel for tensors on ``device`` (CUDA with Triton, or the interpreter)."""
+    mode = os.environ.get("DELTAFIN_KERNELS", "triton")
+    on_device = device.type == "cuda" or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
+    if not on_device or mode == "torch" or "xxh3_64" in _BROKEN:
+        return False
+    try:
+        import deltafin.kernels.triton_xxh3  # noqa: F401
+    except ImportError as e:
+        log.warning("xxh3 on the GPU off, reads are checked on the host: %s", e)
+        _BROKEN.add("xxh3_64")
+        return False
+    return True
+
+
+def xxh3_64_rows(data: torch.Tensor, rows: Sequence[int], lengths: Sequence[int],
+                 launched: Callable[[], None] | None = None) -> list[int] | None:
+    """xxh3-64 digests (``xxhash.xxh3_64_intdigest``) of rows of a uint8 device tensor [N, stride], row
+    ``rows[i]`` over its first ``lengths[i]`` bytes, in one pair of launches; rows of at most 240 bytes are
+    hashed on the host. ``launched`` runs once the launches are queued, before the host waits for their result
+    (a CUDA event to time them). None where the kernel does not run here (the caller hashes on the host)."""
+    import numpy as np
+    import xxhash
+
+    if not xxh3_available(data.device):
+        return None
+    from deltafin.kernels import triton_xxh3
+    from deltafin.kernels.xxh3_ref import MIDSIZE_MAX
+
+    long = [i for i, n in enumerate(lengths) if n > MIDSIZE_MAX]
+    try:
+        acc = triton_xxh3.lanes(data, [rows[i] for i in long], [lengths[i] for i in long]) if long else None
+    except Exception as e:  # noqa: BLE001 - a Triton build failure must not stop a run: the host hashes instead
+        log.warning("xxh3 on the GPU off, reads are checked on the host: %s: %s", type(e).__name__, e)
+        _BROKEN.add("xxh3_64")
+        return None
+    if launched is not None:
+        launched()
+    out = [0] * len(lengths)
+    for i, n in enumerate(lengths):
+        if n <= MIDSIZE_MAX:
+            out[i] = xxhash.xxh3_64_intdigest(np.ascontiguousarray(data[rows[i], :n].cpu().numpy()))
+    if acc is not None:
+        for i, d in zip(long, triton_xxh3.digests(acc, [lengths[i] for i in long]), strict=True):
+            out[i] = d
+        USED.add("triton:xxh3_64")
+    return out
 
 
 def grouped_eligible(x: torch.Tensor, tensors) -> bool:

@@ -39,6 +39,7 @@ class EngineOptions:
     cache_gb: float | None = None  # None: derived from free memory and trunk size
     threads: int = 4  # reader threads per drive
     verify_reads: bool = True  # every expert read checked against its checksum (in the reader threads)
+    verify_on: str = "auto"  # where: "gpu" (in the slab slots, two launches a layer), "host", "auto" (gpu on CUDA)
     drive_map: dict | None = None
     emulate_drives: str | None = None
     max_len: int | None = 4096  # None: the model's max_position_embeddings, lowered to what free memory holds
@@ -114,7 +115,7 @@ def _drive_delta(now: dict[str, dict], before: dict[str, dict], wall_s: float) -
     out = {}
     for label, d in now.items():
         b = before.get(label, {})
-        run = {k: d.get(k, 0) - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors", "active_s")}
+        run = {k: d.get(k, 0) - b.get(k, 0) for k in ("reads", "bytes", "busy_s", "errors", "active_s", "check_s")}
         run["gbps_over_run"] = run["bytes"] / wall_s / 1e9 if wall_s > 0 else 0.0
         run["gbps_busy"] = run["bytes"] / run["active_s"] / 1e9 if run["active_s"] > 0 else 0.0  # while reading
         out[label] = run
@@ -275,7 +276,8 @@ class Engine:
             readers = [FileDriveReader(d.label, d.path) if d.label in own else ForeignDrive(d.label)
                        for d in self.packed.drives]
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
-                                       opts.verify_reads, deadline=_deadline(opts.read_deadline_s))
+                                       opts.verify_reads, deadline=_deadline(opts.read_deadline_s),
+                                       verify_on=opts.verify_on)
         self._open_rest(opts)
 
     def _place_layers(self) -> None:
@@ -659,7 +661,7 @@ class Engine:
         self._settle_clock()
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
-                self.source.per_drive())
+                self.source.per_drive(), getattr(src, "gpu_check_s", 0.0))
         t0 = time.perf_counter()
         (logits,), pre = self.prefill([prompt], [state])
         stats.prefill_read_amplification = pre.read_amplification
@@ -732,6 +734,9 @@ class Engine:
         rated = {d.label: d.gbps for d in self.packed.drives}
         for label, d in stats.per_drive.items():
             d["rated_gbps"] = rated.get(label)
+        stats.checks = getattr(self.source, "checks_where", "host")
+        stats.check_s = sum(d["check_s"] for d in stats.per_drive.values())
+        stats.gpu_check_s = getattr(src, "gpu_check_s", 0.0) - base[7]
 
     def close(self) -> None:
         if self.dist is not None:

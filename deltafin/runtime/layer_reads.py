@@ -18,6 +18,8 @@ import queue
 import time
 from dataclasses import dataclass
 
+import xxhash
+
 from deltafin.errors import DeltafinError, ReadError
 from deltafin.io.pool import Checksum, Completion
 from deltafin.io.schedule import Piece, ReadRequest, ScheduledRead, schedule_layer
@@ -67,6 +69,7 @@ class LayerReads:
         self.failures: dict[int, list[Exception]] = {}
         self.timeouts: dict[tuple[int, int], int] = {}
         self.striped: dict[int, _Striped] = {}
+        self.came_from: dict[int, int] = {}  # expert -> the drive whose copy landed (whole reads)
         self._ids = itertools.count()
         # reads wait in their lane (a drive's whole files, or a striped layer's experts) until fewer than ``ahead``
         # of its experts are read or being read and not yet taken by the consumer: a consumer slower than the drives
@@ -131,7 +134,7 @@ class LayerReads:
         if piece is None:
             path, nbytes = src.model.expert_path(layer, e, drive), src.model.file_bytes(layer)
             self.tried.setdefault(e, []).append(drive)
-            if src.verify:
+            if src.verify and not getattr(src, "gpu_checks", False):  # else checked in its slab slot, on the GPU
                 check = _checker(src.model.checksum(layer, e), path, src.repair_fix)
         else:
             path, nbytes = src.model.piece_path(layer, e, piece), piece.nbytes
@@ -185,6 +188,7 @@ class LayerReads:
     def _landed(self, a: _Attempt, c: Completion) -> tuple[int, memoryview, int, str] | None:
         if a.piece is None:
             self.left.discard(a.expert)
+            self.came_from[a.expert] = a.drive
             return a.expert, c.buf, c.nbytes, c.path
         st = self.striped[a.expert]
         st.left -= 1
@@ -198,6 +202,23 @@ class LayerReads:
             ef.check(st.buf[:nbytes], m.checksum(self.layer, st.expert), where, self.src.repair_fix)
         self.left.discard(st.expert)
         return st.expert, st.buf, nbytes, where
+
+    def reread(self, e: int, err: Exception) -> tuple[memoryview, int, str]:
+        """A copy of expert ``e`` that landed failed its check afterwards (on the GPU, or in the consumer): read its
+        next copy and check it here, on the host, until one matches. Returns (buffer, bytes, name); raises like a
+        mismatch found in the reader threads (``err`` alone when there is no other copy). Called once the
+        layer's other reads have landed."""
+        expected = self.src.model.checksum(self.layer, e)
+        while True:
+            self.left.add(e)
+            self._open[self._home[e]] += 1
+            self._next_copy(_Attempt(e, self.came_from[e], "", 0, 0.0, 0.0), err)
+            _, buf, nbytes, where = self.next()
+            got = xxhash.xxh3_64_hexdigest(buf[:nbytes])
+            if got == expected:
+                return buf, nbytes, where
+            self.src.pool.buffers.put(buf)
+            err = ef.checksum_error(where, expected, got, self.src.repair_fix)
 
     # -------------------------------------------------------------- failures
 

@@ -24,7 +24,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
+from deltafin.errors import ExpertFileError, UsageError
 from deltafin.io.direct import DriveReader, FileDriveReader, align_up
 from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
@@ -46,6 +48,9 @@ class SourceStats:
     failed_reads: int = 0  # reads that failed (I/O error, short, checksum) and went to another copy or raised
     late_reads: int = 0  # reads that missed their deadline
     prefetched: int = 0  # misses read ahead of their layer (``prefetch``: routes known before the layer runs)
+    gpu_checked: int = 0  # reads checked on the GPU (``verify_on``), after they landed in their slab slots
+    gpu_check_s: float = 0.0  # GPU time of those checks' launches (CUDA events)
+    gpu_check_wait_s: float = 0.0  # host time from their launch to the digests in hand (the layer's copies included)
     unique_bytes: set = field(default_factory=set)  # (layer, expert) keys read in the current window
 
     @property
@@ -80,6 +85,7 @@ class StreamingExperts:
         deadline: ReadDeadline | None = None,
         read_ahead: int | None = None,
         reserve: bool = True,
+        verify_on: str = "auto",
     ):
         self.model = model
         # experts a drive reads ahead of the consumer (0: a layer's whole fetch at once); see LayerReads
@@ -95,6 +101,7 @@ class StreamingExperts:
         self.pool = ReaderPool(self.readers, threads, BufferPool(pin=pin), part_bytes=self._part_bytes(threads))
         self.cache = ExpertCache(cache_bytes, cache_policy)
         self.verify = verify
+        self.gpu_checks = verify and _gpu_checks(verify_on, self.device)  # whole reads checked in their slab slots
         self.deadline = deadline or ReadDeadline()
         from deltafin.store.verify import repair_hint
 
@@ -222,6 +229,9 @@ class StreamingExperts:
         elif hits:
             for e, tensors in hits:
                 yield from self._timed(e, tensors)
+        # GPU checks: the layer's landed experts are held until one pair of launches has checked them all in their slots
+        checks = [] if self.gpu_checks and self.model.stripe(layer) is None else None
+        held = []
         for source, n in ((early_reads, len(early)), (reads, len(misses))):
             for _ in range(n):
                 t0, ev = time.perf_counter(), self.clock and self.clock.mark()
@@ -230,28 +240,119 @@ class StreamingExperts:
                     self.stats.io_wait_s += time.perf_counter() - t0
                 else:
                     self.clock.waited(t0, time.perf_counter(), ev)
+                if checks is not None:
+                    held.append((landed[0], self._place(layer, *landed, source, checks)))
+                    continue
                 for item in self._deliver(layer, *landed):
                     yield [item] if grouped else item
+        if checks:
+            self._check_on_gpu(layer, checks)
+        for e, tensors in held:
+            for item in self._timed(e, tensors):
+                yield [item] if grouped else item
 
     def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
                  ) -> Iterator[tuple[int, ExpertTensors]]:
+        if self.device.type != "cpu":
+            yield from self._timed(e, self._to_device(layer, e, buf, nbytes, where))
+            return
         data = buf[:nbytes]
         self.stats.bytes_read += nbytes
         self.stats.reads += 1
         layout, _, _ = ef.parse_header(data, where)
         tensors = ef.decode(data, layout, where)
-        if self.device.type == "cuda" and self._slab_ready(tensors, nbytes, layout):
-            tensors = self._to_slot(layer, e, tensors, nbytes, data)
-            self._release_after_copy(buf)
-        elif self.device.type != "cpu":
-            tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-            self._release_after_copy(buf)  # the host buffer is reused once its async copy is done
-            self.cache.put((layer, e), tensors, nbytes)
-        elif not self.cache.put((layer, e), tensors, nbytes, lambda b=buf: self.pool.buffers.put(b)):
+        if not self.cache.put((layer, e), tensors, nbytes, lambda b=buf: self.pool.buffers.put(b)):
             yield from self._timed(e, tensors)
             self.pool.buffers.put(buf)  # the consumer finished with the views: reuse the buffer
             return
         yield from self._timed(e, tensors)
+
+    def _to_device(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str,
+                   slot: tuple[int | None, bool] | None = None) -> ExpertTensors:
+        """A landed (checked) expert on the device: into a slab slot (``slot``, else one taken now) where the slab
+        takes it, else tensor by tensor; the host buffer is reused once its asynchronous copy is done."""
+        data = buf[:nbytes]
+        self.stats.bytes_read += nbytes
+        self.stats.reads += 1
+        layout, _, _ = ef.parse_header(data, where)
+        tensors = ef.decode(data, layout, where)
+        if self.device.type == "cuda" and (slot is not None or self._slab_ready(tensors, nbytes, layout)):
+            tensors = self._to_slot(layer, e, tensors, nbytes, data, slot)
+        else:
+            tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+            self.cache.put((layer, e), tensors, nbytes)
+        self._release_after_copy(buf)
+        return tensors
+
+    def _place(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str, reads: LayerReads,
+               checks: list) -> ExpertTensors:
+        """An expert read unchecked, for the GPU check: into a slab slot, noted in ``checks`` (slot, bytes, name,
+        reads) for ``_check_on_gpu``. One that takes no slot (not of the slab's layout, every slot in use, a header
+        that does not parse) is checked here on the host first, as the reader threads would have."""
+        data = buf[:nbytes]
+        try:
+            layout, _, _ = ef.parse_header(data, where)
+            fits = self._slab_ready(ef.decode(data, layout, where), nbytes, layout)
+        except ExpertFileError:
+            fits = False
+        if not fits and self.slab is None:  # experts of no slab format: the reader threads check them from now on
+            self.gpu_checks = False
+        slot = self._take_slot() if fits else (None, False)
+        if slot[0] is None:
+            return self._to_device(layer, e, *self._host_checked(layer, e, buf, nbytes, where, reads))
+        checks.append((e, slot[0], nbytes, where, reads))
+        return self._to_device(layer, e, buf, nbytes, where, slot)
+
+    def _host_checked(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str, reads: LayerReads
+                      ) -> tuple[memoryview, int, str]:
+        """(buffer, bytes, name) of a copy of the expert whose bytes match its checksum: this one, hashed here, or
+        on a mismatch the next copy that does (``LayerReads.reread``: failover, or the mismatch's error)."""
+        expected = self.model.checksum(layer, e)
+        got = xxhash.xxh3_64_hexdigest(buf[:nbytes])
+        if got == expected:
+            return buf, nbytes, where
+        self.pool.buffers.put(buf)
+        return reads.reread(e, ef.checksum_error(where, expected, got, self.repair_fix))
+
+    def _check_on_gpu(self, layer: int, checks: list) -> None:
+        """Check the layer's experts that landed unchecked, in their slab slots, in one pair of launches, before any math
+        reads them. The host waits here for the layer's copies (which the grouped launch needs anyway), the
+        launch and 64 bytes an expert; timed in ``stats``. A mismatch reads the expert's next copy (checked on the
+        host) into the same slot, so the views already handed out stay valid; with no copy left it is dropped
+        from the cache and the mismatch's error raised, as a mismatch found by the reader threads would be."""
+        from deltafin import kernels
+
+        slots, lengths = [c[1] for c in checks], [c[2] for c in checks]
+        t0 = time.perf_counter()
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        got = kernels.xxh3_64_rows(self.slab.bytes, slots, lengths, ev1.record)
+        if got is None:  # the kernel failed to build here (logged): the slots' bytes are hashed on the host
+            got = [xxhash.xxh3_64_intdigest(self.slab.bytes[s, :n].cpu().numpy()) for s, n in zip(slots, lengths,
+                                                                                                  strict=True)]
+            ev1.record()
+        self.stats.gpu_check_wait_s += time.perf_counter() - t0
+        self.stats.gpu_check_s += ev0.elapsed_time(ev1) / 1e3 if ev1.query() else 0.0
+        self.stats.gpu_checked += len(checks)
+        for (e, slot, _, where, reads), digest in zip(checks, got, strict=True):
+            expected = self.model.checksum(layer, e)
+            if f"{digest:016x}" == expected:
+                continue
+            err = ef.checksum_error(where, expected, f"{digest:016x}", self.repair_fix)
+            try:
+                buf, n, _ = reads.reread(e, err)
+            except Exception:
+                if (layer, e) in self._slot_of:
+                    self.cache.evict((layer, e))  # never served from the cache with bytes that failed their check
+                raise
+            self.slab.write_file(slot, torch.frombuffer(buf[:n], dtype=torch.uint8, count=n))
+            self._release_after_copy(buf)
+
+    @property
+    def checks_where(self) -> str:
+        """Where reads are checked: "gpu" (in their slab slots; striped layers and experts outside the slab on the
+        host), "host" (the reader threads) or "off"."""
+        return "gpu" if self.gpu_checks else "host" if self.verify else "off"
 
     SCRATCH_SLOTS = 64
 
@@ -291,8 +392,9 @@ class StreamingExperts:
                 return s, False
         return None, False
 
-    def _to_slot(self, layer: int, e: int, tensors: dict, nbytes: int, data: memoryview) -> dict:
-        slot, cached = self._take_slot()
+    def _to_slot(self, layer: int, e: int, tensors: dict, nbytes: int, data: memoryview,
+                 taken: tuple[int | None, bool] | None = None) -> dict:
+        slot, cached = self._take_slot() if taken is None else taken
         if slot is None:  # every slot is in use by this layer: a plain device copy
             return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
         # the whole file in one copy, stream-ordered after any launch that read the slot before
@@ -361,3 +463,23 @@ class StreamingExperts:
         self._ahead.clear()
         self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()
+
+
+VERIFY_ON = ("auto", "host", "gpu")
+
+
+def _gpu_checks(verify_on: str, device: torch.device) -> bool:
+    """Whether reads are checked on the GPU: ``auto`` where the device is CUDA and the xxh3 kernel is present,
+    ``gpu`` required (refused elsewhere), ``host`` never."""
+    if verify_on not in VERIFY_ON:
+        raise UsageError(f"--verify-on {verify_on}: not one of {', '.join(VERIFY_ON)}")
+    if verify_on == "host":
+        return False
+    from deltafin import kernels
+
+    if kernels.xxh3_available(device):
+        return True
+    if verify_on == "gpu":
+        raise UsageError(f"--verify-on gpu: no xxh3 kernel for {device} (it needs a CUDA device and Triton); "
+                         f"use --verify-on auto or host")
+    return False

@@ -34,6 +34,9 @@ class RunStats:
     device: str = "cpu"
     stop_reason: str = ""
     kernels: list = field(default_factory=list)  # fast-path kernels used so far ("triton:int8_linear", ...)
+    checks: str = "host"  # where expert reads were checked: "host" (reader threads), "gpu" (slab slots), "off"
+    check_s: float = 0.0  # host time checking reads, summed over the reader threads
+    gpu_check_s: float = 0.0  # GPU time of the checks' launches
     clock: str = "host"  # "host" (CPU, MLX), "gpu" (CUDA events), "gpu+graphs" (decode steps replayed as graphs)
 
     def to_json(self) -> dict:
@@ -57,6 +60,7 @@ class RunStats:
             f"read {fmt.size(self.bytes_read)} of experts from the drives in {self.reads:,} reads ({io}); "
             f"{self.cache_hit_rate:.0%} of expert lookups found in memory (expert cache limit "
             f"{fmt.size(self.cache_bytes)})",
+            _checks(self),
         ]
         if verbose:
             lines.append(f"prefill: chunks of {self.prefill_chunk} tokens, read amplification "
@@ -79,3 +83,15 @@ class RunStats:
 
         return (f"[{len(self.tokens)} tokens, {self.decode_tok_s:.2f} tok/s, first token {fmt.duration(self.ttft_s)}, "
                 f"{fmt.size(self.bytes_read)} read, {self.cache_hit_rate:.0%} from memory; /stats for more]")
+
+
+def _checks(st: RunStats) -> str:
+    """Where the reads' checksums were computed, and the time they took there."""
+    from deltafin import fmt
+
+    if st.checks == "off":
+        return "reads not checked (--no-verify-reads)"
+    host = f"{fmt.duration(st.check_s)} on the host (summed over the reader threads)"
+    if st.checks == "gpu":
+        return f"reads checked on the GPU: {fmt.duration(st.gpu_check_s)} of GPU time; " + host
+    return "reads checked on the host: " + host
