@@ -145,7 +145,8 @@ def start_line(eng, args) -> str:
 
 def _checks_where(eng) -> str:
     where = getattr(eng.source, "checks_where", "host")
-    return {"gpu": ", reads checked on the GPU", "host": ", reads checked on the host"}.get(where, ", reads unchecked")
+    return {"gpu": ", reads checked on the GPU", "host": ", reads checked on the host",
+            "gpu+host": ", reads checked on the GPU (its layers) and on the host (the CPU's)"}.get(where, ", reads unchecked")
 
 
 def _adapting(eng) -> str:

@@ -329,8 +329,10 @@ class Engine:
             readers = [FileDriveReader(d.label, d.path) for d in self.packed.drives]
         host, on_gpu = self._split_cache_bytes()
         deadline = _deadline(opts.read_deadline_s)
-        sources = [StreamingExperts(self.packed, n, opts.threads, dev, readers, opts.verify_reads, deadline=deadline)
-                   for n, dev in ((host, cpu), (on_gpu, gpu))]
+        sources = [StreamingExperts(self.packed, n, opts.threads, dev, readers, opts.verify_reads, deadline=deadline,
+                                    verify_on=where)
+                   for n, dev, where in ((host, cpu, "auto" if opts.verify_on == "gpu" else opts.verify_on),
+                                         (on_gpu, gpu, opts.verify_on))]
         self.source = offload.SplitExperts(*sources, plan.first_gpu)
         self.cache_bytes = host + on_gpu
 

@@ -175,6 +175,12 @@ class SplitExperts:
         return self.high.math_span()
 
     @property
+    def checks_where(self) -> str:
+        """The GPU side's reads may be checked in its slab, the CPU side's are checked on the host."""
+        low, high = self.low.checks_where, self.high.checks_where
+        return low if low == high else f"{high}+{low}"
+
+    @property
     def record(self):
         return self.low.record
 
