@@ -246,3 +246,26 @@ def test_a_trunk_the_gpu_cannot_hold_runs_on_the_cpu_or_is_refused_before_it_loa
         assert len(list(eng.generate([1, 2, 3], 2, stop_ids=()))) == 2
     finally:
         eng.close()
+
+
+def test_the_gpu_memory_cap_names_the_device_by_its_index(k3_model, monkeypatch):
+    """--gpu-memory-gb caps the caching allocator through torch.cuda.set_per_process_memory_fraction, which takes
+    a device index: "cuda" alone has none (the current device's is given). Stopped right after the call."""
+    from deltafin.runtime import engine as eng_mod
+
+    class Capped(Exception):
+        pass
+
+    got = []
+
+    def cap(fraction, device=None):
+        got.append((fraction, device))
+        raise Capped
+
+    monkeypatch.setattr(eng_mod, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", cap)
+    with pytest.raises(Capped):
+        Engine(str(k3_model / "model"), EngineOptions(device="cuda", gpu_memory_gb=20.0))
+    assert got == [(pytest.approx(20e9 / (80 << 30)), 0)]

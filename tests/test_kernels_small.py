@@ -142,6 +142,8 @@ def test_gdn_step_matches_torch_form():
         assert _rel(hist_k, hist_t) < 1e-6 and _rel(S_k, S_t) < 1e-5, step
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiled, the bf16 tensor-core linears round otherwise than "
+                    "torch's: tests/test_models_new_families_gpu.py's route-aware agreement covers the GPU")
 def test_tiny_qwen3_next_on_the_kernel_path(tmp_path, monkeypatch):
     """The tiny Qwen3-Next in bf16 through the fused Gated DeltaNet step and KDA's in-chunk products, a 70-token
     prompt (two chunks) and three decode steps: as close to the float32 reference as the plain bf16 torch path."""

@@ -20,6 +20,7 @@ import torch
 
 from deltafin.bench import k3_slice_gpu as ks
 from deltafin.quant.record import QTensor
+from deltafin.runtime.offload import cuda_index
 
 K3_SCHEDULE = [("dense" if j == 0 else "mla_moe" if (j + 1) % 4 == 0 or j == ks.K3_LAYERS - 1 else "kda_moe")
                for j in range(ks.K3_LAYERS)]  # layer 1 dense (KDA attention), MLA at 4, 8, ..., 92 and 93 (1-based)
@@ -245,7 +246,7 @@ def run(a, mode: str, gpu_layers: int | None, cap_gb: float | None) -> dict:
     if cap_gb is not None and gpu.type == "cuda":  # the allocator refuses to grow past the cap from here on
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(gpu)
-        torch.cuda.set_per_process_memory_fraction(min(cap_gb * 1e9 / total, 1.0), gpu)
+        torch.cuda.set_per_process_memory_fraction(min(cap_gb * 1e9 / total, 1.0), cuda_index(gpu))
         torch.cuda.reset_peak_memory_stats(gpu)
     moe = list(range(1, a.layers))
     first = plan.first_gpu
@@ -285,7 +286,7 @@ def run(a, mode: str, gpu_layers: int | None, cap_gb: float | None) -> dict:
            "cap_gb": cap_gb, "peak_reserved_bytes": torch.cuda.max_memory_reserved(gpu) if gpu.type == "cuda" else None,
            "device": torch.cuda.get_device_name(gpu) if gpu.type == "cuda" else "cpu (smoke)"}
     if cap_gb is not None and gpu.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, gpu)
+        torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(gpu))
     if a.json:
         write_json_atomic(a.json, res)
     _print(res)

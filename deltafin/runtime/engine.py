@@ -19,7 +19,7 @@ from deltafin.models.base import SequenceState
 from deltafin.quant.record import QTensor
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
-from deltafin.runtime.offload import SplitExperts, SplitModel
+from deltafin.runtime.offload import SplitExperts, SplitModel, cuda_index
 from deltafin.runtime.prefill_plan import default_context, plan_prefill
 from deltafin.runtime.sampling import Sampler, SamplingParams
 from deltafin.runtime.source import StreamingExperts
@@ -297,7 +297,7 @@ class Engine:
                              f"on GPUs with more memory, with --device cpu, or as one process (--gpu-layers)")
         if self.opts.gpu_memory_gb is not None:  # the caching allocator refuses to grow past the cap
             _, total = torch.cuda.mem_get_info(self.device)
-            torch.cuda.set_per_process_memory_fraction(min(self.opts.gpu_memory_gb * GB / total, 1.0), self.device)
+            torch.cuda.set_per_process_memory_fraction(min(self.opts.gpu_memory_gb * GB / total, 1.0), cuda_index(self.device))
         if self.offload.gpu_layers == 0:
             if self.opts.gpu_layers is None:
                 log.warning("%s has too little free memory for the head and one layer beside %s of working memory: "
@@ -746,4 +746,4 @@ class Engine:
         self.record_routes(None)
         self.source.close()
         if self.opts.gpu_memory_gb is not None and self.offload is not None:  # the cap was this engine's
-            torch.cuda.set_per_process_memory_fraction(1.0, self.gpu)
+            torch.cuda.set_per_process_memory_fraction(1.0, cuda_index(self.gpu))

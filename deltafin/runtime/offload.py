@@ -227,3 +227,8 @@ class SplitExperts:
     def close(self) -> None:
         self.high.close()
         self.low.close()
+
+
+def cuda_index(device: torch.device) -> int:
+    """The device's index (``torch.device("cuda")`` has none: the current device), as the memory cap wants it."""
+    return device.index if device.index is not None else torch.cuda.current_device()
