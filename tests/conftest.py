@@ -1,6 +1,6 @@
 """Shared fixtures: the test session gets its own Deltafin home (catalog, chat history), so nothing lands in the
 user's; ``one_thread`` for modules of tiny tensors; ``timing`` for the wall-clock tests; ``gemm_build`` for the int16
-GEMM's builds."""
+GEMM's builds; ``k3_model``, a tiny Kimi K3 packed over two drives, once per module."""
 
 from __future__ import annotations
 
@@ -67,3 +67,17 @@ def timing():
     reason = busy_reason()
     if reason:
         pytest.skip(f"{reason}: timing would measure other jobs, not the code")
+
+
+@pytest.fixture(scope="module")
+def k3_model(tmp_path_factory):
+    """A folder holding a tiny Kimi K3 checkpoint (src) and its default pack over two drives (model)."""
+    from deltafin.k3_tiny import write_tiny_k3
+    from deltafin.store.drives import parse_drives
+    from deltafin.store.pack import PackOptions, pack
+
+    root = tmp_path_factory.mktemp("k3")
+    write_tiny_k3(root / "src")
+    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
+         PackOptions(progress=False))
+    return root

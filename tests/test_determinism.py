@@ -14,22 +14,13 @@ import torch
 from deltafin.k3_tiny import write_tiny_k3
 from deltafin.store.drives import parse_drives
 from deltafin.store.pack import pack
-from deltafin.tiny import TINY, build_tiny
+from deltafin.tiny import TINY
 from tests import tiny_families as tf
 
 FAMILIES = sorted(TINY) + sorted(tf.NEW_TINY) + ["kimi_k3"]
 STEPS = 6
 JITTER = "d0:0.4GBps,lat=300us,jitter=1.5,slow=0.2x6;d1:0.2GBps,lat=50us,jitter=1.0"
 P, Q, R = tf.prompt(9), tf.prompt(13, seed=2), tf.prompt(5, seed=3)
-
-
-def _source(family: str, src: Path) -> None:
-    if family == "kimi_k3":
-        write_tiny_k3(src)
-    elif family in tf.NEW_TINY:
-        tf.build(family, src)
-    else:
-        build_tiny(family, src)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +31,7 @@ def packed(tmp_path_factory):
     def get(family: str) -> tuple[str, str]:
         if family not in made:
             root = tmp_path_factory.mktemp(family)
-            _source(family, root / "src")
+            tf.build_any(family, root / "src")
             out = []
             for name, opts in (("lossless", tf.LOSSLESS), ("default", tf.DEFAULT)):
                 pack(str(root / "src"), str(root / name), parse_drives([f"{root}/{name}0=2", f"{root}/{name}1=1"]),

@@ -11,26 +11,14 @@ import pytest
 import torch
 
 from deltafin.errors import ReadError, UsageError
-from deltafin.k3_tiny import write_tiny_k3
 from deltafin.models import registry
 from deltafin.models.base import ResidentExperts
 from deltafin.runtime.engine import Engine, EngineOptions
 from deltafin.runtime.sampling import SamplingParams
 from deltafin.store import manifest as mf
-from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel
-from deltafin.store.pack import PackOptions, pack
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
-
-
-@pytest.fixture(scope="module")
-def k3_model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("k3")
-    write_tiny_k3(root / "src")
-    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
-         PackOptions(progress=False))
-    return root
 
 
 def _engine(root, **kw) -> Engine:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from deltafin.errors import UsageError
-from deltafin.k3_tiny import write_tiny_k3
 from deltafin.models import registry
 from deltafin.runtime import offload
 from deltafin.runtime.batch import forward_batch
@@ -25,7 +24,7 @@ from deltafin.runtime.source import StreamingExperts
 from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel
 from deltafin.store.pack import pack
-from deltafin.tiny import TINY, build_tiny
+from deltafin.tiny import TINY
 from tests import tiny_families as tf
 
 MB = 10**6
@@ -142,12 +141,7 @@ def packed(tmp_path_factory):
         if family not in made:
             root = tmp_path_factory.mktemp(family)
             src: Path = root / "src"
-            if family == "kimi_k3":
-                write_tiny_k3(src)
-            elif family in tf.NEW_TINY:
-                tf.build(family, src)
-            else:
-                build_tiny(family, src)
+            tf.build_any(family, src)
             pack(str(src), str(root / "m"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]), tf.DEFAULT)
             made[family] = str(root / "m")
         return made[family]

@@ -93,19 +93,6 @@ def test_verify_on_is_checked_before_the_model_opens():
 # ---------------------------------------------------------------- a mismatch found after landing
 
 
-@pytest.fixture(scope="module")
-def k3_model(tmp_path_factory):
-    from deltafin.k3_tiny import write_tiny_k3
-    from deltafin.store.drives import parse_drives
-    from deltafin.store.pack import PackOptions, pack
-
-    root = tmp_path_factory.mktemp("k3")
-    write_tiny_k3(root / "src")
-    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
-         PackOptions(progress=False))
-    return root
-
-
 def _copy(k3_model, tmp_path, replicas: bool):
     """A copy of the packed model (every expert with a replica on the other drive if ``replicas``)."""
     from deltafin.store import manifest as mf

@@ -175,6 +175,20 @@ def kimi_k25(root: Path, **overrides):
     return hf
 
 
+def build_any(family: str, path: Path) -> None:
+    """Any family's tiny source checkpoint under path: Kimi K3's own writer, the new families' config classes, or
+    deltafin.tiny's."""
+    from deltafin.k3_tiny import write_tiny_k3
+    from deltafin.tiny import build_tiny
+
+    if family == "kimi_k3":
+        write_tiny_k3(path)
+    elif family in NEW_TINY:
+        build(family, path)
+    else:
+        build_tiny(family, path)
+
+
 def pack_to(root: Path, opts: PackOptions = LOSSLESS) -> str:
     pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]), opts)
     return str(root / "model")
