@@ -518,14 +518,19 @@ def _print_limits(rec: dict) -> None:
 def _print_row(row: dict, device: str) -> None:
     f = row["full"]
     print(f"{row['in_flight']} in flight: raw {row['raw_GBps']:.2f} GB/s; reads alone {row['io_verified']['GBps']:.2f} "
-          f"GB/s = {row['io_over_raw']:.2f} of raw (target >= 0.90; checksums on "
-          f"{row['io_verified']['check_cores']:.1f} cores), unchecked {row['io_unverified']['GBps']:.2f} = "
+          f"GB/s = {row['io_over_raw']:.2f} of raw (target >= 0.90; {_where_checked(row['io_verified'])}), unchecked {row['io_unverified']['GBps']:.2f} = "
           f"{row['io_unverified_over_raw']:.2f} (a layer {row['io_unverified']['layer_ms']:.1f} ms, first expert "
           f"{row['io_unverified']['first_ms']:.1f} ms, at raw {row['layer_ms_at_raw']:.1f}); full decode on {device} {f['GBps']:.2f} GB/s = "
           f"{row['full_over_limit']:.2f} of {row['full_limit_GBps']:.2f} (target >= "
           f"{0.9 if device == 'cuda' else 0.8:.2f}), step {row['step_over_bound']:.2f}x max(I/O, math) "
           f"(target <= 1.15); from memory the host's memory traffic allows {row['memory_bound_GBps']:.1f}"
           + _checks_note(row), flush=True)
+
+
+def _where_checked(p: dict) -> str:
+    if p.get("checks") == "gpu":
+        return f"checked on the GPU, {p['gpu_check_s'] * 1e3:.1f} ms of its time"
+    return f"checksums on {p['check_cores']:.1f} cores"
 
 
 def _checks_note(row: dict) -> str:
