@@ -297,7 +297,8 @@ class Engine:
                              f"on GPUs with more memory, with --device cpu, or as one process (--gpu-layers)")
         if self.opts.gpu_memory_gb is not None:  # the caching allocator refuses to grow past the cap
             _, total = torch.cuda.mem_get_info(self.device)
-            torch.cuda.set_per_process_memory_fraction(min(self.opts.gpu_memory_gb * GB / total, 1.0), cuda_index(self.device))
+            fraction = min(self.opts.gpu_memory_gb * GB / total, 1.0)
+            torch.cuda.set_per_process_memory_fraction(fraction, cuda_index(self.device))
         if self.offload.gpu_layers == 0:
             if self.opts.gpu_layers is None:
                 log.warning("%s has too little free memory for the head and one layer beside %s of working memory: "
