@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from deltafin.runtime.engine import Engine, EngineOptions
 from deltafin.runtime.sampling import SamplingParams
 from deltafin.store import manifest as mf
 from deltafin.store.model_dir import PackedModel
+from tests import tiny_families as tf
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
 
@@ -124,12 +124,7 @@ def test_sampling_seeded_and_top_k_one_is_greedy(k3_model):
 
 
 def test_missing_expert_file_names_drive_and_file(k3_model, tmp_path):
-    root = tmp_path / "copy"
-    shutil.copytree(k3_model, root, symlinks=True)
-    doc = json.load(open(root / "model" / mf.MANIFEST))
-    for d in doc["drives"]:  # the copy's drives
-        d["path"] = str(root / os.path.basename(d["path"]))
-    mf.write_json_atomic(str(root / "model" / mf.MANIFEST), doc)
+    root = tf.copy_packed(k3_model, tmp_path / "copy")
     pm = PackedModel.open(str(root / "model"))
     L = pm.moe_layers[0]
     victims = [pm.expert_path(L, e) for e in range(pm.num_experts)]
@@ -147,24 +142,12 @@ def test_missing_expert_file_names_drive_and_file(k3_model, tmp_path):
 
 
 def test_replica_serves_a_failed_read(k3_model, tmp_path):
-    root = tmp_path / "copy"
-    shutil.copytree(k3_model, root, symlinks=True)
+    # every expert with a replica on the other drive, then the primaries of one layer deleted
+    root = tf.copy_packed(k3_model, tmp_path / "copy", replicas=True)
     doc = json.load(open(root / "model" / mf.MANIFEST))
-    for d in doc["drives"]:
-        d["path"] = str(root / os.path.basename(d["path"]))
-    # Give every expert a replica on the other drive, then delete the primaries of one layer.
-    L0 = str(doc["experts"]["layers"][0])
-    for L, locs in doc["experts"]["locations"].items():
-        for e, loc in enumerate(locs):
-            other = 1 - loc[0]
-            src = mf.resolve_under(doc["drives"][loc[0]]["path"], mf.expert_relpath(doc["model_id"], int(L), e))
-            dst = mf.resolve_under(doc["drives"][other]["path"], mf.expert_relpath(doc["model_id"], int(L), e))
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            shutil.copyfile(src, dst)
-            loc.append(other)
-            if L == L0:
-                os.unlink(src)
-    mf.write_json_atomic(str(root / "model" / mf.MANIFEST), doc)
+    L0 = doc["experts"]["layers"][0]
+    for e, loc in enumerate(doc["experts"]["locations"][str(L0)]):
+        os.unlink(mf.resolve_under(doc["drives"][loc[0]]["path"], mf.expert_relpath(doc["model_id"], L0, e)))
     ref = _resident_logits(k3_model, PROMPT)
     eng = _engine(root, cache_gb=0.0)
     try:

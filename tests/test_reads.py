@@ -7,7 +7,6 @@ import ctypes
 import json
 import os
 import queue
-import shutil
 import threading
 import time
 
@@ -23,10 +22,10 @@ from deltafin.models import registry
 from deltafin.models.base import ResidentExperts
 from deltafin.runtime.engine import Engine, EngineOptions
 from deltafin.runtime.source import StreamingExperts
-from deltafin.store import manifest as mf
 from deltafin.store.drives import parse_drives
 from deltafin.store.model_dir import PackedModel
 from deltafin.store.pack import PackOptions, pack
+from tests import tiny_families as tf
 from tests.waiting import bounded
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 11]
@@ -48,20 +47,7 @@ def k3(tmp_path_factory):
 
 def _copy(k3_root, dst, replicas: bool = False) -> PackedModel:
     """A copy of the packed model (its drives too); with ``replicas`` every expert also on the other drive."""
-    shutil.copytree(k3_root, dst, symlinks=True)
-    doc = json.load(open(dst / "model" / mf.MANIFEST))
-    for d in doc["drives"]:
-        d["path"] = str(dst / os.path.basename(d["path"]))
-    if replicas:
-        for L, locs in doc["experts"]["locations"].items():
-            for e, loc in enumerate(locs):
-                rel = mf.expert_relpath(doc["model_id"], int(L), e)
-                target = mf.resolve_under(doc["drives"][1 - loc[0]]["path"], rel)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.copyfile(mf.resolve_under(doc["drives"][loc[0]]["path"], rel), target)
-                loc.append(1 - loc[0])
-    mf.write_json_atomic(str(dst / "model" / mf.MANIFEST), doc)
-    return PackedModel.open(str(dst / "model"))
+    return PackedModel.open(str(tf.copy_packed(k3_root, dst, replicas) / "model"))
 
 
 def _bounded(fn, seconds: float = 60.0):

@@ -9,9 +9,7 @@ checks on the host (bit-identical logits), and a corrupted expert file caught on
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before the k
 
 from deltafin.errors import ExpertChecksumError, UsageError  # noqa: E402
 from deltafin.kernels import xxh3_ref  # noqa: E402
+from tests import tiny_families as tf  # noqa: E402
 
 LENGTHS = [241, 255, 256, 1023, 1024, 1025, 1088, 16 * 1024, 16 * 1024 + 1, 17 * 1024 - 1, 64 * 1024 + 37]
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -95,24 +94,7 @@ def test_verify_on_is_checked_before_the_model_opens():
 
 def _copy(k3_model, tmp_path, replicas: bool):
     """A copy of the packed model (every expert with a replica on the other drive if ``replicas``)."""
-    from deltafin.store import manifest as mf
-
-    root = tmp_path / "copy"
-    shutil.copytree(k3_model, root, symlinks=True)
-    doc = json.load(open(root / "model" / mf.MANIFEST))
-    for d in doc["drives"]:
-        d["path"] = str(root / os.path.basename(d["path"]))
-    if replicas:
-        for L, locs in doc["experts"]["locations"].items():
-            for e, loc in enumerate(locs):
-                other = 1 - loc[0]
-                src = mf.resolve_under(doc["drives"][loc[0]]["path"], mf.expert_relpath(doc["model_id"], int(L), e))
-                dst = mf.resolve_under(doc["drives"][other]["path"], mf.expert_relpath(doc["model_id"], int(L), e))
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copyfile(src, dst)
-                loc.append(other)
-    mf.write_json_atomic(str(root / "model" / mf.MANIFEST), doc)
-    return root
+    return tf.copy_packed(k3_model, tmp_path / "copy", replicas)
 
 
 def _flip(path: str) -> None:

@@ -189,6 +189,31 @@ def build_any(family: str, path: Path) -> None:
         build_tiny(family, path)
 
 
+def copy_packed(root: Path, dst: Path, replicas: bool = False) -> Path:
+    """A copy of ``root`` (a packed model under ``model`` and its drives beside it) at ``dst``, the manifest's
+    drive paths pointing into the copy; with ``replicas`` every expert also on the other of two drives (its
+    primary copy stays first in its locations)."""
+    import os
+    import shutil
+
+    from deltafin.store import manifest as mf
+
+    shutil.copytree(root, dst, symlinks=True)
+    doc = json.load(open(dst / "model" / mf.MANIFEST))
+    for d in doc["drives"]:
+        d["path"] = str(dst / os.path.basename(d["path"]))
+    if replicas:
+        for L, locs in doc["experts"]["locations"].items():
+            for e, loc in enumerate(locs):
+                rel = mf.expert_relpath(doc["model_id"], int(L), e)
+                target = mf.resolve_under(doc["drives"][1 - loc[0]]["path"], rel)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(mf.resolve_under(doc["drives"][loc[0]]["path"], rel), target)
+                loc.append(1 - loc[0])
+    mf.write_json_atomic(str(dst / "model" / mf.MANIFEST), doc)
+    return dst
+
+
 def pack_to(root: Path, opts: PackOptions = LOSSLESS) -> str:
     pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]), opts)
     return str(root / "model")
