@@ -102,6 +102,11 @@ def run(folder: str | None, gb: float, json_path: str | None = None) -> dict:
     print(f"pack {rec['pack_GBps']:.2f} GB/s vs raw write {raw:.2f} GB/s = {rec['ratio']:.2f}x (target >= 0.70); "
           f"{s.expert_files} K3-size experts, peak RSS {rec['peak_rss_bytes'] / 2**20:,.0f} MiB; Kimi K3 "
           f"(1.45 TB of experts) would pack in {rec['k3_projected_hours']:.2f} h at this rate")
+    return _kept(rec, json_path)
+
+
+def _kept(rec: dict, json_path: str | None) -> dict:
+    """The record, written to ``json_path`` (atomically) where one is given."""
     if json_path:
         from deltafin.store.manifest import write_json_atomic
 
@@ -156,8 +161,4 @@ def run_bf16(folder: str | None, checkpoint: str | None, json_path: str | None =
     print(f"pack bf16 -> MXFP4 experts + int8 trunk: {src_bytes / 1e9:.2f} GB in {dt:.1f} s ({rec['source_GBps']:.3f} "
           f"GB/s of source); wrote {s.bytes_written / 1e9:.2f} GB at {rate:.3f} GB/s vs raw write {raw:.2f} GB/s = "
           f"{rec['ratio']:.2f}x; peak RSS {s.peak_rss_bytes / 2**20:,.0f} MiB")
-    if json_path:
-        from deltafin.store.manifest import write_json_atomic
-
-        write_json_atomic(json_path, rec)
-    return rec
+    return _kept(rec, json_path)
