@@ -17,7 +17,7 @@ import torch
 from deltafin.errors import UnsupportedArchitectureError
 from deltafin.kernels import mlx as km
 from deltafin.models import registry
-from deltafin.models.base import SequenceState
+from deltafin.models.base import SequenceState, forward_parts
 from deltafin.models.common import GQA_LAYER, QK_NORMS, take
 from deltafin.models.rope import Rope
 from deltafin.quant.record import QTensor
@@ -295,11 +295,7 @@ class MLXDecoder:
         return torch.from_numpy(np.array(km.linear(h, self.lm_head).astype(m.float32)))  # [T, V]
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts) -> torch.Tensor:
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x = self.mlp_part(i, self.attn_part(i, x, state), experts)
-        state.pos += ids.shape[0]
-        return self.head(x)
+        return forward_parts(self, ids, state, experts)  # [T, V]
 
 
 def _plain(rec):

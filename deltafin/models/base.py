@@ -137,6 +137,16 @@ class SequenceState:
         self.at: torch.Tensor | None = None
 
 
+def forward_parts(model, ids: torch.Tensor, state: SequenceState, experts) -> torch.Tensor:
+    """One pass of ids through a model's parts (embed, each layer's attention then MLP, head): the forward of
+    every model that is built from them, in torch, on MLX or split over two devices. Returns the logits [T, V]."""
+    x = model.embed(ids)
+    for i in range(model.num_layers):
+        x = model.mlp_part(i, model.attn_part(i, x, state), experts)
+    state.pos += ids.shape[0]
+    return model.head(x)
+
+
 ROW_ALIGN = 64  # floats: a multiple of every x86 build's vector body (two AVX-512 vectors: 32)
 
 

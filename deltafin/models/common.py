@@ -27,6 +27,7 @@ from deltafin.models.base import (
     Weights,
     dense,
     embed_rows,
+    forward_parts,
     ids_to_host_during,
     linear,
     linears,
@@ -266,12 +267,7 @@ class DecoderLM:
         return linear(h, self.lm_head).float()  # [T, V]
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertSource) -> torch.Tensor:
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x = self.attn_part(i, x, state)
-            x = self.mlp_part(i, x, experts)
-        state.pos += ids.shape[0]
-        return self.head(x)  # [T, V]
+        return forward_parts(self, ids, state, experts)  # [T, V]
 
     # ------------------------------------------------------------------ the parts a family fills in
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from deltafin.models.base import SequenceState
+from deltafin.models.base import SequenceState, forward_parts
 from deltafin.quant.record import QTensor
 from deltafin.runtime.offload_plan import EMBED, OffloadPlan, layer_of
 from deltafin.runtime.source import SourceStats
@@ -141,11 +141,7 @@ class SplitModel:
             stack()
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts) -> torch.Tensor:
-        x = self.embed(ids)
-        for i in range(self.num_layers):
-            x = self.mlp_part(i, self.attn_part(i, x, state), experts)
-        state.pos += ids.shape[0]
-        return self.head(x)
+        return forward_parts(self, ids, state, experts)  # [T, V]
 
 
 class SplitExperts:
