@@ -17,7 +17,6 @@ from deltafin.cli import main
 from deltafin.errors import ExpertChecksumError, ReadError
 from deltafin.io.direct import FileDriveReader, align_up, aligned_buffer
 from deltafin.io.pool import BufferPool, ReadDeadline, ReaderPool
-from deltafin.k3_tiny import write_tiny_k3
 from deltafin.models import registry
 from deltafin.models.base import ResidentExperts
 from deltafin.runtime.engine import Engine, EngineOptions
@@ -33,11 +32,9 @@ FAST = ReadDeadline(min_s=0.3, factor=10.0)
 
 
 @pytest.fixture(scope="module")
-def k3(tmp_path_factory):
-    root = tmp_path_factory.mktemp("k3reads")
-    write_tiny_k3(root / "src")
-    pack(str(root / "src"), str(root / "model"), parse_drives([f"{root}/d0=2", f"{root}/d1=1"]),
-         PackOptions(progress=False))
+def k3(k3_model):
+    """The tiny K3 (conftest's ``k3_model``) and its prompt logits with every expert resident."""
+    root = k3_model
     pm = PackedModel.open(str(root / "model"))
     model = registry.build(pm.family, pm.text_config, pm.trunk_records())
     experts = ResidentExperts({(L, e): pm.read_expert(L, e) for L in pm.moe_layers for e in range(pm.num_experts)})
