@@ -153,6 +153,7 @@ class Model(DecoderLM):
                 self.w[a + "conv1d.weight"] = dense(self.w[a + "conv1d.weight"], f32).flatten(1)  # [C, W]
                 self.w[a + "A_log"] = dense(self.w[a + "A_log"], f32).exp().neg()  # -exp(A_log) [Hv]
                 self.w[a + "dt_bias"] = dense(self.w[a + "dt_bias"], f32)
+                self.w[a + "norm.weight"] = dense(self.w[a + "norm.weight"], f32)  # the gated norm's, once
         self.norm_w = 1.0 + dense(self.norm_w, f32)
         self.rope = Rope(c.rope, c.head_dim, c.max_position_embeddings, self.device)
 
@@ -206,7 +207,7 @@ class Model(DecoderLM):
         if T == 1 and kc.enabled(h):  # the fast CUDA path: conv to gated norm in one launch
             o = kc.gdn_step(h, Hk, Hv, dk, dv, c.linear_conv_kernel_dim, st.conv, st.S, qkv, self.w[a + "conv1d.weight"],
                             z.reshape(Hv, dv), b, g_in, self.w[a + "A_log"], self.w[a + "dt_bias"],
-                            dense(self.w[a + "norm.weight"], torch.float32), self.norm_eps, dk**-0.5, kda.L2_EPS)
+                            self.w[a + "norm.weight"], self.norm_eps, dk**-0.5, kda.L2_EPS)
             if o is not None:
                 return linear(o, self.w[a + "out_proj.weight"])
         x, st.conv = kda.short_conv(qkv.float(), self.w[a + "conv1d.weight"], st.conv)  # [T, C], SiLU'd
