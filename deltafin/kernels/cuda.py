@@ -25,9 +25,15 @@ _BROKEN: set[str] = set()  # small fused kernels that failed to build here: thei
 def enabled(x: torch.Tensor) -> bool:
     if x.dtype != torch.bfloat16:  # first: the CPU's float32 fast path asks this per op, the environment is slower
         return False
+    return kernel_device(x.device)
+
+
+def kernel_device(device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on ``device``: CUDA, or any device under the interpreter
+    (DELTAFIN_KERNELS=interpret with TRITON_INTERPRET=1); never with DELTAFIN_KERNELS=torch."""
     mode = os.environ.get("DELTAFIN_KERNELS", "triton")
-    on_device = x.is_cuda or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_device and x.dtype == torch.bfloat16 and mode != "torch"
+    on_device = device.type == "cuda" or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and mode != "torch"
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor | None:
@@ -46,9 +52,7 @@ def linear(x: torch.Tensor, w) -> torch.Tensor | None:
 
 def xxh3_available(device: torch.device) -> bool:
     """Whether ``xxh3_64_rows`` runs its kernel for tensors on ``device`` (CUDA with Triton, or the interpreter)."""
-    mode = os.environ.get("DELTAFIN_KERNELS", "triton")
-    on_device = device.type == "cuda" or (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1")
-    if not on_device or mode == "torch" or "xxh3_64" in _BROKEN:
+    if not kernel_device(device) or "xxh3_64" in _BROKEN:
         return False
     try:
         import deltafin.kernels.triton_xxh3  # noqa: F401
