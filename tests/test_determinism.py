@@ -43,10 +43,16 @@ def packed(tmp_path_factory):
     return get
 
 
-def logits(model: str, exact: bool, together: bool = False, **kw) -> torch.Tensor:
-    """P's prompt logits then STEPS decode steps (greedy from P's own logits), P alone or between Q and R."""
+def logits(model: str, exact: bool, together: bool = False, warm: bool = False, **kw) -> torch.Tensor:
+    """P's prompt logits then STEPS decode steps (greedy from P's own logits), P alone or between Q and R;
+    ``warm``: after the kernels' throwaway passes (``runtime/warmup.py``, the CUDA default) run here too."""
     eng = tf.engine(model, exact=exact, **kw)
     try:
+        if warm:
+            from deltafin.runtime import warmup
+
+            warmup.warm(eng)
+            assert (eng.source.stats.reads, eng.source.stats.bytes_read) == (0, 0), "the warmup's reads were counted"
         seqs = [Q, P, R] if together else [P]
         me = 1 if together else 0
         states = [eng.new_state() for _ in seqs]
@@ -105,6 +111,15 @@ def test_logits_bit_identical_across_threads_partial_cache_and_layout(packed, fa
         opts = replace(tf.DEFAULT, placement="bandwidth" if name == "one" else name, **extra)
         pack(str(src), str(tmp_path / name), parse_drives([d.format(name) for d in drives]), opts)
         assert bitwise(logits(str(tmp_path / name), False), ref), f"{family}: the {name} layout changed the logits"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3", "qwen3_next", "deepseek_v4"])
+def test_kernel_warmup_leaves_the_logits_and_the_counters_as_they_were(packed, family):
+    """The throwaway passes at open (on by default on CUDA) write nothing a later run reads: with no cache, and
+    with a cache that keeps the experts they read."""
+    _, model = packed(family)
+    for kw in (dict(), dict(cache_gb=1.0)):
+        assert bitwise(logits(model, False, warm=True, **kw), logits(model, False, **kw)), kw
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3", "qwen3_next", "deepseek_v4"])
@@ -187,7 +202,8 @@ def test_cuda_k3_logits_bit_identical_cold_warm_partial_cache_and_graphs(tmp_pat
             eng.close()
 
     ref = run(cuda_graphs=False)
-    for kw in (dict(cuda_graphs=False), dict(), dict(), dict(cache_gb=0.0005), dict(cache_gb=1.0)):
+    for kw in (dict(cuda_graphs=False), dict(), dict(), dict(cache_gb=0.0005), dict(cache_gb=1.0), dict(warmup=False),
+               dict(warmup=False, cache_gb=1.0)):
         assert bitwise(run(**kw), ref), kw
 
 
@@ -223,6 +239,7 @@ def test_cuda_logits_bit_identical_across_read_order_threads_layout_and_batch(pa
         "1 reader thread a drive": (model, dict(threads=1)),
         "8 reader threads a drive": (model, dict(threads=8)),
         "every expert cached": (model, dict(cache_gb=1.0)),
+        "no kernel warmup at open": (model, dict(warmup=False)),
         "one drive": (str(tmp_path / "one"), {}),
         "striped over three drives": (str(tmp_path / "striped"), {}),
     }

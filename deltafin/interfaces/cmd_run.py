@@ -93,6 +93,9 @@ def add_offload_args(p) -> None:
     p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="GB",
                    help="CUDA: the most GPU memory the engine uses for trunk layers, expert cache and working memory "
                         "(default: what is free)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: load every kernel at start with a throwaway pass (a few experts read), so the first "
+                        "prompt does not wait for it (default; --no-warmup skips it)")
 
 
 def add_compute_args(p) -> None:

@@ -95,6 +95,7 @@ def open_engine(args):
         batch_invariant=getattr(args, "batch_invariant", False),
         gpu_layers=args.gpu_layers,
         gpu_memory_gb=args.gpu_memory_gb,
+        warmup=getattr(args, "warmup", True),
     )
     template = read_template(args.chat_template_file) if args.chat_template_file else None
     eng = Engine(resolve_packed(args.model), opts)
@@ -140,7 +141,8 @@ def start_line(eng, args) -> str:
             f"{'direct' if eng.source.direct else 'buffered'} I/O"
             + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
             + _checks_where(eng) + f"; math: {eng.math_name}"
-            + (f"; {eng.offload.describe()}" if eng.offload is not None else ""))
+            + (f"; {eng.offload.describe()}" if eng.offload is not None else "")
+            + (f"; kernels warmed in {fmt.duration(eng.warm_s)}" if getattr(eng, "warm_s", None) else ""))
 
 
 def _checks_where(eng) -> str:

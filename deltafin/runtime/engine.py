@@ -56,6 +56,7 @@ class EngineOptions:
     adapt_threads: bool = True  # CPU fast path: one-token steps take the thread count that measures fastest
     gpu_layers: int | None = None  # CUDA: the last N layers (and the head) on the GPU, the rest on the CPU
     gpu_memory_gb: float | None = None  # CUDA: the most GPU memory the engine uses (trunk, expert cache, working)
+    warmup: bool = True  # CUDA: every kernel loaded at open by a throwaway pass (runtime/warmup.py)
 
 
 CUDA_HEADROOM = 2 << 30  # beside the trunk: activations, the KV/latent caches' first blocks, the kernels' workspaces
@@ -371,6 +372,11 @@ class Engine:
             self.threads = ThreadPolicy(torch.get_num_threads())
         if opts.record_routes:
             self.record_routes(opts.record_routes)
+        self.warm_s = None  # seconds the kernels' warmup took, where it ran
+        if opts.warmup and self.device.type == "cuda" and not self.mlx and self.cluster is None:
+            from deltafin.runtime import warmup
+
+            self.warm_s = warmup.warm(self)
         if self.cluster is not None:  # last: every rank is ready to follow once this returns
             self._join_cluster()
 

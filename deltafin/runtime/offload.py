@@ -151,17 +151,18 @@ class SplitExperts:
     def __init__(self, low, high, first: int):
         self.low, self.high, self.first = low, high, first
 
-    def _of(self, layer: int):
+    def part_of(self, layer: int):
+        """The source that serves ``layer``: ``high`` (the GPU) from ``first`` on, else ``low``."""
         return self.high if layer >= self.first else self.low
 
     def fetch(self, layer: int, expert_ids: Sequence[int]):
-        return self._of(layer).fetch(layer, expert_ids)
+        return self.part_of(layer).fetch(layer, expert_ids)
 
     def fetch_groups(self, layer: int, expert_ids: Sequence[int]):
-        return self._of(layer).fetch_groups(layer, expert_ids)
+        return self.part_of(layer).fetch_groups(layer, expert_ids)
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
-        self._of(layer).prefetch(layer, expert_ids)
+        self.part_of(layer).prefetch(layer, expert_ids)
 
     @property
     def slab(self):  # moe_dispatch's grouped CUDA kernels read the GPU side's slab
