@@ -209,6 +209,53 @@ def test_cuda_k3_logits_bit_identical_cold_warm_partial_cache_and_graphs(tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_real_width_k3_slice_logits_cold_twice_warm_partial_cache_and_graphs(tmp_path):
+    """The Kimi K3 slice at the real widths (``bench decode --synthetic k3-slice``'s writer; 4 layers: a dense one,
+    2 KDA and 1 MLA with 32 experts of the real size, top-16), the default pack: a 64-token prompt's logits and 16
+    greedy decode steps', bit for bit, cold twice, warm (the same engine again, every expert cached), at a partial
+    cache, with CUDA graphs off, and without the kernels' warmup. Random real-width weights leave logit margins
+    tiny: any change in rounding shows."""
+    import shutil
+
+    from deltafin.bench.k3_slice import write_k3_slice
+
+    cfg = write_k3_slice(str(tmp_path / "src"), layers=4, experts=32, top_k=16)
+    pack(str(tmp_path / "src"), str(tmp_path / "m"), parse_drives([f"{tmp_path}/d0=2", f"{tmp_path}/d1=1"]),
+         tf.DEFAULT)
+    shutil.rmtree(tmp_path / "src")
+    vocab = cfg["text_config"]["vocab_size"]
+    ids = [1 + (i * 7919) % (vocab - 1) for i in range(64)]
+
+    def run(eng) -> torch.Tensor:
+        st = eng.new_state()
+        with torch.inference_mode():
+            out = [eng.step([(torch.tensor(ids, device="cuda"), st)], all_logits=True)[0].float().cpu()]
+            tok = int(out[0][-1].argmax())
+            for _ in range(16):
+                lg = eng.forward([tok], st)
+                out.append(lg.float().cpu()[None])
+                tok = int(lg.argmax())
+        return torch.cat(out)
+
+    def runs(n: int = 1, **kw) -> list[torch.Tensor]:
+        eng = tf.engine(str(tmp_path / "m"), exact=False, device="cuda", max_len=4096, **kw)
+        try:
+            return [run(eng) for _ in range(n)]
+        finally:
+            eng.close()
+
+    ref, = runs()
+    again, = runs()
+    assert bitwise(again, ref), "cold twice"
+    cold, warm = runs(2, cache_gb=4.0)
+    assert bitwise(cold, ref) and bitwise(warm, ref), "every expert cached (cold, then warm)"
+    for what, kw in {"a partial cache": dict(cache_gb=0.5), "CUDA graphs off": dict(cuda_graphs=False),
+                     "no kernel warmup": dict(warmup=False)}.items():
+        assert bitwise(runs(**kw)[0], ref), what
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_next", "kimi_k3"])
 def test_cuda_batch_invariant_logits_alone_equal_batched(packed, family):
     """--batch-invariant on CUDA (bf16 fast path): P's prompt and decode logits alone equal those of P between Q
