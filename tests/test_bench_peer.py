@@ -91,9 +91,36 @@ def test_released_expert_names():
 def test_pressure_and_cap_probes_answer():
     total = peer.cpu_pressure_total()
     assert total is None or total >= 0
-    wrap, how = peer.memory_cap(1 << 30)
+    wrap, how, child = peer.memory_cap(1 << 30)
     assert how and (wrap is None or wrap[0] in ("systemd-run", "sh"))
+    if child is not None:
+        os.rmdir(child)
     assert peer.summary([3.0, 1.0, 2.0]) == "2.0 (1.0-3.0)" and peer.summary([]) == "-"
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_memory_cap_writes_the_limit_in_a_child_of_this_process_cgroup(tmp_path, monkeypatch, kind):
+    """The cgroup layouts a machine without systemd-run has: v1's memory controller (limit and memory + swap) or
+    v2's memory.max, a child folder of the process's own group, and the command's shell joining it."""
+    monkeypatch.setattr(peer.shutil, "which", lambda name: None)
+    proc = tmp_path / "cgroup"
+    if kind == "v1":
+        proc.write_text("4:memory:/jobs/a\n1:cpu:/\n0::/\n")
+        base = tmp_path / "memory" / "jobs" / "a"
+        base.mkdir(parents=True)
+        (base / "memory.limit_in_bytes").write_text("max")
+    else:
+        proc.write_text("0::/user/b\n")
+        base = tmp_path / "user" / "b"
+        base.mkdir(parents=True)
+        (base / "memory.max").write_text("max")
+    wrap, how, child = peer.memory_cap(123456789, proc=str(proc), root=str(tmp_path))
+    assert child == str(base / f"deltafin-peer-{os.getpid()}") and how == f"cgroup {kind} {child}"
+    limit = "memory.limit_in_bytes" if kind == "v1" else "memory.max"
+    assert (base / os.path.basename(child) / limit).read_text() == "123456789"
+    assert wrap[:2] == ["sh", "-c"] and f"{child}/cgroup.procs" in wrap[2]
+    wrap, how, child = peer.memory_cap(1, proc=str(tmp_path / "none"), root=str(tmp_path))
+    assert wrap is None and child is None and "no cgroup v1 memory controller" in how
 
 
 def test_drop_cached_takes_files_and_folders(tmp_path):

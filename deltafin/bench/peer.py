@@ -5,12 +5,13 @@ The checkpoint (given, or a random Qwen3-MoE built here) is converted by llama.c
 both timed. Then pairs run interleaved, the order alternating, each side in a fresh process; the CPU
 pressure (/proc/pressure/cpu, "some") over each pair is recorded and pairs above ``--max-pressure`` are left
 out of the medians (a shared machine's neighbours slow either side at random). Last, where a memory cap can
-be set (systemd-run, or a cgroup v2 folder this process may write), one pair with memory capped below the
+be set (systemd-run, or a cgroup v2 or v1 memory folder this process may write), one pair with memory capped below the
 model and its files dropped from the page cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -49,36 +50,45 @@ def cpu_pressure_total() -> float | None:
         return None
 
 
-def memory_cap(nbytes: int) -> tuple[list[str] | None, str]:
-    """A command prefix that runs a command with memory capped at ``nbytes``, or None and why not."""
+def memory_cap(nbytes: int, proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+               ) -> tuple[list[str] | None, str, str | None]:
+    """(a command prefix that runs a command with memory capped at ``nbytes``, how, the cgroup folder made for it
+    to remove after), or (None, why not, None): systemd-run, else a child of this process's cgroup v2 folder, else
+    of its cgroup v1 memory controller's (page cache is charged to the cap in both)."""
     why = []
     if shutil.which("systemd-run"):
         wrap = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={nbytes}", "-p", "MemorySwapMax=0"]
         r = subprocess.run(wrap + ["true"], capture_output=True, text=True)
         if r.returncode == 0:
-            return wrap, "systemd-run scope"
+            return wrap, "systemd-run scope", None
         why.append(f"systemd-run: {(r.stderr.strip().splitlines() or ['failed'])[-1]}")
     else:
         why.append("no systemd-run")
     try:
-        with open("/proc/self/cgroup") as f:
-            rel = next(ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::"))
-    except (OSError, StopIteration):
-        rel = None
-    base = f"/sys/fs/cgroup{rel}" if rel is not None else None
-    if base is None or not os.path.isfile(os.path.join(base, "memory.max")) and not os.path.isfile(
-            os.path.join(base, "cgroup.subtree_control")):
-        why.append("no cgroup v2 hierarchy with memory.max for this process")
-        return None, "; ".join(why)
-    child = os.path.join(base, f"deltafin-peer-{os.getpid()}")
-    try:
-        os.makedirs(child, exist_ok=True)
-        with open(os.path.join(child, "memory.max"), "w") as f:
-            f.write(str(nbytes))
-    except OSError as e:
-        why.append(f"cgroup v2 {child}: {e.strerror}")
-        return None, "; ".join(why)
-    return ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$@"', "sh"], f"cgroup v2 {child}"
+        with open(proc) as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        lines = []
+    v2 = next((rel for _, ctl, rel in lines if ctl == ""), None)
+    v1 = next((rel for _, ctl, rel in lines if "memory" in ctl.split(",")), None)
+    for kind, base, limits in (("v2", v2 and f"{root}{v2}", ("memory.max",)),
+                               ("v1", v1 and f"{root}/memory{v1}", ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))):
+        if not base or not os.path.isfile(os.path.join(base, limits[0])) and not os.path.isfile(
+                os.path.join(base, "cgroup.subtree_control")):
+            why.append(f"no cgroup {kind} memory controller for this process")
+            continue
+        child = os.path.join(base, f"deltafin-peer-{os.getpid()}")
+        try:
+            os.makedirs(child, exist_ok=True)
+            for name in limits:  # v1: memory, then memory + swap (where the kernel counts swap)
+                if name == limits[0] or os.path.exists(os.path.join(child, name)):
+                    with open(os.path.join(child, name), "w") as f:
+                        f.write(str(nbytes))
+        except OSError as e:
+            why.append(f"cgroup {kind} {child}: {e.strerror}")
+            continue
+        return ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$@"', "sh"], f"cgroup {kind} {child}", child
+    return None, "; ".join(why), None
 
 
 def drop_cached(paths: list[str]) -> None:
@@ -152,15 +162,20 @@ def _pairs(args, files: dict, tools) -> list[dict]:
 
 def _capped(args, files: dict, tools, model_bytes: int) -> dict:
     cap = int(args.cap_gb * 1e9) if args.cap_gb else model_bytes // 2
-    wrap, how = memory_cap(cap)
+    wrap, how, child = memory_cap(cap)
     if wrap is None:
         return {"skipped": f"no memory cap could be set here ({how})", "cap_bytes": cap}
     r = {"cap_bytes": cap, "how": how}
-    drop_cached([files["gguf"]])
-    r["llama"] = peer_run.llama_capped(tools.bench, files["gguf"], args.threads, 8, wrap)
-    drop_cached([files["packed"], os.path.join(os.path.dirname(files["packed"]), "drive")])
-    d = peer_run.deltafin_side(files["packed"], args.threads, args.tokens, args.prompt, wrap,
-                               cache_gb=max(cap / 1e9 - 0.8, 0.1))
+    try:
+        drop_cached([files["gguf"]])
+        r["llama"] = peer_run.llama_capped(tools.bench, files["gguf"], args.threads, 8, wrap)
+        drop_cached([files["packed"], os.path.join(os.path.dirname(files["packed"]), "drive")])
+        d = peer_run.deltafin_side(files["packed"], args.threads, args.tokens, args.prompt, wrap,
+                                   cache_gb=max(cap / 1e9 - 0.8, 0.1))
+    finally:
+        if child is not None:
+            with contextlib.suppress(OSError):  # empty once its processes have left
+                os.rmdir(child)
     r["deltafin"], r["deltafin_hit_rate"] = d["decode_capped"], d["hit_rate"]
     return r
 
