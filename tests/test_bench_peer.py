@@ -19,7 +19,7 @@ def _main(capsys, *argv: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--pairs", "0"], "--pairs 0"), (["--tokens", "0"], "--tokens 0"), (["--prompt", "-1"], "--prompt -1"),
+    (["--pairs", "-1"], "--pairs -1"), (["--pairs", "0", "--no-capped"], "leaves nothing to run"), (["--tokens", "0"], "--tokens 0"), (["--prompt", "-1"], "--prompt -1"),
     (["--threads", "0"], "--threads 0"), (["--max-pressure", "0"], "--max-pressure 0"),
     (["--cap-gb", "-2"], "--cap-gb -2.0"), (["--llama-cpp", "/nonexistent/llama"], "/nonexistent/llama: not a folder"),
 ])

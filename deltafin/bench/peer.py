@@ -31,8 +31,11 @@ TARGETS = {"decode_depth0": 1.2, "decode_after_prompt": 1.2, "decode_1thread": 1
 def check_args(args) -> None:
     """Every argument checked before any long work: one line naming the value and the fix."""
     for name in ("pairs", "tokens", "prompt", "threads"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"bench peer: --{name} {getattr(args, name)}: give a whole number >= 1")
+        if getattr(args, name) < (0 if name == "pairs" else 1):
+            raise UsageError(f"bench peer: --{name} {getattr(args, name)}: give a whole number >= "
+                             f"{0 if name == 'pairs' else 1}")
+    if args.pairs == 0 and args.no_capped:
+        raise UsageError("bench peer: --pairs 0 with --no-capped leaves nothing to run; drop one of them")
     if not 0 < args.max_pressure <= 100:
         raise UsageError(f"bench peer: --max-pressure {args.max_pressure}: give a percentage in (0, 100]")
     if args.cap_gb is not None and args.cap_gb <= 0:
@@ -168,7 +171,7 @@ def _capped(args, files: dict, tools, model_bytes: int) -> dict:
     r = {"cap_bytes": cap, "how": how}
     try:
         drop_cached([files["gguf"]])
-        r["llama"] = peer_run.llama_capped(tools.bench, files["gguf"], args.threads, 8, wrap)
+        r["llama"], r["llama_mode"] = peer_run.llama_capped(tools.bench, files["gguf"], args.threads, 8, wrap)
         drop_cached([files["packed"], os.path.join(os.path.dirname(files["packed"]), "drive")])
         d = peer_run.deltafin_side(files["packed"], args.threads, args.tokens, args.prompt, wrap,
                                    cache_gb=max(cap / 1e9 - 0.8, 0.1))
@@ -177,6 +180,7 @@ def _capped(args, files: dict, tools, model_bytes: int) -> dict:
             with contextlib.suppress(OSError):  # empty once its processes have left
                 os.rmdir(child)
     r["deltafin"], r["deltafin_hit_rate"] = d["decode_capped"], d["hit_rate"]
+    r["deltafin_read_bound_tok_s"], r["raw_GBps"] = d.get("read_bound_tok_s"), d.get("raw_GBps")
     return r
 
 
@@ -189,7 +193,7 @@ def report(args, files: dict, pairs: list[dict], capped: dict, version: str) -> 
     print("| figure | llama.cpp (median, range) | Deltafin (median, range) | Deltafin / llama.cpp per pair | target |")
     print("| --- | --- | --- | --- | --- |")
     rec = {"figures": {}}
-    for k in peer_run.FIGURES:
+    for k in peer_run.FIGURES if use else ():
         lv, dv = [p["llama"][k] for p in use], [p["deltafin"][k] for p in use]
         ratios = [d / v for d, v in zip(dv, lv, strict=True)]
         rec["figures"][k] = {"llama": lv, "deltafin": dv, "ratio": ratios}
@@ -203,8 +207,20 @@ def report(args, files: dict, pairs: list[dict], capped: dict, version: str) -> 
         print(f"larger than memory: skipped, {capped['skipped']}")
     else:
         print(f"| memory capped at {capped['cap_bytes'] / 1e9:.2f} GB, files dropped from the page cache | "
-              f"{capped['llama']:.2f} tok/s (mmap) | {capped['deltafin']:.2f} tok/s (cache hits "
-              f"{capped['deltafin_hit_rate']:.2f}) | **{capped['deltafin'] / capped['llama']:.1f}** | >= 10 |")
+              f"{capped['llama']:.2f} tok/s ({capped.get('llama_mode', 'mmap')}) | {capped['deltafin']:.2f} tok/s (cache "
+              f"hits {capped['deltafin_hit_rate']:.2f}) | **{capped['deltafin'] / capped['llama']:.1f}** | >= 10 |")
+        bound = capped.get("deltafin_read_bound_tok_s")
+        if bound:
+            warm = statistics.median(p["deltafin"]["decode_depth0"] for p in use) if use else None
+            both = "" if warm is None else (
+                f"; {capped['deltafin'] / min(bound, warm):.2f} of min(that, its warm decode {warm:.1f} tok/s in the "
+                f"pairs above), the step's bound when the reads overlap the math, and "
+                f"{capped['deltafin'] * (1 / bound + 1 / warm):.2f} of the bound when they do not")
+            print(f"Deltafin under the cap: {capped['deltafin'] / bound:.2f} of its read bound, {bound:.1f} tok/s (the "
+                  f"expert bytes it read a token, after cache hits, at the {capped['raw_GBps']:.2f} GB/s raw direct "
+                  f"rate of the same files; target >= 0.9){both}")
+    if not use:  # --pairs 0: the capped pair alone
+        return rec | {"pairs": pairs, "files": files, "capped": capped, "llama_cpp_version": version}
     roof = [p["deltafin"]["roofline_tok_s"] for p in use]
     frac = [p["deltafin"]["decode_depth0"] / p["deltafin"]["roofline_tok_s"] for p in use]
     d0 = use[0]["deltafin"]
@@ -245,7 +261,7 @@ def add_args(sub) -> None:
                    "llama-bench)")
     b.add_argument("--dir", help="work folder for the checkpoint, the GGUF and the pack (default: ./bench-peer)")
     b.add_argument("--reuse", action="store_true", help="keep a GGUF and pack already in --dir (no convert timing)")
-    b.add_argument("--pairs", type=int, default=6, help="interleaved pairs (the order alternates)")
+    b.add_argument("--pairs", type=int, default=6, help="interleaved pairs (the order alternates); 0: the larger-than-memory pair alone")
     b.add_argument("--tokens", type=int, default=64, help="decoded tokens timed per figure")
     b.add_argument("--prompt", type=int, default=512, help="prompt tokens (prefill, and decode after a prompt)")
     b.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of both engines")

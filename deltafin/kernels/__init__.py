@@ -110,6 +110,32 @@ def fast_enabled() -> bool:
     return _FAST.get()
 
 
+def _cpu_fast(x: torch.Tensor) -> ModuleType | None:
+    """The CPU backend where x's step is on it: the fast path, a float32 tensor on the CPU."""
+    if not _FAST.get() or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return backend("cpu")
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """One query token's attention over keys it all sees in one compiled call (``cpu.attend1``), or None: the
+    caller's torch form runs (the exact path, other devices and dtypes)."""
+    be = _cpu_fast(q)
+    return None if be is None else be.attend1(q, k, v, scale)
+
+
+def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm in one compiled call on the CPU's fast path (``cpu.rms_rows``), else None."""
+    be = _cpu_fast(x)
+    return None if be is None else be.rms_rows(x, w, eps)
+
+
+def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """One token's NeoX-paired rotation in one compiled call on the CPU's fast path (``cpu.rope1``), else None."""
+    be = _cpu_fast(x)
+    return None if be is None else be.rope1(x, cos, sin)
+
+
 def _load(device_type: str) -> ModuleType | None:
     if device_type == "cpu":
         from deltafin.kernels import cpu

@@ -245,6 +245,57 @@ def glu_act(g: torch.Tensor, u: torch.Tensor, act: tuple = ("silu",), lib=None) 
     return h
 
 
+def _f32_rows(t: torch.Tensor) -> bool:
+    """float32 on the CPU with rows (the last dimension) contiguous and the rows of each head back to back."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lib=None) -> torch.Tensor | None:
+    """One query token's attention over keys it all sees (``df_attend1``): q [1, H, dk], k [Hkv, S, dk],
+    v [Hkv, S, dv] float32 -> [1, H, dv]; None where the layout does not fit (the caller's torch form runs)."""
+    lib = lib or native.library()
+    if q.shape[0] != 1 or q.dtype != torch.float32 or not (_f32_rows(k) and _f32_rows(v)):
+        return None
+    _, H, dk = q.shape
+    Hkv, S, dv = v.shape
+    if H % Hkv or k.shape[:2] != (Hkv, S) or S == 0:
+        return None
+    q = q.contiguous()
+    out, work = torch.empty(1, H, dv), torch.empty(H * S)
+    lib.df_attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), work.data_ptr(), H, Hkv, S, dk, dv,
+                   k.stride(0), v.stride(0), scale, torch.get_num_threads() if H * S * dk >= 1 << 16 else 1)
+    USED.add("attend1")
+    return out
+
+
+def rms_rows(x: torch.Tensor, w: torch.Tensor | None, eps: float, lib=None) -> torch.Tensor | None:
+    """RMSNorm of x [..., d] float32 by w [d] float32 (``df_rms_rows``), or None where x is not that."""
+    lib = lib or native.library()
+    if x.dtype != torch.float32 or (w is not None and (w.dtype != torch.float32 or w.shape != x.shape[-1:])):
+        return None
+    x = x.contiguous()
+    w = None if w is None else w.contiguous()
+    out = torch.empty_like(x)
+    lib.df_rms_rows(x.data_ptr(), None if w is None else w.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                    x.shape[-1], eps)
+    return out
+
+
+def rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib=None) -> torch.Tensor | None:
+    """One token's heads x [1, n, d] float32 rotated in halves over the first r = 2 * cos.shape[-1] channels
+    (``df_rope1``, NeoX's pairing) into a new tensor; None where the shapes do not fit."""
+    lib = lib or native.library()
+    if x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32 or cos.shape[0] != 1:
+        return None
+    r = 2 * cos.shape[-1]
+    if r > x.shape[-1]:
+        return None
+    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    c, s = _x32(cos), _x32(sin)
+    lib.df_rope1(out.data_ptr(), c.data_ptr(), s.data_ptr(), x.shape[1], x.shape[2], r)
+    return out
+
+
 def _glu_parts(gate: QTensor, up: QTensor, down: QTensor) -> tuple[int, int, list[torch.Tensor]] | None:
     """(kind, I, [gate, its scales, up, its scales, down, its scales] as the C kernels read them) for a gated expert
     of three 4-bit records in one format and scale type, gate and up [I, D], down [D, I], I and D whole blocks of 32;

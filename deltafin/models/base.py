@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from deltafin.kernels import cuda as kc
-from deltafin.kernels import glu_many, matmul, matmul_many
+from deltafin.kernels import glu_many, matmul, matmul_many, rms_rows
 from deltafin.quant.record import QTensor, dequantize
 
 Weights = Mapping[str, QTensor]  # trunk tensors by packed name (checkpoint name minus any prefix)
@@ -116,6 +116,10 @@ def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype)
 def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Tensor:
     if kc.enabled(x):  # bf16 on the kernel path: one fused launch (float32, the reference, stays below)
         y = kc.rms_norm(x, dense(w, torch.float32), eps)
+        if y is not None:
+            return y
+    elif x.device.type == "cpu":  # the CPU's fast path (float32): one compiled call
+        y = rms_rows(x, dense(w, torch.float32), eps)
         if y is not None:
             return y
     xf = x.float()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltafin.kernels import attend_one
 from deltafin.models.rope import Rope, apply_rope
 
 INITIAL_ROWS = 64
@@ -195,6 +196,11 @@ def attention(
     T, H, _ = q.shape
     Hkv, S, _ = k.shape
     assert S == pos + T and H % Hkv == 0
+    if T == 1 and sinks is None and q.device.type == "cpu":  # the CPU's fast path: one compiled call
+        k0 = 0 if window is None else max(0, pos - window + 1)
+        o = attend_one(q, k[:, k0:], v[:, k0:], scale)
+        if o is not None:
+            return o
     if q.device.type == "cuda" and sinks is None:
         return _attention_sdpa(q, k, v, pos, scale, window)
     return _attention_grouped(q, k, v, pos, scale, window, sinks)

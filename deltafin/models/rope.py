@@ -211,6 +211,12 @@ def apply_rope(
     (2i, 2i+1) (DeepSeek ``rope_interleave``); the result is written de-interleaved (rotated evens, then
     rotated odds), as transformers does, which leaves every q.k dot product unchanged as q and k agree.
     """
+    if not interleaved and x.dim() == 3 and x.shape[0] == 1 and x.device.type == "cpu":
+        from deltafin.kernels import rope_one  # the CPU's fast path, one token: one compiled call
+
+        y = rope_one(x, cos, sin)
+        if y is not None:
+            return y
     r = 2 * cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)

@@ -1,0 +1,90 @@
+"""The CPU fast path's one-token attention, RMSNorm and rotation (``df_attend1``, ``df_rms_rows``, ``df_rope1``)
+against their torch forms, and the places that take them.
+
+Tolerance: each is a float32 evaluation of the same formula in another order, so results agree to a few ulps of
+the magnitudes summed (checked against float64 at 2e-6 relative to sum |terms|). They are compared bit for bit
+with themselves at 1 and 2 threads and in any batch: a sum's order is fixed when the library is built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltafin import kernels
+from deltafin.kernels import cpu, native
+from deltafin.models import layers, rope
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"CPU kernels unavailable: {native.why()}")
+
+
+def _cache(Hkv: int, S: int, d: int, cap: int, g: torch.Generator) -> torch.Tensor:
+    """Keys or values as the KV cache holds them: the first S rows of a [Hkv, cap, d] buffer."""
+    return torch.randn(Hkv, cap, d, generator=g)[:, :S]
+
+
+@pytest.mark.parametrize(("H", "Hkv", "S", "dk", "dv"), [(32, 4, 41, 128, 128), (8, 8, 1, 64, 32), (6, 2, 300, 48, 48)])
+def test_attend1_matches_the_grouped_torch_form_and_float64(H, Hkv, S, dk, dv):
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(1, H, dk, generator=g)
+    k, v = _cache(Hkv, S, dk, S + 7, g), _cache(Hkv, S, dv, S + 3, g)
+    scale = dk**-0.5
+    got = cpu.attend1(q, k, v, scale)
+    ref = layers._attention_grouped(q, k, v, S - 1, scale, None)
+    G = H // Hkv
+    qd, kd, vd = q.double()[0], k.double().repeat_interleave(G, 0), v.double().repeat_interleave(G, 0)
+    p = torch.softmax(torch.einsum("hc,hsc->hs", qd, kd) * scale, -1)
+    exact = torch.einsum("hs,hsc->hc", p, vd)[None]
+    bound = 2e-6 * torch.einsum("hs,hsc->hc", p, vd.abs())[None] + 1e-7
+    assert got.shape == (1, H, dv)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((ref.double() - exact).abs() <= bound).all()
+
+
+def test_attend1_is_the_same_at_any_thread_count_and_refuses_what_it_does_not_cover():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 32, 128, generator=g), _cache(4, 700, 128, 900, g), _cache(4, 700, 128, 900, g)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        a = cpu.attend1(q, k, v, 0.1)
+        torch.set_num_threads(1)
+        b = cpu.attend1(q, k, v, 0.1)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(a, b)
+    assert cpu.attend1(q.bfloat16(), k, v, 0.1) is None  # another dtype: the torch form
+    assert cpu.attend1(torch.randn(2, 32, 128), k, v, 0.1) is None  # more than one query
+    assert cpu.attend1(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # rows not contiguous
+
+
+def test_rms_rows_and_rope1_match_their_torch_forms():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 2048, generator=g) * 3, torch.rand(2048, generator=g) + 0.5
+    xd = x.double()
+    exact = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(cpu.rms_rows(x, w, 1e-6).double(), exact, rtol=2e-6, atol=1e-7)
+    h = torch.randn(1, 4, 128, generator=g)
+    for r in (128, 64):  # whole heads, and a partial rotary width (the rest passes through)
+        cos, sin = torch.rand(1, r // 2, generator=g), torch.rand(1, r // 2, generator=g)
+        with kernels.fast(False):
+            ref = rope.apply_rope(h, cos, sin)
+        got = cpu.rope1(h, cos, sin)
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6) and torch.equal(got[..., r:], h[..., r:])
+    assert not torch.equal(got, h)  # a new tensor: the input is left as it was
+
+
+def test_the_model_layers_take_them_on_the_fast_path_only():
+    """Attention, norms and rotations dispatch to the compiled calls on the CPU's fast path at one token; the
+    exact path (the reference) and prompts keep the torch forms."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 8, 64, generator=g), _cache(2, 9, 64, 16, g), _cache(2, 9, 64, 16, g)
+    with kernels.fast(False):
+        ref = layers.attention(q, k, v, 8, 0.125)
+    with kernels.fast(True):
+        fast = layers.attention(q, k, v, 8, 0.125)
+        windowed = layers.attention(q, k, v, 8, 0.125, window=4)
+    assert torch.equal(fast, cpu.attend1(q, k, v, 0.125)) and torch.allclose(fast, ref, atol=1e-6)
+    assert torch.equal(windowed, cpu.attend1(q, k[:, 5:], v[:, 5:], 0.125))  # keys 5..8 only
+    with kernels.fast(False):
+        assert torch.allclose(windowed, layers.attention(q, k, v, 8, 0.125, window=4), atol=1e-6)
