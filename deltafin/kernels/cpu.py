@@ -397,18 +397,25 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
     if len(pick) < 2:
         return None
     n = len(pick)
-    ptrs = [(ctypes.c_void_p * n)(*[p[j].data_ptr() for p in parts]) for j in range(6)]
     x32 = {}  # each distinct input once (a decode step's experts share one token)
     for i in pick:
-        x32.setdefault(id(xs[i]), _x32(xs[i]))
+        if id(xs[i]) not in x32:
+            x32[id(xs[i])] = _x32(xs[i])
     ins = [x32[id(xs[i])] for i in pick]
-    outs = [torch.empty(x.shape[0], D, dtype=torch.float32) for x in ins]
+    Ts = [x.shape[0] for x in ins]
+    if len(set(Ts)) == 1:  # one buffer for all (a decode step's experts): one allocation, not one an expert
+        outs = list(torch.empty(n, Ts[0], D, dtype=torch.float32).unbind(0))
+    else:
+        outs = [torch.empty(t, D, dtype=torch.float32) for t in Ts]
+    # the C call's nine arrays (six of weight pointers, the inputs, their token counts, the outputs) as rows of
+    # one int64 tensor: building nine ctypes arrays cost more than the call itself for a decode step's experts
+    table = torch.tensor([p[j].data_ptr() for j in range(6) for p in parts] + [x.data_ptr() for x in ins] + Ts
+                         + [o.data_ptr() for o in outs], dtype=torch.int64)
+    base, row = table.data_ptr(), 8 * n
     tab, k, mult = _Q8[kind]
     USED.add(f"{experts[0][0].format}_q8_{act[0]}_many")
-    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *ptrs, tab.data_ptr(), k, mult, _E8M0.data_ptr(),
-                            (ctypes.c_void_p * n)(*[x.data_ptr() for x in ins]),
-                            (ctypes.c_int64 * n)(*[x.shape[0] for x in ins]),
-                            (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]), I, D, threads):
+    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *(base + j * row for j in range(6)), tab.data_ptr(), k, mult,
+                            _E8M0.data_ptr(), base + 6 * row, base + 7 * row, base + 8 * row, I, D, threads):
         raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
     ys: list[torch.Tensor | None] = [None] * len(experts)
     for i, y in zip(pick, outs, strict=True):

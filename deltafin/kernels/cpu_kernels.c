@@ -722,7 +722,7 @@ static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, con
 }
 #endif
 
-#ifdef Q8_VNNI
+#if defined(Q8_VNNI) && Q8_TERMS == 2
 /* q8_rows' one-token loop where every group is whole (blocks a multiple of 4): one row at a time, start to end,
  * so a thread reads one sequential stream that the hardware prefetcher follows (no software prefetch), with the
  * same operations on the same values in the same order as q8_group (the same sums, bit for bit). Four rows
@@ -770,7 +770,7 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
     q8_consts(&k, tab8);
     const int64_t GR = Q8_RUN / QG;
     int64_t r = r0;
-#ifdef Q8_VNNI
+#if defined(Q8_VNNI) && Q8_TERMS == 2
     if (T == 1 && nb % QG == 0)
         r = q8_rows1_vnni(kind, packed, scales, e8m0, &k, q, out, r0, r1, H, nb, G);
 #endif
