@@ -426,6 +426,7 @@ def offered_curve(pm, rts, offered: list[float], threads: int, device: str) -> l
 
     out = []
     devices = ["cpu", "cuda"] if device == "cuda" else ["cpu"]
+    layer_math_s(pm, rts[0], "cpu")  # untimed: a CUDA run's first CPU pass would otherwise build the CPU kernels
     for gbps in offered:
         row = {"offered_GBps": gbps}
         for dev in devices:
