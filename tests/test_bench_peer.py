@@ -156,3 +156,29 @@ def test_bench_pack_of_k3_size_experts_runs(tmp_path, capsys):
     rec = run(str(tmp_path), 0.1)  # 2 experts a layer, 2 layers
     assert rec["expert_files"] == 4 and rec["pack_GBps"] > 0 and rec["raw_write_GBps"] > 0
     assert "vs raw write" in capsys.readouterr().out
+
+
+def test_deltafin_side_runs_its_one_thread_figure_on_exactly_one_thread(tmp_path, monkeypatch):
+    """The engine adapts a decode step's thread count (runtime/threads.py) and resets it after each step, so the
+    1-thread figure must turn that off: otherwise it is measured on up to --threads threads."""
+    import torch
+
+    from tests.tiny import pack_tiny
+
+    model = pack_tiny(tmp_path, "qwen3_moe")
+    seen, real = [], peer_run._decode
+
+    def spy(engine, state, first, tokens):
+        out = real(engine, state, first, tokens)
+        seen.append((torch.get_num_threads(), engine.threads is None))
+        return out
+
+    monkeypatch.setattr(peer_run, "_decode", spy)
+    monkeypatch.setattr("deltafin.bench.kernels.bandwidth", lambda device: 10.0)
+    n = torch.get_num_threads()
+    try:
+        r = peer_run._worker({"model": model, "threads": 2, "tokens": 3, "prompt": 4, "cache_gb": None})
+    finally:
+        torch.set_num_threads(n)
+    assert seen[-1] == (1, True) and all(t == 2 for t, _ in seen[:-1])
+    assert r["decode_1thread"] > 0 and r["repeatable"]

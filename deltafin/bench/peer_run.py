@@ -130,9 +130,11 @@ def _worker(spec: dict) -> dict:
         eng.prefill([ids], [st])
         r["prefill"] = P / (time.perf_counter() - t)
         r["decode_after_prompt"], _ = _decode(eng, st, ids[-1], N)
+        policy, eng.threads = eng.threads, None  # exactly one thread: the adaptive count would set its own
         torch.set_num_threads(1)
         r["decode_1thread"], _ = _decode(eng, eng.new_state(), ids[0], N)
         torch.set_num_threads(T)
+        eng.threads = policy
     r["bandwidth_GBps"] = max(bw0, bandwidth("cpu"))
     r["bytes_per_token"] = bytes_per_token(packed)
     r["roofline_tok_s"] = r["bandwidth_GBps"] * 1e9 / r["bytes_per_token"]
