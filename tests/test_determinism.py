@@ -122,6 +122,28 @@ def test_kernel_warmup_leaves_the_logits_and_the_counters_as_they_were(packed, f
         assert bitwise(logits(model, False, warm=True, **kw), logits(model, False, **kw)), kw
 
 
+def test_kernel_warmup_runs_outside_inference_mode(packed, monkeypatch):
+    """What the passes create and keep (on CUDA the expert slab, made at the first read) must stay writable by a
+    caller that runs the model outside inference mode (tests, the Python API's model): no grad, no inference mode.
+    Under inference mode the H200's direct model.forward callers failed writing the slab."""
+    from deltafin.runtime import batch, warmup
+
+    modes, real = [], batch.forward_batch
+
+    def spy(*a, **k):
+        modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(batch, "forward_batch", spy)
+    _, model = packed("qwen3_moe")
+    eng = tf.engine(model, exact=False)
+    try:
+        warmup.warm(eng)
+    finally:
+        eng.close()
+    assert modes and all(m == (False, False) for m in modes)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3", "qwen3_next", "deepseek_v4"])
 def test_fast_path_logits_bit_identical_at_any_compute_thread_count(packed, family):
     """The CPU kernels split a matrix's rows over the threads, never its sums; DeepSeek-V4's float32 mHC mix runs

@@ -64,7 +64,9 @@ def warm(engine) -> float:
     one = OneExpertSource(src, engine.packed)
     t0 = time.perf_counter()
     vocab = int(engine.packed.text_config["vocab_size"])
-    with torch.inference_mode():
+    # no_grad, not inference_mode: what the passes create and keep (the expert slab on CUDA, at its first read)
+    # must stay writable by callers that run the model outside inference mode
+    with torch.no_grad():
         for n in WARM_PROMPTS:
             state = engine.model.new_state(engine.opts.max_len)  # the runs' own length: kernels specialise on it
             ids = torch.arange(1, n + 1, device=engine.device) % vocab
