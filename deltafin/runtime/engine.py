@@ -376,7 +376,11 @@ class Engine:
         if opts.warmup and self.device.type == "cuda" and not self.mlx and self.cluster is None:
             from deltafin.runtime import warmup
 
-            self.warm_s = warmup.warm(self)
+            try:
+                self.warm_s = warmup.warm(self)
+            except BaseException:  # e.g. a bad expert with no good copy, met at open: its reader threads go too
+                self.close()
+                raise
         if self.cluster is not None:  # last: every rank is ready to follow once this returns
             self._join_cluster()
 
