@@ -74,9 +74,26 @@ def test_rms_rows_and_rope1_match_their_torch_forms():
     assert not torch.equal(got, h)  # a new tensor: the input is left as it was
 
 
-def test_the_model_layers_take_them_on_the_fast_path_only():
+def test_the_model_layers_take_them_on_the_fast_path_only(monkeypatch):
     """Attention, norms and rotations dispatch to the compiled calls on the CPU's fast path at one token; the
     exact path (the reference) and prompts keep the torch forms."""
+    from deltafin.models import base
+
+    calls: list[str] = []
+    for name in ("attend1", "rms_rows", "rope1"):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _n=name, _f=real, **k: (calls.append(_n), _f(*a, **k))[1])
+    x, w = torch.randn(1, 64), torch.rand(64)
+    h, cs, sn = torch.randn(1, 8, 64), torch.rand(1, 32), torch.rand(1, 32)
+    q1, kk, vv = torch.randn(1, 8, 64), torch.randn(2, 9, 64), torch.randn(2, 9, 64)
+    with kernels.fast(False):
+        base.rms_norm(x, w, 1e-6), rope.apply_rope(h, cs, sn), layers.attention(q1, kk, vv, 8, 0.125)
+    assert calls == []  # the reference path: torch only
+    with kernels.fast(True):
+        base.rms_norm(x, w, 1e-6), rope.apply_rope(h, cs, sn), layers.attention(q1, kk, vv, 8, 0.125)
+        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)  # a prompt of 3 tokens: the torch form
+    assert calls == ["rms_rows", "rope1", "attend1"]
+    monkeypatch.undo()
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(1, 8, 64, generator=g), _cache(2, 9, 64, 16, g), _cache(2, 9, 64, 16, g)
     with kernels.fast(False):

@@ -262,22 +262,23 @@ def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lib
         return None
     q = q.contiguous()
     out, work = torch.empty(1, H, dv), torch.empty(H * S)
+    # heads split over the threads (each head's sums on one thread: the same at any count) once the scores take
+    # some 64K products; below that the parallel region's wake-up costs more than it saves
+    threads = torch.get_num_threads() if H * S * dk >= 1 << 16 else 1
     lib.df_attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), work.data_ptr(), H, Hkv, S, dk, dv,
-                   k.stride(0), v.stride(0), scale, torch.get_num_threads() if H * S * dk >= 1 << 16 else 1)
+                   k.stride(0), v.stride(0), scale, threads)
     USED.add("attend1")
     return out
 
 
-def rms_rows(x: torch.Tensor, w: torch.Tensor | None, eps: float, lib=None) -> torch.Tensor | None:
-    """RMSNorm of x [..., d] float32 by w [d] float32 (``df_rms_rows``), or None where x is not that."""
+def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float, lib=None) -> torch.Tensor | None:
+    """RMSNorm of x [..., d] float32 by w [d] float32 (``df_rms_rows``), or None where they are not that."""
     lib = lib or native.library()
-    if x.dtype != torch.float32 or (w is not None and (w.dtype != torch.float32 or w.shape != x.shape[-1:])):
+    if x.dtype != torch.float32 or w.dtype != torch.float32 or w.shape != x.shape[-1:]:
         return None
-    x = x.contiguous()
-    w = None if w is None else w.contiguous()
+    x, w = x.contiguous(), w.contiguous()
     out = torch.empty_like(x)
-    lib.df_rms_rows(x.data_ptr(), None if w is None else w.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
-                    x.shape[-1], eps)
+    lib.df_rms_rows(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
     return out
 
 
@@ -290,7 +291,7 @@ def rope1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib=None) -> to
     r = 2 * cos.shape[-1]
     if r > x.shape[-1]:
         return None
-    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    out = x.clone(memory_format=torch.contiguous_format)  # rotated in place: the caller's x is left as it was
     c, s = _x32(cos), _x32(sin)
     lib.df_rope1(out.data_ptr(), c.data_ptr(), s.data_ptr(), x.shape[1], x.shape[2], r)
     return out

@@ -2301,7 +2301,7 @@ void df_attend1(const float *q, const float *k, const float *v, float *out, floa
     }
 }
 
-/* rows [n, d] -> out (may be x): w * x / sqrt(mean(x^2) + eps); w NULL: no weight */
+/* rows [n, d] -> out (may be x): w * x / sqrt(mean(x^2) + eps) */
 void df_rms_rows(const float *x, const float *w, float *out, int64_t n, int64_t d, float eps) {
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * d;
@@ -2309,12 +2309,8 @@ void df_rms_rows(const float *x, const float *w, float *out, int64_t n, int64_t 
 #pragma omp simd reduction(+ : ss)
         for (int64_t c = 0; c < d; c++) ss += xr[c] * xr[c];
         const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        if (w)
 #pragma omp simd
-            for (int64_t c = 0; c < d; c++) yr[c] = w[c] * (xr[c] * inv);
-        else
-#pragma omp simd
-            for (int64_t c = 0; c < d; c++) yr[c] = xr[c] * inv;
+        for (int64_t c = 0; c < d; c++) yr[c] = w[c] * (xr[c] * inv);
     }
 }
 

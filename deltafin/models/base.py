@@ -114,17 +114,15 @@ def embed_rows(w: QTensor | torch.Tensor, ids: torch.Tensor, dtype: torch.dtype)
 
 
 def rms_norm(x: torch.Tensor, w: QTensor | torch.Tensor, eps: float) -> torch.Tensor:
-    if kc.enabled(x):  # bf16 on the kernel path: one fused launch (float32, the reference, stays below)
-        y = kc.rms_norm(x, dense(w, torch.float32), eps)
-        if y is not None:
-            return y
-    elif x.device.type == "cpu":  # the CPU's fast path (float32): one compiled call
-        y = rms_rows(x, dense(w, torch.float32), eps)
-        if y is not None:
-            return y
+    wf = dense(w, torch.float32)
+    # bf16 on the CUDA kernel path: one fused launch; the CPU's fast path (float32): one compiled call; else (the
+    # float32 reference) the torch form below
+    y = kc.rms_norm(x, wf, eps) if kc.enabled(x) else rms_rows(x, wf, eps) if x.device.type == "cpu" else None
+    if y is not None:
+        return y
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return dense(w, torch.float32).mul(y).to(x.dtype)
+    return wf.mul(y).to(x.dtype)
 
 
 class SequenceState:

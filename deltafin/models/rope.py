@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import rope_one
 
 KINDS = ("default", "linear", "yarn", "llama3")
 
@@ -211,10 +212,8 @@ def apply_rope(
     (2i, 2i+1) (DeepSeek ``rope_interleave``); the result is written de-interleaved (rotated evens, then
     rotated odds), as transformers does, which leaves every q.k dot product unchanged as q and k agree.
     """
-    if not interleaved and x.dim() == 3 and x.shape[0] == 1 and x.device.type == "cpu":
-        from deltafin.kernels import rope_one  # the CPU's fast path, one token: one compiled call
-
-        y = rope_one(x, cos, sin)
+    if not interleaved and x.dim() == 3 and x.shape[0] == 1 and x.device.type == "cpu":  # one token, the CPU's
+        y = rope_one(x, cos, sin)  # fast path: one compiled call
         if y is not None:
             return y
     r = 2 * cos.shape[-1]

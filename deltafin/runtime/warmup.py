@@ -1,7 +1,8 @@
 """Kernels warmed at load: a throwaway pass so the first prompt does not pay for loading them.
 
-On CUDA each Triton kernel (and each lazily loaded CUDA module of torch's) is loaded on its first call: a cold
-process spent about 1.5 s of a 5-layer Kimi K3 slice's first prompt on that, a third of its read floor. The engine
+On CUDA each Triton kernel (and each lazily loaded CUDA module of torch's) is loaded on its first call: on an
+8-layer Kimi K3 slice the first prompt's trunk math took 2.65 s against 1.31 s warm, and its time to first token
+5.68 s against 5.03-5.19 s (1.22x against 1.08-1.11x its read floor; docs/BENCHMARKS.md). The engine
 runs two short prompts (one of 16 tokens, one of 17, which Triton specialises apart) and one decode token through a
 state it then drops, with every expert of a layer served by one expert read once per expert shape: the kernels
 see the real shapes and formats, the drives read a few experts, and nothing a later run computes changes (the
@@ -55,7 +56,8 @@ class OneExpertSource:
 
 def warm(engine) -> float:
     """Run the throwaway passes on ``engine``; returns the seconds they took. The expert cache keeps the few
-    experts read (real ones, under their own keys); the source's counters are put back as they were."""
+    experts read (real ones, under their own keys); the source's counters (``SourceStats``) are put back as they
+    were, while its per-drive totals keep the warmup's reads (a run reports its own deltas of those)."""
     from deltafin.runtime.batch import forward_batch
 
     src = engine.source
