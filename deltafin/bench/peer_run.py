@@ -65,14 +65,18 @@ def deltafin_side(model: str, threads: int, tokens: int, prompt: int, wrap: list
     return json.loads(lines[-1])
 
 
-def _decode(engine, state, first: int, tokens: int) -> tuple[float, list[int]]:
-    """tok/s over ``tokens`` greedy one-token steps after one untimed step; the tokens, to check repeats."""
+def _decode(engine, state, first: int, tokens: int, read: list | None = None) -> tuple[float, list[int]]:
+    """tok/s over ``tokens`` greedy one-token steps after one untimed step; the tokens, to check repeats.
+    ``read``: gets the expert bytes the timed steps read appended."""
     tok, out = engine.forward([first], state).argmax().item(), []
-    t = time.perf_counter()
+    b0, t = engine.source.stats.bytes_read, time.perf_counter()
     for _ in range(tokens):
         tok = engine.forward([tok], state).argmax().item()
         out.append(tok)
-    return tokens / (time.perf_counter() - t), out
+    tps = tokens / (time.perf_counter() - t)
+    if read is not None:
+        read.append(engine.source.stats.bytes_read - b0)
+    return tps, out
 
 
 def bytes_per_token(packed) -> int:
@@ -104,12 +108,9 @@ def _worker(spec: dict) -> dict:
 
         from deltafin.bench.disk import raw_read_gbps
 
-        st, src = eng.new_state(), eng.source.stats
-        tok = eng.forward([ids[0]], st).argmax().item()
-        b0, t = src.bytes_read, time.perf_counter()
-        for _ in range(N):
-            tok = eng.forward([tok], st).argmax().item()
-        tps, per_tok = N / (time.perf_counter() - t), (src.bytes_read - b0) / N
+        read: list[int] = []
+        tps, _ = _decode(eng, eng.new_state(), ids[0], N, read)
+        src, per_tok = eng.source.stats, read[0] / N
         files = sorted(f for d in packed.drives for f in glob.glob(f"{d.path}/**/*.dfx", recursive=True))
         raw = raw_read_gbps(files[:256], max(os.path.getsize(f) for f in files[:256]), 4) if files else 0.0
         return {"decode_capped": tps, "bytes_read": src.bytes_read, "hit_rate": src.hit_rate,
