@@ -136,6 +136,21 @@ def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return None if be is None else be.rope1(x, cos, sin)
 
 
+def gqa_table(device_type: str, *args, **kw):
+    """A GQA layer's records prepared for ``gqa_one`` on this device's backend (``cpu.gqa_table``), or None where no
+    backend fuses the one-token attention block."""
+    be = backend(device_type) if device_type == "cpu" else None
+    fn = getattr(be, "gqa_table", None)
+    return None if fn is None else fn(*args, **kw)
+
+
+def gqa_one(table, x: torch.Tensor, *args) -> torch.Tensor | None:
+    """x + one token's whole GQA attention block (norm, q/k/v, their norms and rotation, the cache write, the
+    attention, o) in one compiled call on the CPU's fast path (``cpu.gqa_one``), else None: the separate calls run."""
+    be = _cpu_fast(x)
+    return None if be is None or table is None else be.gqa_one(table, x, *args)
+
+
 def _load(device_type: str) -> ModuleType | None:
     if device_type == "cpu":
         from deltafin.kernels import cpu

@@ -508,3 +508,73 @@ def int8_linear_many(x: torch.Tensor, ws: list[QTensor], lib=None) -> list[torch
     if lib.df_i8a16_multi(n, *ptrs, rows, x.data_ptr(), C, T, _threads(sum(rows), C, T)):
         raise MemoryError(f"int16 activation buffers for [{T}, {C}]; set DELTAFIN_CPU_Q8=0 to skip them")
     return outs
+
+
+class GQATable:
+    """One layer's records as ``df_gqa1`` reads them (an int64 table of pointers and sizes), with the float32 copies
+    it points into kept alive beside it. Made once per layer (``gqa_table``)."""
+
+    __slots__ = ("table", "keep", "D", "H", "Hkv", "d")
+
+    def __init__(self, table: torch.Tensor, keep: list, D: int, H: int, Hkv: int, d: int):
+        self.table, self.keep, self.D, self.H, self.Hkv, self.d = table, keep, D, H, Hkv, d
+
+
+def _int8_rows(w, C: int) -> bool:
+    return (isinstance(w, QTensor) and w.format == "int8" and len(w.shape) == 2 and w.shape[1] == C
+            and w.scale is not None and w.data.device.type == "cpu")
+
+
+def gqa_table(D: int, H: int, Hkv: int, d: int, r: int, ln1, q, k, v, o, biases=(None, None, None, None),
+              norms=(None, None), lib=None) -> GQATable | None:
+    """The table of one GQA layer for ``gqa_one``: q [H d, D], k and v [Hkv d, D], o [D, H d] int8 records, ln1 [D]
+    and the optional biases (q, k, v, o) and per-head q/k norm weights [d] as tensors; None where they are not that
+    (the caller keeps the separate calls)."""
+    lib = lib or native.library()
+    if lib is None or not (_int8_rows(q, D) and _int8_rows(k, D) and _int8_rows(v, D) and _int8_rows(o, H * d)):
+        return None
+    if (q.shape[0], k.shape[0], v.shape[0], o.shape[0]) != (H * d, Hkv * d, Hkv * d, D) or not 0 <= r <= d:
+        return None
+    keep: list[torch.Tensor] = []
+
+    def f32(t, n: int) -> int:
+        if t is None:
+            return 0
+        t = t.detach().to(torch.float32).contiguous().reshape(-1)
+        assert t.numel() == n, (t.numel(), n)
+        keep.append(t)
+        return t.data_ptr()
+
+    def rows(w) -> list[int]:
+        data = w.data.contiguous()
+        keep.append(data)
+        return [data.data_ptr(), f32(w.scale, w.shape[0])]
+
+    vals = [D, H, Hkv, d, r, f32(ln1, D), *rows(q), *rows(k), *rows(v), f32(biases[0], H * d), f32(biases[1], Hkv * d),
+            f32(biases[2], Hkv * d), f32(norms[0], d), f32(norms[1], d), *rows(o), f32(biases[3], D)]
+    assert len(vals) == lib.df_gqa_table_size()
+    return GQATable(torch.tensor(vals, dtype=torch.int64), keep, D, H, Hkv, d)
+
+
+def gqa_one(t: GQATable, x: torch.Tensor, eps: float, scale: float, pos: int, cos: torch.Tensor | None,
+            sin: torch.Tensor | None, kbuf: torch.Tensor, vbuf: torch.Tensor, k0: int, lib=None) -> torch.Tensor | None:
+    """x [1, D] + the layer's attention of one token (``df_gqa1``: the separate calls' result, bit for bit), its k and v
+    written at ``pos`` of the head-major cache buffers kbuf / vbuf [Hkv, cap, d] (cap > pos), attending over positions
+    k0 .. pos; cos / sin [1, r/2] float32 (None where r is 0). None where the fused call does not apply."""
+    lib = lib or native.library()
+    if (x.dtype != torch.float32 or x.shape != (1, t.D) or not i16_enabled(lib) or kbuf.dtype != torch.float32
+            or vbuf.dtype != torch.float32 or not (kbuf.is_contiguous() and vbuf.is_contiguous())):
+        return None
+    x = x.contiguous()
+    out = torch.empty(1, t.D, dtype=torch.float32)
+    n = torch.get_num_threads()
+    nq = t.H * t.d
+    S = pos + 1 - k0
+    cs = 0 if cos is None else cos.data_ptr()
+    sn = 0 if sin is None else sin.data_ptr()
+    if lib.df_gqa1(t.table.data_ptr(), x.data_ptr(), out.data_ptr(), eps, scale, pos, cs, sn, kbuf.data_ptr(),
+                   vbuf.data_ptr(), kbuf.stride(0), vbuf.stride(0), k0, _threads(nq + 2 * t.Hkv * t.d, t.D, 1),
+                   n if t.H * S * t.d >= 1 << 16 else 1, _threads(t.D, nq, 1)):
+        raise MemoryError(f"work buffers of a one-token attention over {S} positions")
+    USED.add("gqa1")
+    return out

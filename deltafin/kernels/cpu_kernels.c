@@ -727,7 +727,9 @@ static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, con
  * so a thread reads one sequential stream that the hardware prefetcher follows (no software prefetch), with the
  * same operations on the same values in the same order as q8_group (the same sums, bit for bit). Four rows
  * interleaved with a prefetch a row ahead (the generic loop) spilled its pointers and ran 8 experts of 768 x 2048
- * at 7.1-7.7 GB/s on one Zen 4 core, whether they were in L3 or in memory. Returns r1. */
+ * at 7.1-7.7 GB/s on one Zen 4 core, whether they were in L3 or in memory. This one computes at 18 GB/s from L2 and
+ * 9-12 from memory; a prefetch 1-8 KB ahead in the same stream gained 1-3% in a layer's experts, within the noise,
+ * so there is none. Returns r1. */
 static int64_t q8_rows1_vnni(int kind, const uint8_t *packed, const void *scales, const float *e8m0,
                              const q8k_t *k, const q8x_t *q, float *out, int64_t r0, int64_t r1, int64_t H,
                              int64_t nb, int64_t G) {
@@ -2328,3 +2330,84 @@ void df_rope1(float *x, const float *cs, const float *sn, int64_t n, int64_t d, 
         }
     }
 }
+
+/* ---- One decode token's whole GQA attention block in one call (float32) ----
+ * out = x + o_proj(attend(rope(norm(q)), rope(norm(k)), v)) for q, k, v = int8 rows of rms(x, ln1) (+ biases): the
+ * steps, kernels and order of the separate calls (df_rms_rows, df_i8a16_multi, df_rope1, df_attend1, df_i8a16_mm
+ * and the adds between them), so the result is theirs bit for bit; what goes is a dozen host round trips a layer.
+ * L: the layer's table (DF_GQA_* below, pointers and sizes as int64, 0 for an absent bias or norm). k and v of the
+ * token are written at position pos of the head-major caches kc / vc (heads kstride / vstride floats apart); the
+ * token attends over positions k0 .. pos. cs / sn: the token's rotation [r / 2]. nt: threads for q/k/v, the
+ * attention and o. Returns 0, or -1 when the work buffers could not be allocated. */
+enum { DF_GQA_D, DF_GQA_H, DF_GQA_HKV, DF_GQA_HD, DF_GQA_R, DF_GQA_LN, DF_GQA_WQ, DF_GQA_SQ, DF_GQA_WK, DF_GQA_SK,
+       DF_GQA_WV, DF_GQA_SV, DF_GQA_BQ, DF_GQA_BK, DF_GQA_BV, DF_GQA_QN, DF_GQA_KN, DF_GQA_WO, DF_GQA_SO, DF_GQA_BO,
+       DF_GQA_N };
+
+int df_gqa1(const int64_t *L, const float *x, float *out, float eps, float scale, int64_t pos, const float *cs,
+            const float *sn, float *kc, float *vc, int64_t kstride, int64_t vstride, int64_t k0, int nt_qkv,
+            int nt_attn, int nt_o) {
+#define P_(i, type) ((type)(intptr_t)L[i])
+    const int64_t D = L[DF_GQA_D], H = L[DF_GQA_H], Hkv = L[DF_GQA_HKV], d = L[DF_GQA_HD], r = L[DF_GQA_R];
+    const int64_t nq = H * d, nkv = Hkv * d, S = pos + 1 - k0;
+    float *h = malloc(D * sizeof(float)), *qkv = malloc((nq + 2 * nkv) * sizeof(float));
+    float *att = malloc(nq * sizeof(float)), *work = malloc(H * S * sizeof(float));
+    i8a16_t a = {0}, b = {0};
+    a.NB = (D + A16B - 1) / A16B;
+    b.NB = (nq + A16B - 1) / A16B;
+    a.q = malloc(a.NB * A16B * sizeof(int16_t));
+    a.d = malloc(a.NB * sizeof(float));
+    b.q = malloc(b.NB * A16B * sizeof(int16_t));
+    b.d = malloc(b.NB * sizeof(float));
+    int rc = -1;
+    if (h && qkv && att && work && a.q && a.d && b.q && b.d) {
+        df_rms_rows(x, P_(DF_GQA_LN, const float *), h, 1, D, eps);
+        a16_quantize(h, 1, D, &a);
+        const int8_t *w[3] = {P_(DF_GQA_WQ, const int8_t *), P_(DF_GQA_WK, const int8_t *), P_(DF_GQA_WV, const int8_t *)};
+        const float *sc[3] = {P_(DF_GQA_SQ, const float *), P_(DF_GQA_SK, const float *), P_(DF_GQA_SV, const float *)};
+        float *o3[3] = {qkv, qkv + nq, qkv + nq + nkv};
+        const int64_t R3[3] = {nq, nkv, nkv};
+        {
+            const int nthreads = nt_qkv; /* SPLIT's pragma names its count so */
+            SPLIT(nthreads, nq + 2 * nkv, i8a16_span(3, w, sc, o3, R3, &a, r0, r1, D, 1))
+        }
+        for (int m = 0; m < 3; m++) {
+            const float *bias = P_(DF_GQA_BQ + m, const float *);
+            if (bias)
+                for (int64_t i = 0; i < R3[m]; i++) o3[m][i] = o3[m][i] + bias[i];
+        }
+        float *q = o3[0], *k = o3[1], *v = o3[2];
+        if (L[DF_GQA_QN]) df_rms_rows(q, P_(DF_GQA_QN, const float *), q, H, d, eps);
+        if (L[DF_GQA_KN]) df_rms_rows(k, P_(DF_GQA_KN, const float *), k, Hkv, d, eps);
+        if (r > 0) {
+            df_rope1(q, cs, sn, H, d, r);
+            df_rope1(k, cs, sn, Hkv, d, r);
+        }
+        for (int64_t j = 0; j < Hkv; j++) {
+            memcpy(kc + j * kstride + pos * d, k + j * d, d * sizeof(float));
+            memcpy(vc + j * vstride + pos * d, v + j * d, d * sizeof(float));
+        }
+        df_attend1(q, kc + k0 * d, vc + k0 * d, att, work, H, Hkv, S, d, d, kstride, vstride, scale, nt_attn);
+        a16_quantize(att, 1, nq, &b);
+        float *o = h; /* h is spent: o [D] takes its place */
+        const float *so = P_(DF_GQA_SO, const float *), *bo = P_(DF_GQA_BO, const float *);
+        const int8_t *wo = P_(DF_GQA_WO, const int8_t *);
+        {
+            const int nthreads = nt_o;
+            SPLIT(nthreads, D, i8a16_rows(wo, so, &b, o, r0, r1, D, nq, 1))
+        }
+        for (int64_t i = 0; i < D; i++) out[i] = x[i] + (bo ? o[i] + bo[i] : o[i]);
+        rc = 0;
+    }
+#undef P_
+    free(h);
+    free(qkv);
+    free(att);
+    free(work);
+    free(a.q);
+    free(a.d);
+    free(b.q);
+    free(b.d);
+    return rc;
+}
+
+int df_gqa_table_size(void) { return DF_GQA_N; }

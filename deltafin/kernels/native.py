@@ -69,6 +69,8 @@ _SIGNATURES = {
     "df_attend1": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _INT],
     "df_rms_rows": [_P, _P, _P, _I64, _I64, _F],
     "df_rope1": [_P, _P, _P, _I64, _I64, _I64],
+    "df_gqa1": [_P, _P, _P, _F, _F, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT],
+    "df_gqa_table_size": [],
 }
 _lock = threading.Lock()
 _loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
+from deltafin.kernels import fast_enabled, gqa_one, gqa_table
 from deltafin.kernels import swiglu as fused_swiglu
 from deltafin.models.base import (
     ExpertSource,
@@ -345,6 +346,45 @@ class GQADecoder(DecoderLM):
 
     def _layer_names(self, i: int) -> dict[str, str]:
         return {}
+
+    def attn_part(self, i: int, carry, state: SequenceState):
+        if carry.shape[0] == 1 and fast_enabled():
+            y = self._attn_one(i, carry, state)
+            if y is not None:
+                return y
+        return super().attn_part(i, carry, state)
+
+    def _qk_norms(self, i: int) -> tuple | None:
+        """The per-head q and k RMSNorm weights this family's ``_qkv`` applies ((None, None): none), or None where its
+        ``_qkv`` does something else, which the one-token fused block does not do."""
+        return (None, None) if type(self)._qkv is GQADecoder._qkv else None
+
+    def _attn_one(self, i: int, x: torch.Tensor, state: SequenceState) -> torch.Tensor | None:
+        """x + layer i's attention of one token in one compiled call (``kernels.gqa_one``: the separate calls'
+        result, bit for bit), or None where it does not apply (the layer-by-layer calls run)."""
+        tables = self.__dict__.setdefault("_gqa_tables", {})
+        if i not in tables:
+            tables[i] = self._gqa_table(i)
+        t = tables[i]
+        cache = state.layers[i]
+        if t is None or state.at is not None or not isinstance(cache, KVCache):
+            return None
+        pos, window = state.pos, self._window(i)
+        cos, sin = self.rope.cos_sin(pos, 1) if self.rope.dim else (None, None)
+        kbuf, vbuf = cache.keys.reserve(pos, 1), cache.values.reserve(pos, 1)  # the call writes position pos
+        k0 = 0 if window is None else max(0, pos - window + 1)
+        return gqa_one(t, x, self.norm_eps, self.cfg.head_dim**-0.5, pos, cos, sin, kbuf, vbuf, k0)
+
+    def _gqa_table(self, i: int):
+        c, lw = self.cfg, self.layers[i]
+        norms = self._qk_norms(i)
+        if (norms is None or self._sinks(i) is not None or self.device.type != "cpu" or self.dtype != torch.float32
+                or c.num_key_value_heads * c.head_dim != getattr(lw["k"], "shape", (0,))[0]):
+            return None
+        dense_or_none = [None if t is None else dense(t, torch.float32) for t in (lw["q_b"], lw["k_b"], lw["v_b"], lw["o_b"])]
+        return gqa_table("cpu", c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         self.rope.dim, dense(lw["ln1"], torch.float32), lw["q"], lw["k"], lw["v"], lw["o"],
+                         dense_or_none, tuple(None if n is None else dense(n, torch.float32) for n in norms))
 
     def new_layer_state(self, i: int, max_len: int) -> KVCache:
         c = self.cfg

@@ -98,6 +98,9 @@ class Model(GQADecoder):
         lw, T, d, eps = self.layers[i], h.shape[0], self.cfg.head_dim, self.norm_eps
         return rms_norm(q.view(T, -1, d), lw["qn"], eps), rms_norm(k.view(T, -1, d), lw["kn"], eps), v
 
+    def _qk_norms(self, i: int) -> tuple:
+        return (self.layers[i]["qn"], self.layers[i]["kn"]) if self.cfg.use_qk_norm else (None, None)
+
     def _is_moe(self, i: int) -> bool:
         return self.cfg.is_moe(i)
 

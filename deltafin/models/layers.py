@@ -81,6 +81,19 @@ class GrowingCache:
             self.buf, self._finite = buf, True
         return self.buf
 
+    def reserve(self, pos: int, T: int) -> torch.Tensor:
+        """``write`` without the copy: positions pos .. pos+T-1 made the last ones (the buffer grown where needed)
+        for the caller to fill in place; returns the whole buffer."""
+        end = pos + T
+        assert pos <= self.length, f"cache write at {pos} leaves a gap after {self.length}"
+        assert end <= self.max_len or not self.bounded, (
+            f"sequence of {end} tokens exceeds the state's max_len {self.max_len}"
+        )
+        if end > self.capacity:
+            self._grow(end)
+        self.length = end
+        return self.buf
+
     def _grow(self, end: int) -> None:
         self._finite = False
         capacity = max(2 * self.capacity, end)

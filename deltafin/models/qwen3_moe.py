@@ -82,6 +82,9 @@ class Model(GQADecoder):
             v,
         )  # per head
 
+    def _qk_norms(self, i: int) -> tuple:
+        return self.layers[i]["qn"], self.layers[i]["kn"]
+
     def _is_moe(self, i: int) -> bool:
         return self.cfg.is_moe(i)
 
