@@ -8,6 +8,7 @@ the number of bytes read. Real drives use O_DIRECT (Linux) or F_NOCACHE (macOS);
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -24,21 +25,45 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_buffer(nbytes: int, populate: bool = False) -> memoryview:
+HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+
+
+def aligned_buffer(nbytes: int, populate: bool = False, huge: bool = False) -> memoryview:
     """A page-aligned, zero-filled writable buffer (private anonymous mmap: always 4 KiB aligned).
 
     ``populate``: its pages are mapped now (MAP_POPULATE where the platform has it, else a write to every page)
     rather than one fault at a time at first touch, which a direct read into a fresh buffer pays inside the read
-    (1.26 GB here: 0.37-0.40 s populated at once, 0.5-0.6 s touched page by page, 0.7 s as a shared mapping)."""
+    (1.26 GB here: 0.37-0.40 s populated at once, 0.5-0.6 s touched page by page, 0.7 s as a shared mapping).
+
+    ``huge``: memory the kernels stream (experts held in the cache, trunk matrices): its whole 2 MiB pages are
+    asked for as transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux; where THP is off, or elsewhere, plain
+    pages), the tail past the last whole one left in small pages so no huge page is spent on a few bytes. A
+    one-token MXFP4 expert read from 4 KiB pages ran 8.9 GB/s on one Zen 4 core and 15.1 from huge pages, int8
+    rows 20.2 and 25.9 (docs/BENCHMARKS.md): the hardware prefetcher stops at every 4 KiB page and the TLB misses."""
     size = max(align_up(nbytes), ALIGN)
+    advise = huge and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no flags; the mapping is private to the process anyway
         buf = memoryview(mmap.mmap(-1, size))
     else:
-        flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        buf = memoryview(mmap.mmap(-1, size, flags=flags))
-    if populate and not getattr(mmap, "MAP_POPULATE", 0):
+        # a length of whole huge pages makes Linux (6.7 on) start the mapping on a huge-page boundary
+        flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if populate and not advise else 0)
+        m = mmap.mmap(-1, align_up(size, HUGE) if advise else size, flags=flags)
+        if advise:
+            start = (-_address(m)) % HUGE  # the first whole huge page
+            whole = (size - start) // HUGE * HUGE if size > start else 0
+            if whole:
+                with contextlib.suppress(OSError):  # THP compiled out: plain pages
+                    m.madvise(mmap.MADV_HUGEPAGE, start, whole)
+        buf = memoryview(m)[:size]
+    if populate and (advise or not getattr(mmap, "MAP_POPULATE", 0)):
         buf[::ALIGN] = bytes(size // ALIGN)  # one write per page maps it (zeros: the contents stay)
     return buf
+
+
+def _address(m: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
 class DriveReader(Protocol):

@@ -42,7 +42,7 @@ class BufferPool:
             if self._free[size]:
                 return self._free[size].pop()
             self.allocated += size
-        return _pinned_buffer(size) if self.pin else aligned_buffer(size)
+        return _pinned_buffer(size) if self.pin else aligned_buffer(size, huge=True)
 
     def reserve(self, nbytes: int, count: int) -> int:
         """Have at least ``count`` free buffers of ``nbytes`` (aligned up), their pages mapped now: a read into a
@@ -56,7 +56,8 @@ class BufferPool:
             need = count - len(self._free[size])
         if need <= 0:
             return 0
-        new = _pinned_buffers(size, need) if self.pin else [aligned_buffer(size, populate=True) for _ in range(need)]
+        new = (_pinned_buffers(size, need) if self.pin
+               else [aligned_buffer(size, populate=True, huge=True) for _ in range(need)])
         with self._lock:
             self._free[size].extend(new)
             self.allocated += need * size

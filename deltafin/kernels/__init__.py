@@ -151,6 +151,28 @@ def gqa_one(table, x: torch.Tensor, *args) -> torch.Tensor | None:
     return None if be is None or table is None else be.gqa_one(table, x, *args)
 
 
+def route_one(x: torch.Tensor, ln: torch.Tensor, eps: float, router: torch.Tensor, k: int, renorm: bool):
+    """One token's MoE input rms(x, ln) and its softmax top-k routing over a float32 router in one compiled call on
+    the CPU's fast path (``cpu.route1``: (h [1, D], ids, weights [k])), else None."""
+    be = _cpu_fast(x)
+    return None if be is None else be.route1(x, ln, eps, router, k, renorm)
+
+
+def glu_into(h: torch.Tensor, experts: list, slots: list[int], y: torch.Tensor, act: tuple = ("silu",)) -> bool:
+    """One token's gated 4-bit experts into rows ``slots`` of y in one compiled call (``cpu.glu_into``); False where
+    it does not apply (nothing written: the caller runs them one at a time)."""
+    be = _cpu_fast(h)
+    return False if be is None else be.glu_into(h, experts, slots, y, act)
+
+
+def moe_sum_one(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x + sum over slots of w[s] y[s] in slot order (``cpu.moe_sum1``); the torch form where the kernels are off."""
+    be = _cpu_fast(x)
+    if be is None or y.dtype != torch.float32 or w.dtype != torch.float32:
+        return x + (y * w.to(y.dtype).unsqueeze(-1)).sum(0, keepdim=True)
+    return be.moe_sum1(x, y, w)
+
+
 def _load(device_type: str) -> ModuleType | None:
     if device_type == "cpu":
         from deltafin.kernels import cpu

@@ -41,6 +41,7 @@ same int16 activations per block of 32, faster than the decoded tile and torch's
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import dataclasses
@@ -577,4 +578,81 @@ def gqa_one(t: GQATable, x: torch.Tensor, eps: float, scale: float, pos: int, co
                    n if t.H * S * t.d >= 1 << 16 else 1, _threads(t.D, nq, 1)):
         raise MemoryError(f"work buffers of a one-token attention over {S} positions")
     USED.add("gqa1")
+    return out
+
+
+def route1(x: torch.Tensor, ln: torch.Tensor, eps: float, router: torch.Tensor, k: int, renorm: bool, lib=None
+           ) -> tuple[torch.Tensor, list[int], torch.Tensor] | None:
+    """One token's MoE input and softmax top-k routing in one call (``df_route1``): (h = rms(x, ln) [1, D], the k
+    expert ids, their weights [k] float32), ids in descending weight order; None where it does not apply (the
+    caller's torch form runs). ln [D] and router [E, D] float32, contiguous (prepared once per layer)."""
+    lib = lib or native.library()
+    E, D = router.shape
+    if x.dtype != torch.float32 or x.shape != (1, D) or not 0 < k <= E:
+        return None
+    x = x.contiguous()
+    h, ids, w = torch.empty(1, D), torch.empty(k, dtype=torch.int64), torch.empty(k)
+    threads = torch.get_num_threads() if E * D >= SERIAL_ELEMENTS // 4 else 1
+    if lib.df_route1(x.data_ptr(), ln.data_ptr(), eps, router.data_ptr(), E, D, k, int(renorm), h.data_ptr(),
+                     ids.data_ptr(), w.data_ptr(), threads):
+        return None
+    USED.add("route1")
+    return h, ids.tolist(), w
+
+
+def _q8_expert(tensors) -> tuple | None:
+    """(kind, I, D, the six pointers) of a gated 4-bit expert as ``df_q4q8_glu_many`` reads it, kept on the expert's
+    record dict where it takes attributes (``store.expert_file.decode``'s): computed once per expert in memory."""
+    got = getattr(tensors, "q8_parts", False)
+    if got is not False:
+        return got
+    try:
+        recs = (tensors["gate"], tensors["up"], tensors["down"])
+    except KeyError:
+        recs = None
+    parts = None if recs is None else _glu_parts(*recs)
+    got = None if parts is None else (parts[0], parts[1], recs[0].shape[1], tuple(t.data_ptr() for t in parts[2]),
+                                      parts[2])
+    with contextlib.suppress(AttributeError):  # a plain dict: computed again next time
+        tensors.q8_parts = got
+    return got
+
+
+def glu_into(h: torch.Tensor, experts: list, slots: list[int], y: torch.Tensor, act: tuple = ("silu",), lib=None
+             ) -> bool:
+    """y[slots[i]] = glu_expert(h, experts[i]...) for one token h [1, D] and gated 4-bit experts (tensors by role), in
+    one call (``df_q4q8_glu_many``, bit for bit each expert's own call); y [k, D] float32. False (nothing written)
+    where any of them is not such an expert of the first one's shape, or there is no Q8 path: the caller runs them."""
+    lib = lib or native.library()
+    if not experts or not q8_enabled(lib) or h.shape[0] != 1 or h.dtype != torch.float32:
+        return False
+    parts = [_q8_expert(t) for t in experts]
+    first = parts[0]
+    if first is None or first[2] != h.shape[1] or any(p is None or p[:3] != first[:3] for p in parts):
+        return False
+    kind, I, D = first[:3]  # noqa: E741
+    n = len(parts)
+    h = h.contiguous()
+    base_out = y.data_ptr()
+    # the nine arrays as rows of one int64 array (an array.array: a tenth of a tensor's cost from a list)
+    table = array.array("q", [p[3][j] for j in range(6) for p in parts] + [h.data_ptr()] * n + [1] * n
+                        + [base_out + 4 * D * s for s in slots])
+    base, row = table.buffer_info()[0], 8 * n
+    tab, kk, mult = _Q8[kind]
+    USED.add(f"{experts[0]['gate'].format}_q8_{act[0]}_many")
+    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *(base + j * row for j in range(6)), tab.data_ptr(), kk, mult,
+                            _E8M0.data_ptr(), base + 6 * row, base + 7 * row, base + 8 * row, I, D,
+                            torch.get_num_threads()):
+        raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
+    return True
+
+
+def moe_sum1(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, lib=None) -> torch.Tensor:
+    """x + sum over slots s of w[s] * y[s] for one token x [1, D], y [k, D], w [k], all float32 (``df_moe_sum1``, slot
+    order)."""
+    lib = lib or native.library()
+    out = torch.empty(x.shape)
+    if not (x.is_contiguous() and y.is_contiguous() and w.is_contiguous()):
+        x, y, w = x.contiguous(), y.contiguous(), w.contiguous()
+    lib.df_moe_sum1(x.data_ptr(), y.data_ptr(), w.data_ptr(), y.shape[0], y.shape[1], out.data_ptr())
     return out

@@ -2411,3 +2411,64 @@ int df_gqa1(const int64_t *L, const float *x, float *out, float eps, float scale
 }
 
 int df_gqa_table_size(void) { return DF_GQA_N; }
+
+/* ---- One decode token's MoE routing and the sum of its experts (float32) ----
+ * df_route1: h = rms(x, ln) [D]; logits = W h for a float32 router W [E, D] (rows over nthreads, each row's sum in
+ * one fixed order); softmax over the E logits (the largest taken off, expf, summed in expert order); the k largest
+ * probabilities, descending, a tie to the lower expert; renorm: divided by their sum. ids [k] int64, w [k].
+ * df_moe_sum1: out = x + sum over slots s (in slot order) of w[s] * y[s], y [k, D]: every product lands in its slot
+ * whatever order the experts were computed in, so the result does not depend on it. */
+int df_route1(const float *x, const float *ln, float eps, const float *W, int64_t E, int64_t D, int64_t k, int renorm,
+              float *h, int64_t *ids, float *w, int nthreads) {
+    float *p = malloc(E * sizeof(float));
+    if (!p || k > E) {
+        free(p);
+        return -1;
+    }
+    df_rms_rows(x, ln, h, 1, D, eps);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t e = 0; e < E; e++) {
+        const float *row = W + e * D;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t c = 0; c < D; c++) acc += row[c] * h[c];
+        p[e] = acc;
+    }
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = expf(p[e] - mx);
+        sum += p[e];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; e++) p[e] *= inv;
+    float total = 0.0f;
+    for (int64_t s = 0; s < k; s++) { /* k passes: k is a handful */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        if (best < 0) { /* NaN logits: the caller's torch form says what they give */
+            free(p);
+            return -1;
+        }
+        ids[s] = best;
+        w[s] = p[best];
+        total += p[best];
+        p[best] = -1.0f; /* taken */
+    }
+    if (renorm)
+        for (int64_t s = 0; s < k; s++) w[s] = w[s] / total;
+    free(p);
+    return 0;
+}
+
+void df_moe_sum1(const float *x, const float *y, const float *w, int64_t k, int64_t D, float *out) {
+    for (int64_t c = 0; c < D; c++) out[c] = 0.0f;
+    for (int64_t s = 0; s < k; s++) {
+        const float ws = w[s], *ys = y + s * D;
+#pragma omp simd
+        for (int64_t c = 0; c < D; c++) out[c] += ws * ys[c];
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < D; c++) out[c] = x[c] + out[c];
+}

@@ -71,6 +71,8 @@ _SIGNATURES = {
     "df_rope1": [_P, _P, _P, _I64, _I64, _I64],
     "df_gqa1": [_P, _P, _P, _F, _F, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT],
     "df_gqa_table_size": [],
+    "df_route1": [_P, _P, _F, _P, _I64, _I64, _I64, _INT, _P, _P, _P, _INT],
+    "df_moe_sum1": [_P, _P, _P, _I64, _I64, _P],
 }
 _lock = threading.Lock()
 _loaded: dict[tuple[str, ...], ctypes.CDLL | None] = {}

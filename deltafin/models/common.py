@@ -20,7 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from deltafin.errors import CheckpointError, UnsupportedArchitectureError
-from deltafin.kernels import fast_enabled, gqa_one, gqa_table
+from deltafin.kernels import (
+    fast_enabled,
+    glu_into,
+    gqa_one,
+    gqa_table,
+    invariant_enabled,
+    moe_sum_one,
+    route_one,
+)
 from deltafin.kernels import swiglu as fused_swiglu
 from deltafin.models.base import (
     ExpertSource,
@@ -353,6 +361,69 @@ class GQADecoder(DecoderLM):
             if y is not None:
                 return y
         return super().attn_part(i, carry, state)
+
+    def mlp_part(self, i: int, carry, experts: ExpertSource):
+        # batch-invariant: a token's routing must be the one it gets among others, which the batched torch router gives
+        if carry.shape[0] == 1 and fast_enabled() and not invariant_enabled():
+            y = self._moe_one(i, carry, experts)
+            if y is not None:
+                return y
+        return super().mlp_part(i, carry, experts)
+
+    def _router_one(self, i: int) -> tuple | None:
+        """(router record [E, D], k, renormalise) where layer i's routing is a softmax top-k over plain logits and the
+        layer adds nothing beside its routed experts (no shared expert): what the one-token fused MoE step does.
+        None (the default): another routing, which keeps the layer-by-layer calls."""
+        return None
+
+    def _moe_one(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor | None:
+        """x + layer i's routed experts for one token with their host work in compiled calls: the norm and routing
+        in one (``kernels.route_one``), each group of experts the source hands over in one (``glu_into``, each
+        expert's own result bit for bit), their weighted sum in slot order in one (``moe_sum_one``), so the result
+        does not depend on which experts were cached or the order reads land. None where it does not apply."""
+        specs = self.__dict__.setdefault("_route_specs", {})
+        if i not in specs:
+            specs[i] = self._route_spec(i)
+        spec = specs[i]
+        if spec is None:
+            return None
+        ln, router, k, renorm = spec
+        got = route_one(x, ln, self.norm_eps, router, k, renorm)
+        if got is None:
+            return None
+        h, ids, w = got
+        split = hasattr(experts, "combine")  # ranks (runtime/distributed.py): moe_dispatch's protocol, same numbers
+        if hasattr(experts, "agree"):
+            ids_t, w = experts.agree(i, torch.tensor([ids]), w[None])
+            ids, w = ids_t[0].tolist(), w[0]
+        y = torch.zeros(k, x.shape[1]) if split else torch.empty(k, x.shape[1])  # a slot another rank fills reads 0
+        slot_of = {e: s for s, e in enumerate(ids)}
+        wanted = sorted(slot_of)
+        if hasattr(experts, "local"):
+            wanted = experts.local(i, wanted)
+        groups = (experts.fetch_groups(i, wanted) if hasattr(experts, "fetch_groups")
+                  else ([item] for item in experts.fetch(i, wanted)))
+        seen = 0
+        for group in groups:
+            slots = [slot_of[e] for e, _ in group]
+            if not glu_into(h, [t for _, t in group], slots, y, self._glu):
+                for (_, tensors), s in zip(group, slots, strict=True):
+                    y[s] = self._expert(h, tensors)[0]
+            seen += len(group)
+        assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {i}"
+        if split:
+            y = experts.combine(i, y[None], torch.tensor([ids]))[0]
+        return moe_sum_one(x, y, w)
+
+    def _route_spec(self, i: int) -> tuple | None:
+        r = self._router_one(i) if self._is_moe(i) and self.device.type == "cpu" and self.dtype == torch.float32 else None
+        if r is None:
+            return None
+        rec, k, renorm = r
+        w = rec if isinstance(rec, torch.Tensor) else rec.data if getattr(rec, "format", None) == "f32" else None
+        if w is None or w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu":
+            return None
+        return dense(self._p(i, "post_attention_layernorm.weight"), torch.float32).contiguous(), w.contiguous(), k, renorm
 
     def _qk_norms(self, i: int) -> tuple | None:
         """The per-head q and k RMSNorm weights this family's ``_qkv`` applies ((None, None): none), or None where its

@@ -62,6 +62,9 @@ class Model(GQADecoder):
             if lw["router"] is None:
                 take(self.w, f"model.layers.{i}.", {"router": _ROUTERS["router"]})
 
+    def _router_one(self, i: int) -> tuple:
+        return self.layers[i]["router"], self.cfg.num_experts_per_tok, True
+
     def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x, self.layers[i]["router"])  # [T, E]
         return softmax_topk(logits, self.cfg.num_experts_per_tok, renormalize=True)

@@ -66,6 +66,9 @@ class Model(GQADecoder):
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
         return q, k, v
 
+    def _router_one(self, i: int) -> tuple:
+        return self.layers[i]["router"], self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
+
     def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x, self.layers[i]["router"])  # [T, E]
         return softmax_topk(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)

@@ -88,6 +88,9 @@ class Model(GQADecoder):
     def _is_moe(self, i: int) -> bool:
         return self.cfg.is_moe(i)
 
+    def _router_one(self, i: int) -> tuple:
+        return self.layers[i]["router"], self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
+
     def _router(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x, self.layers[i]["router"])  # [T, E]
         return softmax_topk(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)

@@ -231,13 +231,18 @@ def _layout_problem(layout: ExpertLayout) -> str | None:
     return None
 
 
+class Expert(dict):
+    """An expert's records by role. A dict that also takes attributes: what a kernel derives from the records once
+    (``kernels.cpu``'s pointer table of a 4-bit expert) stays with them for as long as they are in memory."""
+
+
 def decode(buf: memoryview | bytes, layout: ExpertLayout | None = None, where: str = "expert file") -> dict[str, QTensor]:
-    """Zero-copy views of an expert's tensors over ``buf`` (the whole file)."""
+    """Zero-copy views of an expert's tensors over ``buf`` (the whole file), as an ``Expert``."""
     if layout is None:
         layout, _, _ = parse_header(buf, where)
     if len(buf) < layout.file_bytes:
         raise ExpertFileError(f"{where}: truncated ({len(buf)} of {layout.file_bytes} bytes); repack this expert")
-    out: dict[str, QTensor] = {}
+    out: dict[str, QTensor] = Expert()
     whole = torch.frombuffer(buf, dtype=torch.uint8, count=layout.file_bytes)
     for t in layout.tensors:
         parts = []

@@ -16,6 +16,7 @@ import torch
 import xxhash
 
 from deltafin.errors import DeltafinError
+from deltafin.io.direct import HUGE, aligned_buffer
 from deltafin.store.fileio import pread_full, write_error, write_full
 
 SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
@@ -86,6 +87,14 @@ def _entry(path: str, name: str, d, base: int, size: int, error, fix: str) -> En
     return Entry(name, dtype, shape, base + a, b - a)
 
 
+def _empty(shape, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """Memory for a tensor read from a file: a matrix of a huge page or more in huge pages where the system gives
+    them (``aligned_buffer(huge=True)``: the CPU kernels stream it every token), the rest from torch."""
+    if nbytes < HUGE:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(aligned_buffer(nbytes, huge=True), dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 def read_tensors(path: str, error: type[DeltafinError], fix: str, names: Iterable[str] | None = None
                  ) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file (``names`` or all), each read straight into its own memory."""
@@ -99,7 +108,7 @@ def read_tensors(path: str, error: type[DeltafinError], fix: str, names: Iterabl
     try:
         for name in want:
             e = entries[name]
-            t = torch.empty(e.shape, dtype=TORCH[e.dtype])
+            t = _empty(e.shape, TORCH[e.dtype], e.nbytes)
             view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
             if e.nbytes and pread_full(fd, view, e.offset, path, error) != e.nbytes:
                 raise error(f"{path}: short read of {name} at offset {e.offset:,}; {fix}")
