@@ -240,3 +240,38 @@ def test_the_gpu_memory_cap_names_the_device_by_its_index(k3_model, monkeypatch)
     with pytest.raises(Capped):
         Engine(str(k3_model / "model"), EngineOptions(device="cuda", gpu_memory_gb=20.0))
     assert got == [(pytest.approx(20e9 / (80 << 30)), 0)]
+
+
+def _cgroup(tmp_path, lines: str, files: dict[str, str]) -> tuple[str, str]:
+    proc, root = tmp_path / "cgroup", tmp_path / "fs"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc.write_text(lines)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(proc), str(root)
+
+
+def test_available_memory_is_bounded_by_the_processs_cgroup_limit(tmp_path):
+    import psutil
+
+    from deltafin.runtime import host_memory
+
+    system = psutil.virtual_memory().available
+    gb = 1 << 30
+    # v2: the group's own limit (2 GB, 1.5 used of which 0.5 inactive page cache), its parent's none ("max")
+    proc, root = _cgroup(tmp_path / "v2", "0::/box/job\n", {
+        "box/job/memory.max": str(2 * gb), "box/job/memory.current": str(3 * gb // 2),
+        "box/job/memory.stat": f"anon 1\ninactive_file {gb // 2}\n", "box/memory.max": "max",
+        "box/memory.current": str(5 * gb)})
+    assert host_memory.available_bytes(proc, root) == min(system, gb)
+    # v1: the parent's limit is the tighter one; the child's "no limit" is v1's 2^63 - 4096
+    proc, root = _cgroup(tmp_path / "v1", "9:cpu:/\n4:memory:/a/b\n", {
+        "memory/a/b/memory.limit_in_bytes": str(2**63 - 4096), "memory/a/b/memory.usage_in_bytes": str(gb),
+        "memory/a/memory.limit_in_bytes": str(gb + gb // 4), "memory/a/memory.usage_in_bytes": str(gb),
+        "memory/a/memory.stat": "total_inactive_file 0\n"})
+    assert host_memory.available_bytes(proc, root) == min(system, gb // 4)
+    # usage above the limit: nothing left, not a negative figure; no cgroup file: the system's figure
+    proc, root = _cgroup(tmp_path / "over", "0::/\n", {"memory.max": str(gb), "memory.current": str(2 * gb)})
+    assert host_memory.available_bytes(proc, root) == 0
+    assert host_memory.available_bytes(str(tmp_path / "none"), root) == pytest.approx(system, rel=0.2)

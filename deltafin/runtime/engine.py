@@ -17,6 +17,7 @@ from deltafin.io.direct import FileDriveReader
 from deltafin.models import registry
 from deltafin.models.base import SequenceState
 from deltafin.quant.record import QTensor
+from deltafin.runtime import host_memory
 from deltafin.runtime.batch import forward_batch
 from deltafin.runtime.cluster import world_from_env
 from deltafin.runtime.offload import SplitExperts, SplitModel, cuda_index
@@ -85,16 +86,12 @@ def default_cache_bytes(trunk_bytes: int, device: torch.device | None = None) ->
     if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        import psutil
-
-        free = psutil.virtual_memory().available
+        free = host_memory.available_bytes()
     return max(int((free - trunk_bytes - 2 * 1024**3) * 0.5), 0)
 
 
 def default_prefill_bytes() -> int:
-    import psutil
-
-    return max(int(psutil.virtual_memory().available * 0.25), 1 << 30)
+    return max(int(host_memory.available_bytes() * 0.25), 1 << 30)
 
 
 @dataclass
@@ -440,9 +437,7 @@ class Engine:
             if isinstance(self.source, SplitExperts):
                 cache = self.source.cache_bytes[1]
         else:
-            import psutil
-
-            free = psutil.virtual_memory().available
+            free = host_memory.available_bytes()
         return max(int((free - cache) * 0.5), 0)
 
     def record_routes(self, path: str | None):

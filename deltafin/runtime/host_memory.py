@@ -38,3 +38,70 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     return _done
+
+
+def available_bytes(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int:
+    """Memory this process can still take: the system's available RAM, or less where a cgroup memory limit (v2 or v1;
+    the process's own group and every group above it) leaves less: the limit less what the group uses, its inactive
+    file pages (page cache the kernel reclaims first) not counted as used. In a container with ``--memory 8g`` on a
+    64 GB machine the expert cache is sized from the 8 GB, not the 64 (a cache sized from the machine's RAM is
+    killed at the limit)."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    for limit, used in _cgroup_limits(proc, root):
+        free = min(free, max(limit - used, 0))
+    return free
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            raw = f.read().strip()
+    except OSError:
+        return None
+    return int(raw) if raw.isdigit() else None  # v2's "max": no limit
+
+
+def _stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_limits(proc: str, root: str) -> list[tuple[int, int]]:
+    """(limit, used) of every memory cgroup over this process that sets a limit, innermost first."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2, the unified hierarchy
+            base, names = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base, names = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                         "total_inactive_file")
+        else:
+            continue
+        rel = path.strip("/")
+        while True:
+            d = os.path.join(base, rel) if rel else base
+            limit, used = _read_int(os.path.join(d, names[0])), _read_int(os.path.join(d, names[1]))
+            if limit is not None and used is not None and limit < 1 << 60:  # v1 writes "no limit" as ~2^63
+                out.append((limit, max(used - _stat(os.path.join(d, "memory.stat"), names[2]), 0)))
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return out

@@ -30,6 +30,7 @@ from deltafin.errors import ExpertFileError, UsageError
 from deltafin.io.direct import DriveReader, FileDriveReader, align_up
 from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
+from deltafin.runtime import host_memory
 from deltafin.runtime.cache import ExpertCache
 from deltafin.runtime.gpu_clock import GpuClock
 from deltafin.runtime.layer_reads import LayerReads
@@ -163,9 +164,7 @@ class StreamingExperts:
         count = lanes * min(self.read_ahead, m.num_experts) + 1
         if self.pool.buffers.pin:
             count += min(self.SCRATCH_SLOTS, m.num_experts)  # read while earlier ones still copy to the device
-        import psutil
-
-        count = min(count, psutil.virtual_memory().available // 8 // align_up(nbytes))
+        count = min(count, host_memory.available_bytes() // 8 // align_up(nbytes))
         t0 = time.perf_counter()
         added = self.pool.buffers.reserve(nbytes, count)
         self.reserved = (added, added * align_up(nbytes), time.perf_counter() - t0)
