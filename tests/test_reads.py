@@ -515,3 +515,34 @@ def test_the_source_maps_its_read_buffers_when_it_opens(k3):
         source.close()
     buf = aligned_buffer(3 * 4096 + 5, populate=True)
     assert len(buf) == 4 * 4096 and not any(buf) and ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 4096 == 0
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+@pytest.mark.parametrize("populate", [False, True])
+def test_huge_buffers_advise_whole_huge_pages_inside_the_buffer_only(monkeypatch, populate):
+    import mmap
+
+    from deltafin.io import direct
+
+    advised = []
+
+    class Recording(mmap.mmap):
+        def madvise(self, option, start=0, length=None):
+            advised.append((option, start, length, ctypes.addressof(ctypes.c_char.from_buffer(self))))
+            return super().madvise(option, start, length)
+
+    monkeypatch.setattr(direct.mmap, "mmap", Recording)
+    HUGE = direct.HUGE
+    for nbytes in (HUGE + 12345, 3 * HUGE, 5 * HUGE + 4096):
+        advised.clear()
+        buf = aligned_buffer(nbytes, populate=populate, huge=True)
+        assert len(buf) == align_up(nbytes) and not any(buf[::4096])  # its size, zero-filled
+        buf[-1] = 7  # writable to its end
+        (option, start, length, addr), = advised
+        assert option == mmap.MADV_HUGEPAGE and length > 0 and length % HUGE == 0
+        assert (addr + start) % HUGE == 0 and start + length <= len(buf)  # whole pages, no byte past the buffer
+        assert start < HUGE and len(buf) - (start + length) < HUGE  # no whole huge page left out
+    advised.clear()
+    aligned_buffer(3 * HUGE)  # not asked for: small pages
+    aligned_buffer(HUGE // 2, huge=True)  # less than a huge page: nothing to advise
+    assert advised == []

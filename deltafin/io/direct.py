@@ -39,7 +39,7 @@ def aligned_buffer(nbytes: int, populate: bool = False, huge: bool = False) -> m
     asked for as transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux; where THP is off, or elsewhere, plain
     pages), the tail past the last whole one left in small pages so no huge page is spent on a few bytes. A
     one-token MXFP4 expert read from 4 KiB pages ran 8.9 GB/s on one Zen 4 core and 15.1 from huge pages, int8
-    rows 20.2 and 25.9 (docs/BENCHMARKS.md): the hardware prefetcher stops at every 4 KiB page and the TLB misses."""
+    rows 20.2 and 25.9 (docs/KERNELS.md): the hardware prefetcher stops at every 4 KiB page and the TLB misses."""
     size = max(align_up(nbytes), ALIGN)
     advise = huge and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no flags; the mapping is private to the process anyway

@@ -168,7 +168,7 @@ def glu_into(h: torch.Tensor, experts: list, slots: list[int], y: torch.Tensor, 
 def moe_sum_one(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x + sum over slots of w[s] y[s] in slot order (``cpu.moe_sum1``); the torch form where the kernels are off."""
     be = _cpu_fast(x)
-    if be is None or y.dtype != torch.float32 or w.dtype != torch.float32:
+    if be is None:
         return x + (y * w.to(y.dtype).unsqueeze(-1)).sum(0, keepdim=True)
     return be.moe_sum1(x, y, w)
 

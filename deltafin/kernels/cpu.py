@@ -409,20 +409,28 @@ def glu_experts(xs: list[torch.Tensor], experts: list[tuple[QTensor, QTensor, QT
         outs = list(torch.empty(n, Ts[0], D, dtype=torch.float32).unbind(0))
     else:
         outs = [torch.empty(t, D, dtype=torch.float32) for t in Ts]
-    # the C call's nine arrays (six of weight pointers, the inputs, their token counts, the outputs) as rows of
-    # one int64 tensor: building nine ctypes arrays cost more than the call itself for a decode step's experts
-    table = torch.tensor([p[j].data_ptr() for j in range(6) for p in parts] + [x.data_ptr() for x in ins] + Ts
-                         + [o.data_ptr() for o in outs], dtype=torch.int64)
-    base, row = table.data_ptr(), 8 * n
-    tab, k, mult = _Q8[kind]
     USED.add(f"{experts[0][0].format}_q8_{act[0]}_many")
-    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *(base + j * row for j in range(6)), tab.data_ptr(), k, mult,
-                            _E8M0.data_ptr(), base + 6 * row, base + 7 * row, base + 8 * row, I, D, threads):
-        raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
+    _glu_many_call(lib, act, kind, I, D, [[t.data_ptr() for t in p] for p in parts], [x.data_ptr() for x in ins], Ts,
+                   [o.data_ptr() for o in outs], threads)
     ys: list[torch.Tensor | None] = [None] * len(experts)
     for i, y in zip(pick, outs, strict=True):
         ys[i] = y
     return ys
+
+
+def _glu_many_call(lib, act: tuple, kind: int, I: int, D: int, ptrs: list, ins: list[int], Ts: list[int],  # noqa: E741
+                   outs: list[int], threads: int) -> None:
+    """``df_q4q8_glu_many`` over n experts: ptrs[e] the six pointers of expert e's records (gate, its scales, up, its
+    scales, down, its scales), ins / Ts / outs its input, token count and output addresses. The C call's nine arrays
+    go as rows of one int64 array.array: nine ctypes arrays, or a tensor made from a list, cost more than the call
+    itself for a decode step's experts."""
+    n = len(ptrs)
+    table = array.array("q", [p[j] for j in range(6) for p in ptrs] + ins + Ts + outs)
+    base, row = table.buffer_info()[0], 8 * n
+    tab, k, mult = _Q8[kind]
+    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *(base + j * row for j in range(6)), tab.data_ptr(), k, mult,
+                            _E8M0.data_ptr(), base + 6 * row, base + 7 * row, base + 8 * row, I, D, threads):
+        raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
 
 
 def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, lib=None) -> torch.Tensor | None:
@@ -576,7 +584,8 @@ def gqa_one(t: GQATable, x: torch.Tensor, eps: float, scale: float, pos: int, co
     if lib.df_gqa1(t.table.data_ptr(), x.data_ptr(), out.data_ptr(), eps, scale, pos, cs, sn, kbuf.data_ptr(),
                    vbuf.data_ptr(), kbuf.stride(0), vbuf.stride(0), k0, _threads(nq + 2 * t.Hkv * t.d, t.D, 1),
                    n if t.H * S * t.d >= 1 << 16 else 1, _threads(t.D, nq, 1)):
-        raise MemoryError(f"work buffers of a one-token attention over {S} positions")
+        raise MemoryError(f"work buffers of a one-token attention over {S} positions; set DELTAFIN_CPU_Q8=0 to run its "
+                          f"separate calls")
     USED.add("gqa1")
     return out
 
@@ -592,7 +601,7 @@ def route1(x: torch.Tensor, ln: torch.Tensor, eps: float, router: torch.Tensor, 
         return None
     x = x.contiguous()
     h, ids, w = torch.empty(1, D), torch.empty(k, dtype=torch.int64), torch.empty(k)
-    threads = torch.get_num_threads() if E * D >= SERIAL_ELEMENTS // 4 else 1
+    threads = _threads(E, D, 1)
     if lib.df_route1(x.data_ptr(), ln.data_ptr(), eps, router.data_ptr(), E, D, k, int(renorm), h.data_ptr(),
                      ids.data_ptr(), w.data_ptr(), threads):
         return None
@@ -631,19 +640,10 @@ def glu_into(h: torch.Tensor, experts: list, slots: list[int], y: torch.Tensor, 
     if first is None or first[2] != h.shape[1] or any(p is None or p[:3] != first[:3] for p in parts):
         return False
     kind, I, D = first[:3]  # noqa: E741
-    n = len(parts)
-    h = h.contiguous()
-    base_out = y.data_ptr()
-    # the nine arrays as rows of one int64 array (an array.array: a tenth of a tensor's cost from a list)
-    table = array.array("q", [p[3][j] for j in range(6) for p in parts] + [h.data_ptr()] * n + [1] * n
-                        + [base_out + 4 * D * s for s in slots])
-    base, row = table.buffer_info()[0], 8 * n
-    tab, kk, mult = _Q8[kind]
+    n, h, base = len(parts), h.contiguous(), y.data_ptr()
     USED.add(f"{experts[0]['gate'].format}_q8_{act[0]}_many")
-    if lib.df_q4q8_glu_many(n, *_act_args(act), kind, *(base + j * row for j in range(6)), tab.data_ptr(), kk, mult,
-                            _E8M0.data_ptr(), base + 6 * row, base + 7 * row, base + 8 * row, I, D,
-                            torch.get_num_threads()):
-        raise MemoryError(f"q8 activation buffers for experts of width {D}; set DELTAFIN_CPU_Q8=0 to skip them")
+    _glu_many_call(lib, act, kind, I, D, [p[3] for p in parts], [h.data_ptr()] * n, [1] * n,
+                   [base + 4 * D * s for s in slots], torch.get_num_threads())
     return True
 
 
@@ -652,7 +652,7 @@ def moe_sum1(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, lib=None) -> tor
     order)."""
     lib = lib or native.library()
     out = torch.empty(x.shape)
-    if not (x.is_contiguous() and y.is_contiguous() and w.is_contiguous()):
-        x, y, w = x.contiguous(), y.contiguous(), w.contiguous()
+    if not (x.is_contiguous() and y.is_contiguous() and w.is_contiguous() and y.dtype == w.dtype == torch.float32):
+        x, y, w = x.contiguous(), y.float().contiguous(), w.float().contiguous()
     lib.df_moe_sum1(x.data_ptr(), y.data_ptr(), w.data_ptr(), y.shape[0], y.shape[1], out.data_ptr())
     return out

@@ -54,14 +54,7 @@ class GrowingCache:
         """Store rows [T, *row] at positions pos .. pos+T-1 (pos <= length: a rewind drops what follows) and
         return the buffer's view of positions [0, pos+T)."""
         end = pos + rows.shape[0]
-        assert pos <= self.length, f"cache write at {pos} leaves a gap after {self.length}"
-        assert end <= self.max_len or not self.bounded, (
-            f"sequence of {end} tokens exceeds the state's max_len {self.max_len}"
-        )
-        if end > self.capacity:
-            self._grow(end)
-        self.buf.narrow(self.axis, pos, end - pos).copy_(rows.movedim(0, self.axis))
-        self.length = end
+        self.reserve(pos, rows.shape[0]).narrow(self.axis, pos, end - pos).copy_(rows.movedim(0, self.axis))
         return self.buf.narrow(self.axis, 0, end)
 
     def write_at(self, at: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -82,8 +75,8 @@ class GrowingCache:
         return self.buf
 
     def reserve(self, pos: int, T: int) -> torch.Tensor:
-        """``write`` without the copy: positions pos .. pos+T-1 made the last ones (the buffer grown where needed)
-        for the caller to fill in place; returns the whole buffer."""
+        """Positions pos .. pos+T-1 made the last ones (pos <= length; the buffer grown where needed) for the caller
+        to fill in place (``write``, the CPU's fused one-token attention); returns the whole buffer."""
         end = pos + T
         assert pos <= self.length, f"cache write at {pos} leaves a gap after {self.length}"
         assert end <= self.max_len or not self.bounded, (
