@@ -92,8 +92,9 @@ def test_cached_experts_come_as_one_group_and_decode_the_same(k3_model, monkeypa
         torch.set_num_threads(threads)
 
 
-def test_stats_account_for_reads(k3_model):
-    eng = _engine(k3_model, cache_gb=0.0)
+@pytest.mark.parametrize("guess", [False, True])
+def test_stats_account_for_reads(k3_model, guess):
+    eng = _engine(k3_model, cache_gb=0.0, guess_next=guess)
     try:
         toks = [t for t, _ in eng.generate(PROMPT, 4, SamplingParams())]
         st = eng.last_stats.to_json()
@@ -105,7 +106,13 @@ def test_stats_account_for_reads(k3_model):
     assert st["tokens"] == toks and st["ttft_s"] > 0 and st["decode_tok_s"] > 0
     pm = PackedModel.open(str(k3_model / "model"))
     assert st["bytes_read"] == st["reads"] * pm.file_bytes(pm.moe_layers[0])
-    assert sum(d["bytes"] for d in st["per_drive"].values()) == st["bytes_read"]  # this run only
+    drives = sum(d["bytes"] for d in st["per_drive"].values())  # this run only
+    if not guess:
+        assert drives == st["bytes_read"] and st["guessed"] == 0
+        return
+    # the drives also read the guessed experts no layer asked for (some may still be landing)
+    unused = (st["guessed"] - st["guess_used"] - st["guess_cancelled"]) * pm.file_bytes(pm.moe_layers[0])
+    assert st["guessed"] > 0 and st["bytes_read"] <= drives <= st["bytes_read"] + unused
 
 
 def test_sampling_seeded_and_top_k_one_is_greedy(k3_model):

@@ -109,13 +109,14 @@ def test_bench_ingest_small(tmp_path, capsys):
 
     out = tmp_path / "ingest.json"
     png = tmp_path / "curve.png"
-    main(["bench", "ingest", "--dir", str(tmp_path), "--layers", "1", "--experts", "16", "--tokens", "1",
-          "--threads", "2", "--offered", "4", "--plot", str(png), "--json", str(out)])
+    main(["bench", "ingest", "--dir", str(tmp_path), "--layers", "2", "--experts", "16", "--k", "8", "--tokens", "1",
+          "--threads", "2", "--offered", "4", "--guess", "0.5", "--plot", str(png), "--json", str(out)])
     rec = json.loads(out.read_text())
     row = rec["settings"][0]
-    assert row["in_flight"] == 2 and row["raw_GBps"] > 0
-    for name in ("io_verified", "io_unverified", "full"):
-        assert row[name]["bytes"] == 16 * rec["expert_file_bytes"]
+    assert row["in_flight"] == 2 and row["raw_GBps"] > 0 and row["guess"] == 0.5
+    for name in ("io_verified", "io_unverified", "full", "io_guess", "full_guess"):  # guesses change no byte delivered
+        assert row[name]["bytes"] == 2 * 8 * rec["expert_file_bytes"]
+    assert 0 < row["full_guess_over_limit"] and "cpu_guess_GBps" in rec["curve"][0]
     assert row["io_verified"]["check_s"] > 0 and row["io_unverified"]["check_s"] == 0
     assert rec["limits"]["memcpy_GBps"] > 0 and rec["limits"]["math_s_per_token"] > 0
     assert rec["curve"][0]["offered_GBps"] == 4 and 0 < rec["curve"][0]["cpu_over_offered"] <= 1.05
@@ -124,7 +125,19 @@ def test_bench_ingest_small(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("deltafin-bench")] == []  # scratch removed
 
 
+def test_guessed_routes_keep_the_share_asked_for():
+    from deltafin.bench.decode import routes
+    from deltafin.bench.ingest import guessed_routes
+
+    rts = routes([1, 2, 3], 64, 16, 4, 0)
+    for right, kept in ((1.0, 16), (0.75, 12), (0.0, 0)):
+        for step, guess in zip(rts, guessed_routes(rts, right, 64), strict=True):
+            for L, ids in step.items():
+                assert len(set(guess[L])) == 16 and len(set(guess[L]) & set(ids)) == kept
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["--guess", "1.5"], "--guess 1.5"),
     (["--k", "20", "--experts", "8"], "--k 20"),
     (["--threads", "8,x"], "--threads"),
     (["--threads", "0"], "--threads"),

@@ -187,19 +187,25 @@ def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
 
 
 def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, verify: bool, math: bool,
-                readers=None, verify_on: str = "auto") -> Pass:
+                readers=None, verify_on: str = "auto", guess: float | None = None) -> Pass:
     """Decode ``rts`` cold through a fresh source (read buffers mapped at open, outside the timing); reads checked
-    where ``verify_on`` says (``StreamingExperts``: auto is the GPU on CUDA)."""
+    where ``verify_on`` says (``StreamingExperts``: auto is the GPU on CUDA). ``guess``: each next layer of a token
+    is guessed (``StreamingExperts.guess``) before a layer runs, that share of its experts right
+    (``guessed_routes``), as decode's ``--guess-next`` does with the router's guess."""
     from deltafin.runtime.source import StreamingExperts
 
     src = StreamingExperts(pm, cache_bytes=0, threads=threads, device=device, verify=verify, readers=readers,
                            verify_on=verify_on)
     layer = _layer_fn(device, math)
     marks: list[tuple[float, float, float]] = []
+    guesses = None if guess is None else guessed_routes(rts, guess, pm.num_experts)
     try:
         t0 = time.perf_counter()
-        for step in rts:
-            for L, ids in step.items():
+        for t, step in enumerate(rts):
+            order = list(step.items())
+            for j, (L, ids) in enumerate(order):
+                if guesses is not None and j + 1 < len(order):  # the next token's first layer cannot be guessed
+                    src.guess(order[j + 1][0], guesses[t][order[j + 1][0]])
                 layer(_Marked(src, marks), L, ids)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -212,6 +218,22 @@ def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, 
                     whole[len(whole) // 2], src.checks_where, st.gpu_check_s, st.gpu_check_wait_s)
     finally:
         src.close()
+
+
+def guessed_routes(rts: list[dict[int, list[int]]], right: float, experts: int, seed: int = 0
+                   ) -> list[dict[int, list[int]]]:
+    """Guesses of ``rts``: of each layer's k experts, round(right * k) kept, the rest other experts at random."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in rts:
+        g = {}
+        for L, ids in step.items():
+            keep = [int(e) for e in rng.permutation(ids)[: round(right * len(ids))]]
+            others = [e for e in range(experts) if e not in ids]
+            wrong = min(len(ids) - len(keep), len(others))  # a layer routed to all its experts has no wrong guess
+            g[L] = keep + [int(e) for e in rng.choice(others, wrong, replace=False)]
+        out.append(g)
+    return out
 
 
 class _Marked:
@@ -302,6 +324,10 @@ def check_args(args) -> None:
         raise UsageError("bench ingest: --device cuda but no CUDA device is visible; use --device cpu")
     if args.dir is not None and not os.path.isdir(args.dir):
         raise UsageError(f"bench ingest: --dir {args.dir}: no such folder; create it or pick another")
+    guess = args.guess = getattr(args, "guess", None)
+    if guess is not None and not 0 <= guess <= 1:
+        raise UsageError(f"bench ingest: --guess {guess}: give the share of a layer's experts guessed right, from 0 "
+                         f"to 1 (1: the routes known a layer ahead)")
     if args.k3_shape and not args.drives:
         raise UsageError("bench ingest: --k3-shape applies to the decode through --drives; add --drives report4")
     args.threads_list = _numbers(args.threads, "--threads", int, "8,32")
@@ -349,13 +375,15 @@ def _run(args) -> dict:
         rec["settings"] = []
         for t in args.threads_list:
             raw = raw_read_gbps(paths, nbytes, t)
-            row = {"in_flight": t, "raw_GBps": raw}
-            passes = [("io_verified", True, False, "auto"), ("io_unverified", False, False, "auto"),
-                      ("full", True, True, "auto")]
+            row = {"in_flight": t, "raw_GBps": raw, "guess": args.guess}
+            passes = [("io_verified", True, False, "auto", None), ("io_unverified", False, False, "auto", None),
+                      ("full", True, True, "auto", None)]
             if args.device == "cuda":  # the default checks reads on the GPU there: the host's checks beside them
-                passes.append(("full_host_checks", True, True, "host"))
-            for name, verify, math, where in passes:
-                p = decode_pass(pm, rts, t, args.device, verify, math, verify_on=where)
+                passes.append(("full_host_checks", True, True, "host", None))
+            if getattr(args, "guess", None) is not None:  # the next layer's reads started a layer early, on a guess this often right
+                passes += [("io_guess", True, False, "auto", args.guess), ("full_guess", True, True, "auto", args.guess)]
+            for name, verify, math, where, guess in passes:
+                p = decode_pass(pm, rts, t, args.device, verify, math, verify_on=where, guess=guess)
                 row[name] = _pass_doc(p)
             row["raw_GBps_after"] = raw_read_gbps(paths, nbytes, t)
             row["raw_GBps"] = max(raw, row["raw_GBps_after"])  # the stricter of the two probes
@@ -365,7 +393,7 @@ def _run(args) -> dict:
         if args.offered_list:
             best = max(rec["settings"], key=lambda r: r["full"]["GBps"])["in_flight"]  # the curve at the best setting
             rec["curve_in_flight"] = best
-            rec["curve"] = offered_curve(pm, rts, args.offered_list, best, args.device)
+            rec["curve"] = offered_curve(pm, rts, args.offered_list, best, args.device, args.guess)
             if args.plot:
                 plot_curve(rec["curve"], args.plot)
         if args.drives:
@@ -418,25 +446,34 @@ def _rate_ratios(row: dict, rec: dict, device: str) -> None:
     io_s = row["full"]["bytes"] / (raw * 1e9)
     math_s = rec["limits"]["math_s_per_token"] * rec["tokens"]
     row["step_over_bound"] = row["full"]["seconds"] / max(io_s, math_s)
+    if "full_guess" in row:
+        row["io_guess_over_raw"] = row["io_guess"]["GBps"] / raw
+        row["full_guess_over_limit"] = row["full_guess"]["GBps"] / limit
+        row["step_guess_over_bound"] = row["full_guess"]["seconds"] / max(io_s, math_s)
 
 
-def offered_curve(pm, rts, offered: list[float], threads: int, device: str) -> list[dict]:
-    """Delivered GB/s against an emulated drive offering each rate (same files, same routes)."""
+def offered_curve(pm, rts, offered: list[float], threads: int, device: str, guess: float | None = None
+                  ) -> list[dict]:
+    """Delivered GB/s against an emulated drive offering each rate (same files, same routes); with ``guess`` also
+    with each next layer guessed that often right (series ``<device>_guess``)."""
     from deltafin.io.emulator import emulated_readers
 
     out = []
     devices = ["cpu", "cuda"] if device == "cuda" else ["cpu"]
+    series = [(d, None) for d in devices] + ([(d, guess) for d in devices] if guess is not None else [])
     layer_math_s(pm, rts[0], "cpu")  # untimed: a CUDA run's first CPU pass would otherwise build the CPU kernels
     for gbps in offered:
         row = {"offered_GBps": gbps}
-        for dev in devices:
+        for dev, g in series:
             readers = emulated_readers(f"d0:{gbps}GBps,lat=80us", pm)
-            p = decode_pass(pm, rts, threads, dev, True, True, readers=readers)
-            row[f"{dev}_GBps"] = p.gbps
-            row[f"{dev}_over_offered"] = p.gbps / gbps
+            p = decode_pass(pm, rts, threads, dev, True, True, readers=readers, guess=g)
+            name = dev if g is None else f"{dev}_guess"
+            row[f"{name}_GBps"] = p.gbps
+            row[f"{name}_over_offered"] = p.gbps / gbps
         out.append(row)
         print(f"curve: offered {gbps:.1f} GB/s -> "
-              + ", ".join(f"{d} {row[f'{d}_GBps']:.2f} GB/s ({row[f'{d}_over_offered']:.2f})" for d in devices),
+              + ", ".join(f"{d} {row[f'{d}_GBps']:.2f} GB/s ({row[f'{d}_over_offered']:.2f})"
+                          for d in (k[:-5] for k in row if k.endswith("_GBps") and k != "offered_GBps")),
               flush=True)
     return out
 
@@ -464,14 +501,17 @@ def drive_set_decode(args, work: str) -> dict:
            "routes_bound_tok_s": tokens / bound}
     devices = ["cpu", "cuda"] if args.device == "cuda" else ["cpu"]
     threads = max(1, max(args.threads_list) // len(models))  # the reads in flight shared by the drives
-    for dev in devices:
+    runs = [(dev, None) for dev in devices] + ([(dev, args.guess) for dev in devices] if args.guess is not None else [])
+    for dev, guess in runs:
         readers = emulated_readers(args.drives, pm)
-        p = decode_pass(pm, rts, threads, dev, True, True, readers=readers)
-        out[dev] = {"tok_s": tokens / p.seconds, "GBps": p.gbps, "over_bound": (tokens / p.seconds) /
-                    (tokens / bound), "check_cores": p.check_s / p.seconds}
+        p = decode_pass(pm, rts, threads, dev, True, True, readers=readers, guess=guess)
+        name = dev if guess is None else f"{dev}_guess"
+        out[name] = {"tok_s": tokens / p.seconds, "GBps": p.gbps, "over_bound": (tokens / p.seconds) /
+                     (tokens / bound), "check_cores": p.check_s / p.seconds, "guess": guess}
+        how = "" if guess is None else f", next layer guessed ({guess:.0%} right)"
         print(f"drives {args.drives} ({summed:.1f} GB/s summed), {layers} MoE layers x {k} experts a token "
-              f"({per_token / 1e9:.1f} GB), {dev}: {tokens / p.seconds:.3f} tok/s ({p.gbps:.2f} GB/s) vs the "
-              f"set's bound for these routes {tokens / bound:.3f} tok/s = {out[dev]['over_bound']:.2f} "
+              f"({per_token / 1e9:.1f} GB), {dev}{how}: {tokens / p.seconds:.3f} tok/s ({p.gbps:.2f} GB/s) vs the "
+              f"set's bound for these routes {tokens / bound:.3f} tok/s = {out[name]['over_bound']:.2f} "
               f"(ideal split {out['ideal_tok_s']:.3f} tok/s; target >= 0.90)", flush=True)
     shutil.rmtree(os.path.join(work, "set-model"), ignore_errors=True)
     for _, path, _ in drives:
@@ -488,9 +528,11 @@ def plot_curve(curve: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["offered_GBps"] for r in curve]
     ax.plot(xs, xs, "k--", lw=1, label="offered")
-    for dev in ("cpu", "cuda"):
+    for dev in ("cpu", "cuda", "cpu_guess", "cuda_guess"):
         if f"{dev}_GBps" in curve[0]:
-            ax.plot(xs, [r[f"{dev}_GBps"] for r in curve], "o-", label=f"delivered, full decode, {dev}")
+            label = dev.replace("_guess", ", next layer guessed")
+            ax.plot(xs, [r[f"{dev}_GBps"] for r in curve], "o-" if "guess" not in dev else "s--",
+                    label=f"delivered, full decode, {label}")
     ax.set_xlabel("rate offered by the drives (GB/s)")
     ax.set_ylabel("expert bytes delivered (GB/s)")
     ax.set_title("Deltafin expert ingestion: delivered against offered")
@@ -526,6 +568,12 @@ def _print_row(row: dict, device: str) -> None:
           f"{0.9 if device == 'cuda' else 0.8:.2f}), step {row['step_over_bound']:.2f}x max(I/O, math) "
           f"(target <= 1.15); from memory the host's memory traffic allows {row['memory_bound_GBps']:.1f}"
           + _checks_note(row), flush=True)
+    if "full_guess" in row:
+        g = row["full_guess"]
+        print(f"  next layer guessed ({row['guess']:.0%} right): reads alone {row['io_guess']['GBps']:.2f} GB/s = "
+              f"{row['io_guess_over_raw']:.2f} of raw (a layer {row['io_guess']['layer_ms']:.1f} ms); full decode "
+              f"{g['GBps']:.2f} GB/s = {row['full_guess_over_limit']:.2f} of {row['full_limit_GBps']:.2f}, step "
+              f"{row['step_guess_over_bound']:.2f}x max(I/O, math)", flush=True)
 
 
 def _where_checked(p: dict) -> str:

@@ -21,6 +21,9 @@ def add_args(sub) -> None:
                                                 "e.g. report4 (7 + 3 x 6 GB/s)")
     b.add_argument("--k3-shape", action="store_true",
                    help="with --drives: Kimi K3's shape, 92 MoE layers x 16 experts a token (writes ~32 GB)")
+    b.add_argument("--guess", type=float, default=None, metavar="RIGHT",
+                   help="also decode with each next layer's reads started a layer early on a guess of its routing, "
+                        "this share of its experts right (0-1; 1: routes known ahead), as --guess-next does")
     b.add_argument("--plot", metavar="PNG", help="draw the offered/delivered curve")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", metavar="PATH")

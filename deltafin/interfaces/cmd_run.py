@@ -64,6 +64,10 @@ def add_engine_args(p, stats: bool = True, routes: bool = True) -> None:
     d.add_argument("--verify-on", choices=["auto", "host", "gpu"], default="auto",
                    help="where reads are checked: gpu (in GPU memory, two launches a layer, no host core hashing), "
                         "host (the reader threads), auto (default: gpu on CUDA where the kernel runs, else host)")
+    d.add_argument("--guess-next", action=argparse.BooleanOptionalAction, default=True,
+                   help="while a decode layer runs, read the experts the next layer's router picks on its stream, "
+                        "so the next layer's reads are under way when it routes (default, while experts are being "
+                        "read; the stats give how many were right); --no-guess-next reads only what a layer asks")
     d.add_argument("--read-deadline", type=float, default=None, metavar="SECONDS",
                    help="least time a read may take before it is retried once, then read from a replica or "
                         "reported (default 5; longer for reads queued behind many others: 10x their time at "

@@ -96,6 +96,7 @@ def open_engine(args):
         gpu_layers=args.gpu_layers,
         gpu_memory_gb=args.gpu_memory_gb,
         warmup=getattr(args, "warmup", True),
+        guess_next=getattr(args, "guess_next", True),
     )
     template = read_template(args.chat_template_file) if args.chat_template_file else None
     eng = Engine(resolve_packed(args.model), opts)

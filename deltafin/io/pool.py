@@ -294,6 +294,17 @@ class ReaderPool:
             per_thread = c.bytes / c.busy_seconds
             return max(1, min(self.threads, math.floor(hb / hs / per_thread)))
 
+    def cancel(self, drive: int, tag: object, done: queue.SimpleQueue) -> bool:
+        """Drop the read ``tag`` (answering on ``done``) on ``drive`` if no thread has started it: then no Completion
+        comes. False once it has started: its Completion still lands. For reads begun on a guess
+        (``StreamingExperts.guess``) that the layer turned out not to need."""
+        job = self._exec[drive].cancel(tag, done)
+        if job is None:
+            return False
+        with self._lock:
+            self._pending[drive] -= job.nbytes
+        return True
+
     def pending_bytes(self) -> list[int]:
         """Bytes each drive still has to read for earlier submissions (the scheduler's queue)."""
         with self._lock:
@@ -434,6 +445,14 @@ class _DriveQueue:
             if job.next == len(job.starts):
                 self._jobs.remove(job)
             return job, i
+
+    def cancel(self, tag: object, done: queue.SimpleQueue) -> _Parts | None:
+        """The queued read (``tag``, ``done``), removed, if none of its parts was handed out yet; else None."""
+        with self._cv:
+            job = next((j for j in self._jobs if j.tag == tag and j.done is done and j.next == 0), None)
+            if job is not None:
+                self._jobs.remove(job)
+            return job
 
     def _run(self) -> None:
         while (got := self._take()) is not None:

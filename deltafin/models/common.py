@@ -43,6 +43,7 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
     rowwise,
+    unique_ids,
 )
 from deltafin.models.layers import KVCache, self_attention
 from deltafin.models.rope import Rope, rope_parameters
@@ -271,6 +272,14 @@ class DecoderLM:
         None for a dense layer. ``carry`` is mlp_part's input; the pre-MLP norm is applied here."""
         return self._router(i, self._mlp_input(i, carry)) if self._is_moe(i) else None
 
+    def guess_experts(self, i: int, carry) -> list[int]:
+        """A guess of the experts layer i will fetch, from an earlier layer's stream ``carry`` (after its attention):
+        layer i's router on it, as if it were layer i's input. The stream changes little from one layer to the next,
+        so the guess is mostly right; a source reads its misses ahead (``runtime.source.StreamingExperts.guess``).
+        [] for a dense layer. Nothing is computed from it."""
+        r = self.route(i, carry)
+        return [] if r is None else unique_ids(r[0].cpu())
+
     def head(self, carry) -> torch.Tensor:
         h = rms_norm(carry, self.norm_w, self.norm_eps)  # [T, D]
         return linear(h, self.lm_head).float()  # [T, V]
@@ -369,6 +378,17 @@ class GQADecoder(DecoderLM):
             if y is not None:
                 return y
         return super().mlp_part(i, carry, experts)
+
+    def guess_experts(self, i: int, carry) -> list[int]:
+        if carry.shape[0] == 1 and fast_enabled() and self._is_moe(i):
+            spec = self.__dict__.setdefault("_route_specs", {})
+            if i not in spec:
+                spec[i] = self._route_spec(i)
+            got = None if spec[i] is None else route_one(carry, spec[i][0], self.norm_eps, spec[i][1], spec[i][2],
+                                                         spec[i][3])
+            if got is not None:  # the compiled routing of one token (_moe_one's)
+                return sorted(got[1])
+        return super().guess_experts(i, carry)
 
     def _router_one(self, i: int) -> tuple | None:
         """(router record [E, D], k, renormalise) where layer i's routing is a softmax top-k over plain logits and the

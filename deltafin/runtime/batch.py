@@ -31,20 +31,32 @@ def last(carry, n: int):
     return split(carry, [n - 1, 1])[1] if n > 1 else carry
 
 
+# Decode steps of up to this many tokens (sequences) guess the next layer's experts; a prompt's layer asks for most
+# experts anyway, read expert-major.
+GUESS_TOKENS = 8
+
+
 def forward_batch(model, seqs: Sequence[tuple[torch.Tensor, SequenceState]], experts: ExpertSource,
                   all_logits: bool = False, on_layer=None) -> list[torch.Tensor]:
     """Advance each (ids [T_j], state) by its tokens; returns logits per sequence ([1, V], or [T_j, V]).
     ``on_layer()`` is called after each layer (progress of long prefills). A model's ``known_routes(ids)``
-    (layers whose experts follow from the token ids) go to a source's ``prefetch`` before the first layer runs."""
+    (layers whose experts follow from the token ids) go to a source's ``prefetch`` before the first layer runs. In
+    decode steps, a source that ``guess``es gets each next layer's likely experts (``model.guess_experts``) before
+    this layer's MLP, to read them while it runs."""
     sizes = [int(ids.shape[0]) for ids, _ in seqs]
     carries = [model.embed(ids) for ids, _ in seqs]
     prefetch = getattr(experts, "prefetch", None)  # None: the source reads only when a layer asks
     if hasattr(model, "known_routes") and prefetch is not None:  # experts fixed by the token ids
         for layer, eids in model.known_routes(torch.cat([ids for ids, _ in seqs])):
             prefetch(layer, eids)
+    guess = getattr(experts, "guess", None) if sum(sizes) <= GUESS_TOKENS else None
+    ahead = getattr(model, "guess_experts", None) if guess is not None else None
     for i in range(model.num_layers):
         carries = [model.attn_part(i, c, st) for c, (_, st) in zip(carries, seqs, strict=True)]
-        merged = model.mlp_part(i, cat(carries) if len(carries) > 1 else carries[0], experts)
+        merged = cat(carries) if len(carries) > 1 else carries[0]
+        if ahead is not None and i + 1 < model.num_layers and experts.wants_guess(i + 1):
+            guess(i + 1, ahead(i + 1, merged))  # the next layer's likely experts, read while this layer runs
+        merged = model.mlp_part(i, merged, experts)
         carries = split(merged, sizes) if len(carries) > 1 else [merged]
         if on_layer is not None:
             on_layer()

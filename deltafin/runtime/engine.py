@@ -58,6 +58,12 @@ class EngineOptions:
     gpu_layers: int | None = None  # CUDA: the last N layers (and the head) on the GPU, the rest on the CPU
     gpu_memory_gb: float | None = None  # CUDA: the most GPU memory the engine uses (trunk, expert cache, working)
     warmup: bool = True  # CUDA: every kernel loaded at open by a throwaway pass (runtime/warmup.py)
+    guess_next: bool = True  # decode reads each next layer's likely experts while a layer runs (source.guess)
+
+
+def _guesses(src) -> tuple[int, int, int]:
+    """(experts read ahead on a guess, of them used, cancelled unread) so far, of a source that guesses."""
+    return getattr(src, "guessed", 0), getattr(src, "guess_used", 0), getattr(src, "guess_cancelled", 0)
 
 
 CUDA_HEADROOM = 2 << 30  # beside the trunk: activations, the KV/latent caches' first blocks, the kernels' workspaces
@@ -275,7 +281,7 @@ class Engine:
                        for d in self.packed.drives]
         self.source = StreamingExperts(self.packed, self.cache_bytes, opts.threads, self.device, readers,
                                        opts.verify_reads, deadline=_deadline(opts.read_deadline_s),
-                                       verify_on=opts.verify_on)
+                                       verify_on=opts.verify_on, guess_next=opts.guess_next)
         self._open_rest(opts)
 
     def _place_layers(self) -> None:
@@ -669,7 +675,7 @@ class Engine:
         self._settle_clock()
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
-                self.source.per_drive(), getattr(src, "gpu_check_s", 0.0))
+                self.source.per_drive(), getattr(src, "gpu_check_s", 0.0), _guesses(src))
         t0 = time.perf_counter()
         (logits,), pre = self.prefill([prompt], [state])
         stats.prefill_read_amplification = pre.read_amplification
@@ -745,6 +751,8 @@ class Engine:
         stats.checks = getattr(self.source, "checks_where", "host")
         stats.check_s = sum(d["check_s"] for d in stats.per_drive.values())
         stats.gpu_check_s = getattr(src, "gpu_check_s", 0.0) - base[7]
+        stats.guessed, stats.guess_used, stats.guess_cancelled = (a - b for a, b in zip(_guesses(src), base[8],
+                                                                                          strict=True))
 
     def close(self) -> None:
         if self.dist is not None:

@@ -78,6 +78,8 @@ class LayerReads:
         self._queued: list[list[list[ScheduledRead]]] = []  # per lane, experts' reads not yet submitted, last first
         self._open: list[int] = []  # per lane, experts submitted and not yet returned by next()
         self._home: dict[int, int] = {}  # expert -> the lane its first read was queued in
+        self.unwanted: set[int] = set()  # experts read on a guess that the layer's fetch did not ask for (narrow)
+        self._skipped: set[int] = set()  # unwanted experts whose read has ended (landed, failed or given up)
         self._start(misses)
 
     # -------------------------------------------------------------- submitting
@@ -146,6 +148,66 @@ class LayerReads:
         due = now + src.deadline.seconds(ahead + nbytes, rate, src._latency[drive])
         self.live[aid] = _Attempt(e, drive, path, nbytes, now, due, piece)
 
+    def narrow(self, wanted) -> int:
+        """Read only the experts of ``wanted`` from now on: the fetch of a layer read ahead on a guess (or on known
+        routes) asks for some of them. The others' reads not yet submitted are dropped, those no thread has
+        started are cancelled, and those under way are skipped by ``next()`` when they land (their buffers go back
+        to the pool; a failure or a late answer of theirs is forgotten). Returns the reads cancelled."""
+        drop = self.left - set(wanted)
+        if not drop:
+            return 0
+        self.unwanted |= drop
+        self.left -= drop
+        for q in self._queued:
+            q[:] = [u for u in q if u[0].expert not in drop]
+        cancelled = 0
+        for aid, a in list(self.live.items()):
+            # a striped expert's pieces land together or not at all: those are left to land and be skipped
+            if a.expert in drop and a.piece is None and self.src.pool.cancel(a.drive, aid, self.done):
+                del self.live[aid]
+                self._ended(a.expert)
+                cancelled += 1
+        return cancelled
+
+    def _ended(self, e: int) -> None:
+        """An unwanted expert's read is over: its lane may read further."""
+        if e not in self._skipped:
+            self._skipped.add(e)
+            self._open[self._home[e]] -= 1
+
+    def _drop(self, a: _Attempt) -> bool:
+        """A read of an unwanted expert that failed or is late: forgotten, no retry, no error (True)."""
+        if a.expert not in self.unwanted:
+            return False
+        self._ended(a.expert)
+        return True
+
+    def _skip(self, landed: tuple[int, memoryview, int, str]) -> None:
+        self._ended(landed[0])
+        self.src.pool.buffers.put(landed[1])
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.live)
+
+    def poll(self) -> bool:
+        """Take, without waiting, the answers already in for a narrowed read's unwanted experts (their buffers back
+        to the pool); True once none is in flight."""
+        while self.live or self.given_up:
+            try:
+                c = self.done.get_nowait()
+            except queue.Empty:
+                break
+            landed = self._completed(c)
+            if landed is not None:
+                self._skip(landed)
+        now = time.monotonic()
+        for aid, a in list(self.live.items()):
+            if a.deadline <= now:
+                self.given_up[aid] = self.live.pop(aid)
+                self._drop(a)
+        return not self.live
+
     # -------------------------------------------------------------- waiting
 
     def next(self) -> tuple[int, memoryview, int, str]:
@@ -160,16 +222,21 @@ class LayerReads:
                 self._expire(time.monotonic())
                 continue
             landed = self._completed(c)
-            if landed is not None:
-                self._open[self._home[landed[0]]] -= 1
-                return landed
+            if landed is None:
+                continue
+            if landed[0] in self.unwanted:
+                self._skip(landed)
+                continue
+            self._open[self._home[landed[0]]] -= 1
+            return landed
 
     def _completed(self, c: Completion) -> tuple[int, memoryview, int, str] | None:
         a = self.live.pop(c.tag, None)
         if a is None:
             return self._late(c)
         if c.error is not None:
-            self._failed(a, c.error)
+            if not self._drop(a):
+                self._failed(a, c.error)
             return None
         return self._landed(a, c)
 
@@ -253,6 +320,8 @@ class LayerReads:
             if a.deadline > now:
                 continue
             self.given_up[aid] = self.live.pop(aid)
+            if self._drop(a):
+                continue
             self.src.stats.late_reads += 1
             key = (a.expert, a.drive if a.piece is None else a.piece.offset)
             n = self.timeouts[key] = self.timeouts.get(key, 0) + 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +49,9 @@ class SourceStats:
     failed_reads: int = 0  # reads that failed (I/O error, short, checksum) and went to another copy or raised
     late_reads: int = 0  # reads that missed their deadline
     prefetched: int = 0  # misses read ahead of their layer (``prefetch``: routes known before the layer runs)
+    guessed: int = 0  # misses read ahead on a guess of their layer's routing (``guess``)
+    guess_used: int = 0  # of those, experts the layer's fetch asked for
+    guess_cancelled: int = 0  # of the rest, reads cancelled before a reader thread started them
     gpu_checked: int = 0  # reads checked on the GPU (``verify_on``), after they landed in their slab slots
     gpu_check_s: float = 0.0  # GPU time of those checks' launches (CUDA events)
     gpu_check_wait_s: float = 0.0  # host time from their launch to the digests in hand (the layer's copies included)
@@ -70,6 +73,16 @@ class SourceStats:
 # there (64 of a layer's 96) and still bounds a K3 layer to 32 experts per drive at the default 4 threads.
 READ_AHEAD_PER_THREAD = 8
 
+# ``guess`` reads ahead while a miss was seen in the last GUESS_WINDOW fetches per MoE layer (with every expert
+# cached, guessing costs host time for nothing), and while at least GUESS_MIN_USEFUL of the reads its last
+# GUESS_WINDOW guesses per MoE layer made were asked for. Below that, one guess in GUESS_PROBE is still made, to
+# notice when the guesses come right again. On a random Qwen3-MoE with a small cache only ~11% of the guessed
+# misses were asked for (the cache holds the experts routing favours, and the misses are the rare ones): reading
+# them tripled the bytes read, and decode slowed from 25.7 to 21.2 tok/s.
+GUESS_WINDOW = 2
+GUESS_MIN_USEFUL = 0.5
+GUESS_PROBE = 8
+
 
 class StreamingExperts:
     """An ExpertSource over a packed model's drives, with a RAM cache and per-drive reader threads."""
@@ -87,8 +100,10 @@ class StreamingExperts:
         read_ahead: int | None = None,
         reserve: bool = True,
         verify_on: str = "auto",
+        guess_next: bool = True,
     ):
         self.model = model
+        self.guess_next = guess_next  # read a layer's likely experts ahead (``guess``) while misses are seen
         # experts a drive reads ahead of the consumer (0: a layer's whole fetch at once); see LayerReads
         self.read_ahead = READ_AHEAD_PER_THREAD * threads if read_ahead is None else read_ahead
         self.device = torch.device(device)
@@ -121,7 +136,13 @@ class StreamingExperts:
         self._busy: set[int] = set()  # slots handed out since this fetch began (a launch may still read them)
         self._scratch_next = 0
         self.reserved = (0, 0, 0.0)  # (buffers, bytes, seconds) mapped when the source opened
-        self._ahead: dict[int, tuple[list[int], LayerReads]] = {}  # layer -> misses read ahead, their reads
+        self._ahead: dict[int, tuple[list[int], LayerReads, bool]] = {}  # layer -> misses read ahead, reads, guessed
+        self._guess: tuple[int, list[int]] | None = None  # (layer, ids) to read ahead once the next fetch has queued
+        self._stale: list[LayerReads] = []  # narrowed reads whose unwanted experts are still in flight
+        self._miss_log: deque[int] = deque(maxlen=GUESS_WINDOW * max(len(model.moe_layers), 1))  # misses a fetch
+        self._recent_misses = 0
+        self._guess_log: deque[tuple[int, int]] = deque(maxlen=self._miss_log.maxlen)  # (reads, used) per guess
+        self._guess_turn = 0  # guesses offered while their reads were mostly unused (GUESS_PROBE)
         if reserve:
             self.reserve_buffers()
 
@@ -191,18 +212,61 @@ class StreamingExperts:
             return
         misses = [e for e in dict.fromkeys(expert_ids) if (layer, e) not in self.cache]
         if misses:
-            self._ahead[layer] = (misses, LayerReads(self, layer, misses))
+            self._ahead[layer] = (misses, LayerReads(self, layer, misses), False)
             self.stats.prefetched += len(misses)
 
+    def wants_guess(self, layer: int) -> bool:
+        """Whether to guess ``layer``'s experts now (before the guess's routing is computed): on (``guess_next``), a
+        miss among the last fetches, nothing read ahead for it yet, and the last guesses' reads mostly used (else one
+        turn in GUESS_PROBE)."""
+        if not self.guess_next or self._recent_misses == 0 or layer in self._ahead:
+            return False
+        if self.guess_useful >= GUESS_MIN_USEFUL:
+            return True
+        self._guess_turn += 1
+        return self._guess_turn % GUESS_PROBE == 0
+
+    @property
+    def guess_useful(self) -> float:
+        """The share of the reads of the last guesses that their layers asked for (1.0 before any)."""
+        reads = sum(r for r, _ in self._guess_log)
+        return sum(u for _, u in self._guess_log) / reads if reads else 1.0
+
+    def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """A guess of a coming layer's experts (``models.common.DecoderLM.guess_experts``: its router on an earlier
+        layer's stream). Its misses are read once the next fetch (the layer before it) has queued its own, so they
+        land while that layer computes; the layer's fetch takes those it asks for, and the others' reads are
+        cancelled or skipped (``LayerReads.narrow``). What is computed does not change, only when reads start.
+        Callers ask ``wants_guess`` first."""
+        if self.guess_next and layer not in self._ahead:
+            self._guess = (layer, list(expert_ids))
+
+    def _start_guess(self) -> None:
+        got, self._guess = self._guess, None
+        if got is None or got[0] in self._ahead:
+            return
+        layer, ids = got
+        misses = [e for e in dict.fromkeys(ids) if (layer, e) not in self.cache]
+        if misses:
+            self._ahead[layer] = (misses, LayerReads(self, layer, misses), True)
+            self.stats.guessed += len(misses)
+
     def _take_ahead(self, layer: int, expert_ids: Sequence[int]) -> tuple[list[int], LayerReads | None]:
-        """The reads ``prefetch`` started for this layer, if the fetch asks for all of them (else they are
-        drained and their buffers returned: a fetch never yields an expert it did not ask for)."""
-        misses, reads = self._ahead.pop(layer, ([], None))
-        if reads is not None and not set(misses) <= set(expert_ids):
-            for _ in misses:
-                self.pool.buffers.put(reads.next()[1])
+        """The reads ``prefetch`` or ``guess`` started for this layer that the fetch asks for, and their reads; the
+        reads of the others are cancelled or left to land unseen (a fetch never yields an expert it did not ask
+        for)."""
+        self._stale = [r for r in self._stale if not r.poll()]
+        misses, reads, guessed = self._ahead.pop(layer, ([], None, False))
+        if reads is None:
             return [], None
-        return misses, reads
+        wanted = set(expert_ids)
+        early = [e for e in misses if e in wanted]
+        cancelled = reads.narrow(wanted)
+        if guessed:
+            self.stats.guess_used += len(early)
+            self.stats.guess_cancelled += cancelled
+            self._guess_log.append((len(misses) - cancelled, len(early)))
+        return early, reads
 
     def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool) -> Iterator:
         for log in (self.record, self.routes):
@@ -218,7 +282,10 @@ class StreamingExperts:
             (hits.append((e, got)) if got is not None else misses.append(e))
         self.stats.hits += len(hits)
         self.stats.misses += len(misses) + len(early)
+        self._note_misses(len(misses) + len(early))
         reads = LayerReads(self, layer, misses) if misses else None
+        if self._guess is not None:
+            self._start_guess()  # behind this layer's own reads on every drive
         if self.slab is not None:
             self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
         if grouped and hits:  # cached experts are computed while the misses are read
@@ -244,11 +311,19 @@ class StreamingExperts:
                     continue
                 for item in self._deliver(layer, *landed):
                     yield [item] if grouped else item
+        if early_reads is not None and early_reads.in_flight:
+            self._stale.append(early_reads)  # unwanted experts still being read: polled at the next fetches
         if checks:
             self._check_on_gpu(layer, checks)
         for e, tensors in held:
             for item in self._timed(e, tensors):
                 yield [item] if grouped else item
+
+    def _note_misses(self, n: int) -> None:
+        if len(self._miss_log) == self._miss_log.maxlen:
+            self._recent_misses -= self._miss_log[0]
+        self._miss_log.append(n)
+        self._recent_misses += n
 
     def _deliver(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str
                  ) -> Iterator[tuple[int, ExpertTensors]]:
@@ -460,6 +535,7 @@ class StreamingExperts:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self._ahead.clear()
+        self._stale.clear()
         self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()
 

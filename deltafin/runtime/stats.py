@@ -38,6 +38,9 @@ class RunStats:
     check_s: float = 0.0  # host time checking reads, summed over the reader threads
     gpu_check_s: float = 0.0  # GPU time of the checks' launches
     clock: str = "host"  # "host" (CPU, MLX), "gpu" (CUDA events), "gpu+graphs" (decode steps replayed as graphs)
+    guessed: int = 0  # expert reads started on a guess of the next layer's routing (--guess-next)
+    guess_used: int = 0  # of those, experts the layer asked for
+    guess_cancelled: int = 0  # of the rest, reads cancelled before they started
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -62,6 +65,11 @@ class RunStats:
             f"{fmt.size(self.cache_bytes)})",
             _checks(self),
         ]
+        if self.guessed:
+            wasted = self.guessed - self.guess_used - self.guess_cancelled
+            lines.append(f"read ahead on a guess of the next layer's routing: {self.guessed:,} experts, "
+                         f"{self.guess_used / self.guessed:.0%} of them asked for; {self.guess_cancelled:,} cancelled "
+                         f"before reading, {wasted:,} read for nothing")
         if verbose:
             lines.append(f"prefill: chunks of {self.prefill_chunk} tokens, read amplification "
                          f"{self.prefill_read_amplification:.2f} (bytes read / bytes of the distinct experts)")
