@@ -64,8 +64,8 @@ def _experts_on(pm: PackedModel, layer: int, drive: int = 0) -> list[int]:
     return [e for e in range(pm.num_experts) if drive in pm.locations(layer, e)]
 
 
-def _decode(model: str, guess: bool, cache_gb: float) -> tuple[torch.Tensor, object]:
-    eng = Engine(model, EngineOptions(exact=False, max_len=64, cache_gb=cache_gb, guess_next=guess))
+def _decode(model: str, guess: bool, cache_gb: float, device: str = "cpu") -> tuple[torch.Tensor, object]:
+    eng = Engine(model, EngineOptions(exact=False, max_len=64, cache_gb=cache_gb, guess_next=guess, device=device))
     eng.threads = None
     try:
         st, out = eng.new_state(), []
@@ -209,3 +209,14 @@ def test_no_guess_next_turns_guessing_off(k3_model):
         assert not src.wants_guess(pm.moe_layers[1])
     finally:
         src.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen", "k3"])
+def test_guessed_reads_change_no_logit_on_cuda(family, qwen, k3_model):
+    """On CUDA the guesses' reads land in slab slots and are checked there like the layer's own."""
+    model = qwen if family == "qwen" else str(k3_model / "model")
+    plain, _ = _decode(model, False, 0.0, "cuda")
+    guessed, st = _decode(model, True, 0.0, "cuda")
+    assert torch.equal(plain, guessed) and st.guessed > 0
