@@ -395,7 +395,7 @@ def _run(args) -> dict:
             rec["curve_in_flight"] = best
             rec["curve"] = offered_curve(pm, rts, args.offered_list, best, args.device, args.guess)
             if args.plot:
-                plot_curve(rec["curve"], args.plot)
+                plot_curve(rec["curve"], args.plot, args.guess)
         if args.drives:
             rec["drive_set"] = drive_set_decode(args, work)
     finally:
@@ -519,7 +519,7 @@ def drive_set_decode(args, work: str) -> dict:
     return out
 
 
-def plot_curve(curve: list[dict], path: str) -> None:
+def plot_curve(curve: list[dict], path: str, guess: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -530,7 +530,7 @@ def plot_curve(curve: list[dict], path: str) -> None:
     ax.plot(xs, xs, "k--", lw=1, label="offered")
     for dev in ("cpu", "cuda", "cpu_guess", "cuda_guess"):
         if f"{dev}_GBps" in curve[0]:
-            label = dev.replace("_guess", ", next layer guessed")
+            label = dev.replace("_guess", f", next layer guessed ({guess:.0%} right)" if guess is not None else "")
             ax.plot(xs, [r[f"{dev}_GBps"] for r in curve], "o-" if "guess" not in dev else "s--",
                     label=f"delivered, full decode, {label}")
     ax.set_xlabel("rate offered by the drives (GB/s)")
