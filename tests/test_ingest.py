@@ -117,6 +117,7 @@ def test_bench_ingest_small(tmp_path, capsys):
     for name in ("io_verified", "io_unverified", "full", "io_guess", "full_guess"):  # guesses change no byte delivered
         assert row[name]["bytes"] == 2 * 8 * rec["expert_file_bytes"]
     assert 0 < row["full_guess_over_limit"] and "cpu_guess_GBps" in rec["curve"][0]
+    assert 0 < row["full_guess"]["guess_used"] < row["full_guess"]["guessed"] and row["full"]["guessed"] == 0
     assert row["io_verified"]["check_s"] > 0 and row["io_unverified"]["check_s"] == 0
     assert rec["limits"]["memcpy_GBps"] > 0 and rec["limits"]["math_s_per_token"] > 0
     assert rec["curve"][0]["offered_GBps"] == 4 and 0 < rec["curve"][0]["cpu_over_offered"] <= 1.05

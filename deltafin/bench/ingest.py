@@ -52,6 +52,8 @@ class Pass:
     checks: str = "host"  # where reads were checked: host, gpu, off
     gpu_check_s: float = 0.0  # GPU time of the checks' launches
     gpu_check_wait_s: float = 0.0  # host time from their launch to the digests (the layer's copies included)
+    guessed: int = 0  # experts read ahead on a guess (``guess``), of them asked for
+    guess_used: int = 0
 
     @property
     def gbps(self) -> float:
@@ -205,7 +207,7 @@ def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, 
             order = list(step.items())
             for j, (L, ids) in enumerate(order):
                 if guesses is not None and j + 1 < len(order):  # the next token's first layer cannot be guessed
-                    src.guess(order[j + 1][0], guesses[t][order[j + 1][0]])
+                    src.guess(order[j + 1][0], guesses[t][order[j + 1][0]], read=True)
                 layer(_Marked(src, marks), L, ids)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -215,7 +217,8 @@ def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, 
         first = sorted((f - a) * 1e3 for a, f, _ in marks)
         whole = sorted((b - a) * 1e3 for a, _, b in marks)
         return Pass(wall, st.bytes_read, check, st.expert_math_s, st.io_wait_s, first[len(first) // 2],
-                    whole[len(whole) // 2], src.checks_where, st.gpu_check_s, st.gpu_check_wait_s)
+                    whole[len(whole) // 2], src.checks_where, st.gpu_check_s, st.gpu_check_wait_s, st.guessed,
+                    st.guess_used)
     finally:
         src.close()
 
@@ -424,7 +427,7 @@ def _pass_doc(p: Pass) -> dict:
     return {"GBps": p.gbps, "seconds": p.seconds, "bytes": p.bytes, "check_s": p.check_s,
             "check_cores": p.check_s / p.seconds, "io_wait_s": p.io_wait_s, "first_ms": p.first_ms,
             "layer_ms": p.layer_ms, "checks": p.checks, "gpu_check_s": p.gpu_check_s,
-            "gpu_check_wait_s": p.gpu_check_wait_s}
+            "gpu_check_wait_s": p.gpu_check_wait_s, "guessed": p.guessed, "guess_used": p.guess_used}
 
 
 def _rate_ratios(row: dict, rec: dict, device: str) -> None:

@@ -73,14 +73,16 @@ class SourceStats:
 # there (64 of a layer's 96) and still bounds a K3 layer to 32 experts per drive at the default 4 threads.
 READ_AHEAD_PER_THREAD = 8
 
-# ``guess`` reads ahead while a miss was seen in the last GUESS_WINDOW fetches per MoE layer (with every expert
-# cached, guessing costs host time for nothing), and while at least GUESS_MIN_USEFUL of the reads its last
-# GUESS_WINDOW guesses per MoE layer made were asked for. Below that, one guess in GUESS_PROBE is still made, to
-# notice when the guesses come right again. On a random Qwen3-MoE with a small cache only ~11% of the guessed
-# misses were asked for (the cache holds the experts routing favours, and the misses are the rare ones): reading
-# them tripled the bytes read, and decode slowed from 25.7 to 21.2 tok/s.
+# ``guess`` runs while a miss was seen in the last GUESS_WINDOW fetches per MoE layer (with every expert cached,
+# guessing costs host time for nothing). Its guesses' misses are read only while at least GUESS_MIN_USEFUL of the
+# misses its last GUESS_WINDOW guesses per MoE layer named were asked for, over at least GUESS_MIN_SAMPLE of them.
+# Until then a guess is only scored against what its layer asks for, unread: each one while there are too few,
+# one in GUESS_PROBE while they score low. On a random Qwen3-MoE (bench peer's) with a small cache ~11-29% of the
+# guessed misses were asked for (the cache holds the experts routing favours; the misses are the rare ones):
+# reading them slowed decode from 25.7 to 21.2 tok/s, and cold-cache decode from 15.9 to 11.6.
 GUESS_WINDOW = 2
 GUESS_MIN_USEFUL = 0.5
+GUESS_MIN_SAMPLE = 16
 GUESS_PROBE = 8
 
 
@@ -137,12 +139,13 @@ class StreamingExperts:
         self._scratch_next = 0
         self.reserved = (0, 0, 0.0)  # (buffers, bytes, seconds) mapped when the source opened
         self._ahead: dict[int, tuple[list[int], LayerReads, bool]] = {}  # layer -> misses read ahead, reads, guessed
-        self._guess: tuple[int, list[int]] | None = None  # (layer, ids) to read ahead once the next fetch has queued
+        self._guess: tuple | None = None  # (layer, ids, read) to read ahead (or score) once the next fetch has queued
         self._stale: list[LayerReads] = []  # narrowed reads whose unwanted experts are still in flight
         self._miss_log: deque[int] = deque(maxlen=GUESS_WINDOW * max(len(model.moe_layers), 1))  # misses a fetch
         self._recent_misses = 0
-        self._guess_log: deque[tuple[int, int]] = deque(maxlen=self._miss_log.maxlen)  # (reads, used) per guess
-        self._guess_turn = 0  # guesses offered while their reads were mostly unused (GUESS_PROBE)
+        self._guess_log: deque[tuple[int, int]] = deque(maxlen=self._miss_log.maxlen)  # (misses, asked for) a guess
+        self._guess_turn = 0  # turns offered while the guesses score low (GUESS_PROBE)
+        self._scored: dict[int, list[int]] = {}  # layer -> a guess's misses, scored at its fetch but not read
         if reserve:
             self.reserve_buffers()
 
@@ -217,55 +220,78 @@ class StreamingExperts:
 
     def wants_guess(self, layer: int) -> bool:
         """Whether to guess ``layer``'s experts now (before the guess's routing is computed): on (``guess_next``), a
-        miss among the last fetches, nothing read ahead for it yet, and the last guesses' reads mostly used (else one
-        turn in GUESS_PROBE)."""
+        miss among the last fetches, nothing read ahead for it yet, and, while the last guesses score low, one turn
+        in GUESS_PROBE."""
         if not self.guess_next or self._recent_misses == 0 or layer in self._ahead:
             return False
-        if self.guess_useful >= GUESS_MIN_USEFUL:
+        if self.guess_reads or self._guess_sample < GUESS_MIN_SAMPLE:
             return True
         self._guess_turn += 1
         return self._guess_turn % GUESS_PROBE == 0
 
     @property
-    def guess_useful(self) -> float:
-        """The share of the reads of the last guesses that their layers asked for (1.0 before any)."""
-        reads = sum(r for r, _ in self._guess_log)
-        return sum(u for _, u in self._guess_log) / reads if reads else 1.0
+    def _guess_sample(self) -> int:
+        return sum(n for n, _ in self._guess_log)
 
-    def guess(self, layer: int, expert_ids: Sequence[int]) -> None:
+    @property
+    def guess_useful(self) -> float:
+        """The share of the misses the last guesses named that their layers asked for (0.0 before any)."""
+        n = self._guess_sample
+        return sum(u for _, u in self._guess_log) / n if n else 0.0
+
+    @property
+    def guess_score(self) -> float | None:
+        """``guess_useful`` where any guess was scored, else None (the stats line's)."""
+        return self.guess_useful if self._guess_sample else None
+
+    @property
+    def guess_reads(self) -> bool:
+        """Whether a guess's misses are read (else only scored): the last guesses scored well over enough of them."""
+        return self._guess_sample >= GUESS_MIN_SAMPLE and self.guess_useful >= GUESS_MIN_USEFUL
+
+    def guess(self, layer: int, expert_ids: Sequence[int], read: bool | None = None) -> None:
         """A guess of a coming layer's experts (``models.common.DecoderLM.guess_experts``: its router on an earlier
-        layer's stream). Its misses are read once the next fetch (the layer before it) has queued its own, so they
-        land while that layer computes; the layer's fetch takes those it asks for, and the others' reads are
-        cancelled or skipped (``LayerReads.narrow``). What is computed does not change, only when reads start.
-        Callers ask ``wants_guess`` first."""
+        layer's stream). Where the last guesses scored well (``guess_reads``) its misses are read once the next
+        fetch (the layer before it) has queued its own, so they land while that layer computes; the layer's fetch
+        takes those it asks for, and the others' reads are cancelled or skipped (``LayerReads.narrow``). Otherwise
+        it is only scored against what the layer asks for. What is computed does not change, only when reads
+        start. Callers ask ``wants_guess`` first. ``read``: read (True) or only score (False) whatever the scores
+        (``bench ingest --guess``)."""
         if self.guess_next and layer not in self._ahead:
-            self._guess = (layer, list(expert_ids))
+            self._guess = (layer, list(expert_ids), read)
 
     def _start_guess(self) -> None:
         got, self._guess = self._guess, None
         if got is None or got[0] in self._ahead:
             return
-        layer, ids = got
+        layer, ids, read = got
         misses = [e for e in dict.fromkeys(ids) if (layer, e) not in self.cache]
-        if misses:
-            self._ahead[layer] = (misses, LayerReads(self, layer, misses), True)
-            self.stats.guessed += len(misses)
+        if not misses:
+            return
+        if not (self.guess_reads if read is None else read):
+            self._scored[layer] = misses
+            return
+        self._ahead[layer] = (misses, LayerReads(self, layer, misses), True)
+        self.stats.guessed += len(misses)
 
     def _take_ahead(self, layer: int, expert_ids: Sequence[int]) -> tuple[list[int], LayerReads | None]:
         """The reads ``prefetch`` or ``guess`` started for this layer that the fetch asks for, and their reads; the
         reads of the others are cancelled or left to land unseen (a fetch never yields an expert it did not ask
         for)."""
         self._stale = [r for r in self._stale if not r.poll()]
+        wanted = set(expert_ids)
+        scored = self._scored.pop(layer, None)
+        if scored is not None:
+            self._guess_log.append((len(scored), len(wanted.intersection(scored))))
         misses, reads, guessed = self._ahead.pop(layer, ([], None, False))
         if reads is None:
             return [], None
-        wanted = set(expert_ids)
         early = [e for e in misses if e in wanted]
         cancelled = reads.narrow(wanted)
         if guessed:
             self.stats.guess_used += len(early)
             self.stats.guess_cancelled += cancelled
-            self._guess_log.append((len(misses) - cancelled, len(early)))
+            self._guess_log.append((len(misses), len(early)))
         return early, reads
 
     def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool) -> Iterator:
@@ -535,6 +561,7 @@ class StreamingExperts:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self._ahead.clear()
+        self._scored.clear()
         self._stale.clear()
         self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()

@@ -41,6 +41,7 @@ class RunStats:
     guessed: int = 0  # expert reads started on a guess of the next layer's routing (--guess-next)
     guess_used: int = 0  # of those, experts the layer asked for
     guess_cancelled: int = 0  # of the rest, reads cancelled before they started
+    guess_score: float | None = None  # share of the last guesses' misses their layers asked for (None: no guess)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -70,6 +71,11 @@ class RunStats:
             lines.append(f"read ahead on a guess of the next layer's routing: {self.guessed:,} experts, "
                          f"{self.guess_used / self.guessed:.0%} of them asked for; {self.guess_cancelled:,} cancelled "
                          f"before reading, {wasted:,} read for nothing")
+        elif self.guess_score is not None:
+            from deltafin.runtime.source import GUESS_MIN_USEFUL
+
+            lines.append(f"next-layer guesses not read: {self.guess_score:.0%} of their misses were asked for, below "
+                         f"the {GUESS_MIN_USEFUL:.0%} they need (--no-guess-next stops scoring them)")
         if verbose:
             lines.append(f"prefill: chunks of {self.prefill_chunk} tokens, read amplification "
                          f"{self.prefill_read_amplification:.2f} (bytes read / bytes of the distinct experts)")
