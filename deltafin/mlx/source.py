@@ -12,7 +12,9 @@ from deltafin.store.model_dir import PackedModel
 class MLXExperts(StreamingExperts):
     def __init__(self, model: PackedModel, cache_bytes: int = 0, threads: int = 4, readers=None,
                  verify: bool = True, deadline=None):
-        super().__init__(model, cache_bytes, threads, "cpu", readers, verify, deadline=deadline, reserve=False)
+        # no guessed reads: the slab below holds no room for a second layer's read-ahead
+        super().__init__(model, cache_bytes, threads, "cpu", readers, verify, deadline=deadline, reserve=False,
+                         guess_next=False)
         nbytes = max((model.file_bytes(L) for L in model.moe_layers), default=4096)
         cached = min(self.cache.budget // nbytes, len(model.moe_layers) * model.num_experts)
         # the cache, one layer's every expert (a prefill layer's union, computed in one pass) and the read-ahead

@@ -368,14 +368,17 @@ class StreamingExperts:
         yield from self._timed(e, tensors)
 
     def _to_device(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str,
-                   slot: tuple[int | None, bool] | None = None) -> ExpertTensors:
+                   slot: tuple[int | None, bool] | None = None, parsed: tuple | None = None) -> ExpertTensors:
         """A landed (checked) expert on the device: into a slab slot (``slot``, else one taken now) where the slab
-        takes it, else tensor by tensor; the host buffer is reused once its asynchronous copy is done."""
+        takes it, else tensor by tensor; the host buffer is reused once its asynchronous copy is done. ``parsed``:
+        (layout, host tensors) of these bytes, already parsed."""
         data = buf[:nbytes]
         self.stats.bytes_read += nbytes
         self.stats.reads += 1
-        layout, _, _ = ef.parse_header(data, where)
-        tensors = ef.decode(data, layout, where)
+        if parsed is None:
+            layout, _, _ = ef.parse_header(data, where)
+            parsed = layout, ef.decode(data, layout, where)
+        layout, tensors = parsed
         if self.device.type == "cuda" and (slot is not None or self._slab_ready(tensors, nbytes, layout)):
             tensors = self._to_slot(layer, e, tensors, nbytes, data, slot)
         else:
@@ -390,9 +393,11 @@ class StreamingExperts:
         reads) for ``_check_on_gpu``. One that takes no slot (not of the slab's layout, every slot in use, a header
         that does not parse) is checked here on the host first, as the reader threads would have."""
         data = buf[:nbytes]
+        parsed = None
         try:
             layout, _, _ = ef.parse_header(data, where)
-            fits = self._slab_ready(ef.decode(data, layout, where), nbytes, layout)
+            parsed = layout, ef.decode(data, layout, where)
+            fits = self._slab_ready(parsed[1], nbytes, layout)
         except ExpertFileError:
             fits = False
         if not fits and self.slab is None:  # experts of no slab format: the reader threads check them from now on
@@ -401,7 +406,7 @@ class StreamingExperts:
         if slot[0] is None:
             return self._to_device(layer, e, *self._host_checked(layer, e, buf, nbytes, where, reads))
         checks.append((e, slot[0], nbytes, where, reads))
-        return self._to_device(layer, e, buf, nbytes, where, slot)
+        return self._to_device(layer, e, buf, nbytes, where, slot, parsed)
 
     def _host_checked(self, layer: int, e: int, buf: memoryview, nbytes: int, where: str, reads: LayerReads
                       ) -> tuple[memoryview, int, str]:

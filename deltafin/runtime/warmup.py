@@ -37,6 +37,9 @@ class OneExpertSource:
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:  # nothing read ahead for a throwaway pass
         return None
 
+    def wants_guess(self, layer: int) -> bool:  # nor guessed (``guess`` would read and score the real source)
+        return False
+
     def _one(self, layer: int, first: int) -> dict:
         side = getattr(self.source, "part_of", None)  # a split trunk: the GPU's slab or the host's cache
         key = (self.packed.file_bytes(layer), id(side(layer)) if side else 0)
