@@ -229,3 +229,58 @@ def test_guessed_reads_change_no_logit_on_cuda(family, qwen, k3_model, always_re
     plain, _ = _decode(model, False, 0.0, "cuda")
     guessed, st = _decode(model, True, 0.0, "cuda")
     assert torch.equal(plain, guessed) and st.guessed > 0
+
+
+def test_the_graph_runner_guesses_and_changes_no_logit(k3_model, always_read):
+    """Kimi K3's decode-step runner (runtime/cuda_graphs.py, its stages run eagerly here) guesses each next MoE layer
+    after the trunk stage before it; the logits are the unguessed runner's bit for bit. The runner holds a layer's
+    experts all at once (``list(fetch)``), which on the CPU needs them cached (an uncached expert's read buffer is
+    reused once the next is asked for); on CUDA they are slab copies."""
+    from deltafin.runtime.cuda_graphs import DecodeGraphs
+
+    outs = {}
+    for guess in (False, True):
+        eng = Engine(str(k3_model / "model"), EngineOptions(exact=False, max_len=64, cache_gb=1.0, guess_next=guess))
+        try:
+            runner = DecodeGraphs(eng.model, eng.source, capture=False)
+            st, got = eng.new_state(), []
+            tok = int(eng.forward(prompt(5), st).argmax())
+            with torch.inference_mode():
+                for _ in range(STEPS):
+                    lg = runner.step(torch.tensor([tok]), st)
+                    got.append(lg.clone())
+                    tok = int(lg.argmax())
+            outs[guess] = torch.stack(got), eng.source.stats
+        finally:
+            eng.close()
+    (plain, st0), (guessed, st1) = outs[False], outs[True]
+    assert torch.equal(plain, guessed)
+    assert st0.guessed == 0 and st1.guessed > 0 and st1.guess_used > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_recorded_graphs_guess_and_change_no_logit(k3_model, always_read):
+    """On CUDA the runner records each guess as a graph of its own and replays it while the source guesses."""
+    from deltafin.runtime.cuda_graphs import DecodeGraphs
+
+    outs = {}
+    for guess in (False, True):
+        eng = Engine(str(k3_model / "model"), EngineOptions(exact=False, max_len=64, cache_gb=0.0, guess_next=guess,
+                                                            device="cuda"))
+        try:
+            runner = DecodeGraphs(eng.model, eng.source)
+            st, got = eng.new_state(), []
+            tok = int(eng.forward(prompt(5), st).argmax())
+            with torch.inference_mode():
+                for _ in range(STEPS):
+                    lg = runner.step(torch.tensor([tok], device="cuda"), st)
+                    got.append(lg.clone())
+                    tok = int(lg.argmax())
+            outs[guess] = torch.stack(got), eng.source.stats, len(runner.guess_graphs), all(runner.graphs)
+        finally:
+            eng.close()
+    (plain, st0, g0, rec0), (guessed, st1, g1, rec1) = outs[False], outs[True]
+    assert rec0 and rec1  # every stage recorded
+    assert torch.equal(plain, guessed)
+    assert st0.guessed == 0 and g0 == 0 and st1.guessed > 0 and g1 > 0

@@ -13,7 +13,9 @@ MoE layer's routing (which experts to fetch), into *stages*, each recorded as on
 
 Between side j and trunk j+1 runs the layer's one host synchronisation: wait for the ids, fetch the experts
 from the source (cache or drives) and write the slab slot of each of the k (token, expert) pairs to a
-static device buffer that the grouped launch reads (a fixed grid of k blocks of one pair each).
+static device buffer that the grouped launch reads (a fixed grid of k blocks of one pair each). Where the
+source guesses (``--guess-next``), a small graph after trunk j runs MoE layer j+1's router on trunk j's
+stream, and that guess goes to the source at the same synchronisation, before layer j's fetch.
 
 Every tensor a graph reads or writes stays put: the token id and its position live in device buffers
 (MLA decode reads the position from there and attends over the latent cache's whole static buffer with the
@@ -119,6 +121,7 @@ class DecodeGraphs:
         self.blk_host = {L: torch.zeros(self.k, dtype=torch.int32, pin_memory=pin) for L in self.moe}
         self.blk_np = {L: t.numpy() for L, t in self.blk_host.items()}
         self.ids_host = {L: torch.zeros((1, self.k), dtype=torch.long, pin_memory=pin) for L in self.moe}
+        self.guess_host = {L: torch.zeros((1, self.k), dtype=torch.long, pin_memory=pin) for L in self.moe}
         self.ids_ready = torch.cuda.Event() if pin else None
         self.decided: dict[int, tuple] = {}  # MoE layer -> ("plan", slab) or ("fetched", [(id, tensors)])
         self.staging = None  # a slab of k slots for experts the source keeps elsewhere
@@ -140,6 +143,7 @@ class DecodeGraphs:
         self.graphs: list = [None] * n
         self.out: list = [None] * n  # each stage's static outputs (later stages' inputs)
         self.slab_of: list = [None] * n  # the slab a recorded stage's grouped launch reads
+        self.guess_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # j -> MoE layer j+1's routing guessed after trunk j
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def _give_up(self, why: str) -> None:
@@ -148,17 +152,49 @@ class DecodeGraphs:
         self._reset_graphs()
 
     def _record(self, s: int, inp):
+        return self._capture_call(lambda: self._stage_fn(s, inp))
+
+    def _capture_call(self, fn):
         g = torch.cuda.CUDAGraph()
         cur = torch.cuda.current_stream()
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
-                out = self._stage_fn(s, inp)
+                out = fn()
             finally:
                 g.capture_end()
         cur.wait_stream(self.stream)
         return g, out
+
+    def _guess(self, j: int, nxt: int, carry) -> bool:
+        """Where the source asks for guesses (``StreamingExperts.wants_guess``), MoE layer ``nxt``'s router on trunk
+        j's stream ``carry`` (its ids copied to pinned host memory, read at the layer's synchronisation): a graph
+        of its own once trunk j is recorded (its output is then static), replayed only on the steps that guess.
+        Returns whether it ran."""
+        wants = getattr(self.experts, "wants_guess", None)
+        if wants is None or not wants(nxt):
+            return False
+        static = self.graphs[2 * j] is not None
+        g = self.guess_graphs.get(j)
+        if g is not None and static:
+            g.replay()
+            return True
+        if self.capture and static:
+            try:
+                g, _ = self._capture_call(lambda: self._guess_fn(nxt, carry))
+            except Exception as e:  # noqa: BLE001 - the guess then runs eagerly; the stages stay recorded
+                log.warning("the next layer's guess runs eagerly: %s: %s", type(e).__name__, e)
+            else:
+                self.guess_graphs[j] = g
+                g.replay()
+                return True
+        self._guess_fn(nxt, carry)
+        return True
+
+    def _guess_fn(self, nxt: int, carry) -> None:
+        ids, _ = self.model.route(nxt, carry)
+        self.guess_host[nxt].copy_(ids, non_blocking=True)
 
     def _run(self, s: int, inp):
         slab = self._slab_before(s)
@@ -228,12 +264,15 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ the host step between stages
 
-    def _decide(self, L: int, r) -> None:
-        """The layer's one host synchronisation: fetch the chosen experts and write their slab slots."""
+    def _decide(self, L: int, r, guessed: int | None = None) -> None:
+        """The layer's one host synchronisation: fetch the chosen experts and write their slab slots; a guess of
+        MoE layer ``guessed``'s experts goes to the source first, to be read behind this layer's."""
         if self.ids_ready is not None:
             self.ids_ready.synchronize()  # the ids copy is done; the side stage may still be running
         chosen = self.ids_host[L].tolist()  # [[k ids]]
         wanted = sorted({e for row in chosen for e in row})
+        if guessed is not None:
+            self.experts.guess(guessed, sorted(set(self.guess_host[guessed].tolist()[0])))
         got = list(self.experts.fetch(L, wanted))
         assert len(got) == len(wanted), f"expert source returned {len(got)} of {len(wanted)} experts"
         slab = getattr(self.experts, "slab", None)
@@ -330,10 +369,12 @@ class DecodeGraphs:
         try:
             out = self._run(0, None)
             for j, L in enumerate(self.moe):
+                nxt = self.moe[j + 1] if j + 1 < len(self.moe) else None
+                guessed = nxt if nxt is not None and self._guess(j, nxt, out[0]) else None
                 if self.ids_ready is not None:
                     self.ids_ready.record()
                 side = self._run(2 * j + 1, out)
-                self._decide(L, out[1])
+                self._decide(L, out[1], guessed)
                 if self.mark is not None:
                     self.mark()
                 out = self._run(2 * j + 2, (out, side))
