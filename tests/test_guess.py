@@ -284,3 +284,35 @@ def test_recorded_graphs_guess_and_change_no_logit(k3_model, always_read):
     assert rec0 and rec1  # every stage recorded
     assert torch.equal(plain, guessed)
     assert st0.guessed == 0 and g0 == 0 and st1.guessed > 0 and g1 > 0
+
+
+def test_a_split_trunk_guesses_within_each_side(qwen, always_read):
+    """``--gpu-layers``' split (both sides on the CPU here): each side guesses its own layers, none across the hand-over,
+    and the logits are the unguessed split's bit for bit."""
+    from deltafin.runtime import offload
+    from deltafin.runtime.batch import forward_batch
+    from deltafin.runtime.offload_plan import OffloadPlan
+
+    pm = PackedModel.open(qwen)
+    L = int(pm.text_config["num_hidden_layers"])
+    plan = OffloadPlan(L, L // 2, 0, 0, "test")
+    cpu = torch.device("cpu")
+    outs = {}
+    for guess in (False, True):
+        model = offload.build_split(pm.family, pm.text_config, pm.trunk_records(), plan, cpu, torch.float32,
+                                    torch.float32)
+        src = offload.SplitExperts(*(StreamingExperts(pm, 0, 2, "cpu", reserve=False, guess_next=guess)
+                                     for _ in range(2)), plan.first_gpu)
+        st, got = model.new_state(64), []
+        try:
+            with torch.inference_mode():
+                tok = int(forward_batch(model, [(torch.tensor(prompt(5)), st)], src)[0][-1].argmax())
+                for _ in range(STEPS):
+                    lg = forward_batch(model, [(torch.tensor([tok]), st)], src)[0]
+                    got.append(lg.clone())
+                    tok = int(lg[-1].argmax())
+            outs[guess] = torch.stack(got), src.stats
+        finally:
+            src.close()
+    assert torch.equal(outs[False][0], outs[True][0])
+    assert outs[False][1].guessed == 0 and outs[True][1].guessed > 0

@@ -335,7 +335,7 @@ class Engine:
         host, on_gpu = self._split_cache_bytes()
         deadline = _deadline(opts.read_deadline_s)
         sources = [StreamingExperts(self.packed, n, opts.threads, dev, readers, opts.verify_reads, deadline=deadline,
-                                    verify_on=where)
+                                    verify_on=where, guess_next=opts.guess_next)
                    for n, dev, where in ((host, cpu, "auto" if opts.verify_on == "gpu" else opts.verify_on),
                                          (on_gpu, gpu, opts.verify_on))]
         self.source = offload.SplitExperts(*sources, plan.first_gpu)

@@ -124,6 +124,13 @@ class SplitModel:
     def route(self, i: int, carry):
         return self.part(i).route(i, carry)
 
+    def guess_experts(self, i: int, carry) -> list[int]:
+        """Layer i's guess from the stream before it, by the side that holds it; none across the hand-over (the
+        stream is still on the CPU there)."""
+        if i == self.first:
+            return []
+        return self.part(i).guess_experts(i, carry)
+
     def head(self, carry) -> torch.Tensor:
         return self.high.head(carry)
 
@@ -163,6 +170,14 @@ class SplitExperts:
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         self.part_of(layer).prefetch(layer, expert_ids)
+
+    def wants_guess(self, layer: int) -> bool:
+        return self.part_of(layer).wants_guess(layer)
+
+    def guess(self, layer: int, expert_ids: Sequence[int], read: bool | None = None) -> None:
+        """To the side that serves ``layer``; it reads the guess behind its own next fetch (within a side, the
+        layer before)."""
+        self.part_of(layer).guess(layer, expert_ids, read)
 
     @property
     def slab(self):  # moe_dispatch's grouped CUDA kernels read the GPU side's slab
