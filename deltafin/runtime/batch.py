@@ -49,12 +49,12 @@ def forward_batch(model, seqs: Sequence[tuple[torch.Tensor, SequenceState]], exp
     if hasattr(model, "known_routes") and prefetch is not None:  # experts fixed by the token ids
         for layer, eids in model.known_routes(torch.cat([ids for ids, _ in seqs])):
             prefetch(layer, eids)
-    guess = getattr(experts, "guess", None) if sum(sizes) <= GUESS_TOKENS else None
-    ahead = getattr(model, "guess_experts", None) if guess is not None else None
+    guess, wants = (getattr(experts, "guess", None), getattr(experts, "wants_guess", None))
+    ahead = getattr(model, "guess_experts", None) if guess and wants and sum(sizes) <= GUESS_TOKENS else None
     for i in range(model.num_layers):
         carries = [model.attn_part(i, c, st) for c, (_, st) in zip(carries, seqs, strict=True)]
         merged = cat(carries) if len(carries) > 1 else carries[0]
-        if ahead is not None and i + 1 < model.num_layers and experts.wants_guess(i + 1):
+        if ahead is not None and i + 1 < model.num_layers and wants(i + 1):
             guess(i + 1, ahead(i + 1, merged))  # the next layer's likely experts, read while this layer runs
         merged = model.mlp_part(i, merged, experts)
         carries = split(merged, sizes) if len(carries) > 1 else [merged]
