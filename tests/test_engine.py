@@ -96,8 +96,7 @@ def test_cached_experts_come_as_one_group_and_decode_the_same(k3_model, monkeypa
 def test_stats_account_for_reads(k3_model, guess, monkeypatch):
     from deltafin.runtime import source
 
-    monkeypatch.setattr(source, "GUESS_MIN_SAMPLE", 0)  # every guess read, however it scores
-    monkeypatch.setattr(source, "GUESS_MIN_USEFUL", 0.0)
+    monkeypatch.setattr(source.StreamingExperts, "guess_reads", property(lambda self: True))  # every guess read
     eng = _engine(k3_model, cache_gb=0.0, guess_next=guess)
     try:
         toks = [t for t, _ in eng.generate(PROMPT, 4, SamplingParams())]

@@ -82,8 +82,8 @@ def _decode(model: str, guess: bool, cache_gb: float, device: str = "cpu") -> tu
 @pytest.fixture
 def always_read(monkeypatch):
     """Every guess's misses read, however its guesses score (tiny random models route too unpredictably)."""
-    monkeypatch.setattr(source_mod, "GUESS_MIN_USEFUL", 0.0)
-    monkeypatch.setattr(source_mod, "GUESS_MIN_SAMPLE", 0)
+    monkeypatch.setattr(StreamingExperts, "guess_reads", property(lambda self: True))
+    monkeypatch.setattr(source_mod, "GUESS_PROBE", 1 << 30)  # none scored unread
 
 
 @pytest.mark.parametrize("family", ["qwen", "k3"])
@@ -167,11 +167,12 @@ def test_a_fetch_takes_the_guessed_reads_it_asks_for(k3_model, always_read):
         for _ in src.fetch(L0, _experts_on(pm, L0)[:2]):
             pass
         assert src.stats.guessed == 3 and L1 in src._ahead
-        got = {e: t for e, t in src.fetch(L1, [on1[1], on1[4]])}
-        assert sorted(got) == sorted([on1[1], on1[4]])
-        for e, t in got.items():
+        got = []
+        for e, t in src.fetch(L1, [on1[1], on1[4]]):  # checked as it comes: its buffer is reused after
             want = pm.read_expert(L1, e)
             assert all(torch.equal(t[k].data, want[k].data) for k in want)
+            got.append(e)
+        assert sorted(got) == sorted([on1[1], on1[4]])
         assert src.stats.guess_used == 1
     finally:
         src.close()
@@ -200,12 +201,31 @@ def test_guesses_are_read_only_while_they_score_well(k3_model):
     try:
         offered = rounds(3 * source_mod.GUESS_PROBE * src._guess_log.maxlen, on1[:2])  # always wrong
         assert not src.guess_reads and src.stats.guessed == 0  # scored, never read
+        assert "0% of their misses were asked for" in src.guess_note
         late = offered[len(offered) // 2:]
         assert 0 < sum(late) <= len(late) // source_mod.GUESS_PROBE + 1  # a probe now and then, no more
         rounds(2 * source_mod.GUESS_PROBE * src._guess_log.maxlen, on1[2:4])  # right: the probes notice
-        assert src.guess_reads and src.wants_guess(L1)
-        rounds(4, on1[2:4])
+        assert src.guess_gap_s is not None and src.guess_waste_s == 0  # nothing wasted: any gap is worth filling
+        assert src.guess_reads and src.wants_guess(L1) and src.guess_note == ""
+        rounds(2 * source_mod.GUESS_PROBE, on1[2:4])
         assert src.stats.guessed > 0 and src.stats.guess_used == src.stats.guessed
+        assert len(src._gaps) > 0  # one guess in GUESS_PROBE scored unread, so the gap is still measured
+    finally:
+        src.close()
+
+
+def test_guesses_whose_unused_reads_outweigh_the_gap_are_not_read(k3_model):
+    """Guesses mostly right, but their unused reads would take longer than the drives sit idle: not read."""
+    pm, label = _one_drive(k3_model)
+    src = _source(pm, _Held(label, pm.drives[0].path))
+    try:
+        for _ in range(4):
+            src._guess_log.append((8, 5))  # 5 of 8 asked for: useful 62%, 3 unused reads a guess
+        src._gaps.append(1e-6)  # the drives idle 1 us before a layer's reads
+        assert src.guess_useful >= source_mod.GUESS_MIN_USEFUL and src.guess_waste_s > src.guess_gap_s
+        assert not src.guess_reads and "against 0.0 ms the drives sat idle" in src.guess_note
+        src._gaps.append(10.0)  # ten seconds idle: worth it
+        assert src.guess_reads
     finally:
         src.close()
 

@@ -753,7 +753,7 @@ class Engine:
         stats.gpu_check_s = getattr(src, "gpu_check_s", 0.0) - base[7]
         stats.guessed, stats.guess_used, stats.guess_cancelled = (a - b for a, b in zip(_guesses(src), base[8],
                                                                                           strict=True))
-        stats.guess_score = getattr(self.source, "guess_score", None)
+        stats.guess_note = getattr(self.source, "guess_note", "")
 
     def close(self) -> None:
         if self.dist is not None:

@@ -74,12 +74,18 @@ class SourceStats:
 READ_AHEAD_PER_THREAD = 8
 
 # ``guess`` runs while a miss was seen in the last GUESS_WINDOW fetches per MoE layer (with every expert cached,
-# guessing costs host time for nothing). Its guesses' misses are read only while at least GUESS_MIN_USEFUL of the
-# misses its last GUESS_WINDOW guesses per MoE layer named were asked for, over at least GUESS_MIN_SAMPLE of them.
-# Until then a guess is only scored against what its layer asks for, unread: each one while there are too few,
-# one in GUESS_PROBE while they score low. On a random Qwen3-MoE (bench peer's) with a small cache ~11-29% of the
-# guessed misses were asked for (the cache holds the experts routing favours; the misses are the rare ones):
-# reading them slowed decode from 25.7 to 21.2 tok/s, and cold-cache decode from 15.9 to 11.6.
+# guessing costs host time for nothing). Its guesses' misses are read only where that pays, as measured over the last
+# GUESS_WINDOW guesses per MoE layer (at least GUESS_MIN_SAMPLE misses named):
+# - at least GUESS_MIN_USEFUL of the misses they named were asked for, and
+# - the drive time their unused reads would take is at most what the drives sat idle between a layer's reads and the
+#   next's (the gap a guess fills), measured on layers not read ahead.
+# Until then a guess is only scored against what its layer asks for, unread: each one while there are too few, one
+# in GUESS_PROBE while they do not pay; and while they are read, one in GUESS_PROBE is scored unread, to go on
+# measuring the gap. Measured on bench peer's random Qwen3-MoE (2-core VM, a 0.86 GB/s disk):
+# - with a 0.5 GB cache ~6-29% of the guessed misses were asked for (the cache holds the experts routing
+#   favours; the misses are the rare ones): reading them slowed decode from 25.7 to 21.2 tok/s;
+# - with no cache 57% were, but the wasted reads took as much drive time as the gaps they filled: 4.8 against 5.2
+#   tok/s (medians of six alternated runs), the I/O wait down from 1.1-1.4 s to 0.6-1.2 s.
 GUESS_WINDOW = 2
 GUESS_MIN_USEFUL = 0.5
 GUESS_MIN_SAMPLE = 16
@@ -146,6 +152,9 @@ class StreamingExperts:
         self._guess_log: deque[tuple[int, int]] = deque(maxlen=self._miss_log.maxlen)  # (misses, asked for) a guess
         self._guess_turn = 0  # turns offered while the guesses score low (GUESS_PROBE)
         self._scored: dict[int, list[int]] = {}  # layer -> a guess's misses, scored at its fetch but not read
+        self._gaps: deque[float] = deque(maxlen=self._miss_log.maxlen)  # drives idle before a layer's own reads, s
+        self._last_landed: float | None = None  # when the last fetch's last read landed
+        self._starts = 0  # guesses started while their reads pay (one in GUESS_PROBE is scored unread)
         if reserve:
             self.reserve_buffers()
 
@@ -240,14 +249,39 @@ class StreamingExperts:
         return sum(u for _, u in self._guess_log) / n if n else 0.0
 
     @property
-    def guess_score(self) -> float | None:
-        """``guess_useful`` where any guess was scored, else None (the stats line's)."""
-        return self.guess_useful if self._guess_sample else None
+    def guess_note(self) -> str:
+        """Why guesses are not read, for the stats line ("" where they are, or none was made)."""
+        if not self._guess_sample or self.guess_reads:
+            return ""
+        gap = self.guess_gap_s
+        idle = "no layer's own reads measured yet" if gap is None else f"{gap * 1e3:.1f} ms the drives sat idle"
+        return (f"next-layer guesses not read: {self.guess_useful:.0%} of their misses were asked for (reading needs "
+                f"{GUESS_MIN_USEFUL:.0%}); their unused reads would take {self.guess_waste_s * 1e3:.1f} ms of drive "
+                f"time a layer, against {idle} before a layer's reads")
+
+    @property
+    def guess_waste_s(self) -> float:
+        """The drive time the unused reads of a guess take, on average over the last guesses (the drives' rates
+        summed)."""
+        if not self._guess_log:
+            return 0.0
+        unused = sum(n - u for n, u in self._guess_log) / len(self._guess_log)
+        nbytes = max((self.model.file_bytes(L) for L in self.model.moe_layers), default=0)
+        return unused * nbytes / (max(sum(self._rates), 1e-3) * 1e9)
+
+    @property
+    def guess_gap_s(self) -> float | None:
+        """How long the drives sat idle before a layer's own reads, on average over the last layers not read ahead
+        (None before any)."""
+        return sum(self._gaps) / len(self._gaps) if self._gaps else None
 
     @property
     def guess_reads(self) -> bool:
-        """Whether a guess's misses are read (else only scored): the last guesses scored well over enough of them."""
-        return self._guess_sample >= GUESS_MIN_SAMPLE and self.guess_useful >= GUESS_MIN_USEFUL
+        """Whether a guess's misses are read (else only scored): over enough of them, the last guesses named mostly
+        experts their layers asked for, and their unused reads take no more drive time than the gaps they fill."""
+        gap = self.guess_gap_s
+        return (self._guess_sample >= GUESS_MIN_SAMPLE and self.guess_useful >= GUESS_MIN_USEFUL
+                and gap is not None and self.guess_waste_s <= gap)
 
     def guess(self, layer: int, expert_ids: Sequence[int], read: bool | None = None) -> None:
         """A guess of a coming layer's experts (``models.common.DecoderLM.guess_experts``: its router on an earlier
@@ -268,7 +302,12 @@ class StreamingExperts:
         misses = [e for e in dict.fromkeys(ids) if (layer, e) not in self.cache]
         if not misses:
             return
-        if not (self.guess_reads if read is None else read):
+        if read is None:
+            read = self.guess_reads
+            if read:
+                self._starts += 1
+                read = self._starts % GUESS_PROBE != 0  # one in GUESS_PROBE scored unread: the gap stays measured
+        if not read:
             self._scored[layer] = misses
             return
         self._ahead[layer] = (misses, LayerReads(self, layer, misses), True)
@@ -309,6 +348,8 @@ class StreamingExperts:
         self.stats.hits += len(hits)
         self.stats.misses += len(misses) + len(early)
         self._note_misses(len(misses) + len(early))
+        if misses and not early and self._last_landed is not None and not any(self.pool.pending_bytes()):
+            self._gaps.append(time.perf_counter() - self._last_landed)  # the drives idle since the last read landed
         reads = LayerReads(self, layer, misses) if misses else None
         if self._guess is not None:
             self._start_guess()  # behind this layer's own reads on every drive
@@ -328,6 +369,7 @@ class StreamingExperts:
             for _ in range(n):
                 t0, ev = time.perf_counter(), self.clock and self.clock.mark()
                 landed = source.next()
+                self._last_landed = time.perf_counter()
                 if self.clock is None:
                     self.stats.io_wait_s += time.perf_counter() - t0
                 else:

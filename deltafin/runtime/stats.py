@@ -41,7 +41,7 @@ class RunStats:
     guessed: int = 0  # expert reads started on a guess of the next layer's routing (--guess-next)
     guess_used: int = 0  # of those, experts the layer asked for
     guess_cancelled: int = 0  # of the rest, reads cancelled before they started
-    guess_score: float | None = None  # share of the last guesses' misses their layers asked for (None: no guess)
+    guess_note: str = ""  # why the guesses were not read, where they were not
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -71,11 +71,8 @@ class RunStats:
             lines.append(f"read ahead on a guess of the next layer's routing: {self.guessed:,} experts, "
                          f"{self.guess_used / self.guessed:.0%} of them asked for; {self.guess_cancelled:,} cancelled "
                          f"before reading, {wasted:,} read for nothing")
-        elif self.guess_score is not None:
-            from deltafin.runtime.source import GUESS_MIN_USEFUL
-
-            lines.append(f"next-layer guesses not read: {self.guess_score:.0%} of their misses were asked for, below "
-                         f"the {GUESS_MIN_USEFUL:.0%} they need (--no-guess-next stops scoring them)")
+        elif self.guess_note:
+            lines.append(self.guess_note + " (--no-guess-next stops guessing)")
         if verbose:
             lines.append(f"prefill: chunks of {self.prefill_chunk} tokens, read amplification "
                          f"{self.prefill_read_amplification:.2f} (bytes read / bytes of the distinct experts)")
