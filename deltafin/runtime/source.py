@@ -229,8 +229,8 @@ class StreamingExperts:
 
     def wants_guess(self, layer: int) -> bool:
         """Whether to guess ``layer``'s experts now (before the guess's routing is computed): on (``guess_next``), a
-        miss among the last fetches, nothing read ahead for it yet, and, while the last guesses score low, one turn
-        in GUESS_PROBE."""
+        miss among the last fetches, nothing read ahead for it yet, and, while reading the guesses would not pay
+        (``guess_reads``), one turn in GUESS_PROBE."""
         if not self.guess_next or self._recent_misses == 0 or layer in self._ahead:
             return False
         if self.guess_reads or self._guess_sample < GUESS_MIN_SAMPLE:
@@ -285,7 +285,7 @@ class StreamingExperts:
 
     def guess(self, layer: int, expert_ids: Sequence[int], read: bool | None = None) -> None:
         """A guess of a coming layer's experts (``models.common.DecoderLM.guess_experts``: its router on an earlier
-        layer's stream). Where the last guesses scored well (``guess_reads``) its misses are read once the next
+        layer's stream). Where reading the last guesses paid (``guess_reads``) its misses are read once the next
         fetch (the layer before it) has queued its own, so they land while that layer computes; the layer's fetch
         takes those it asks for, and the others' reads are cancelled or skipped (``LayerReads.narrow``). Otherwise
         it is only scored against what the layer asks for. What is computed does not change, only when reads
