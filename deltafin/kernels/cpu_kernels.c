@@ -728,8 +728,12 @@ static inline q8f_t q8_unit_fma(q8f_t acc, const q8u_t *u, q8f_t sc, int gi, con
  * same operations on the same values in the same order as q8_group (the same sums, bit for bit). Four rows
  * interleaved with a prefetch a row ahead (the generic loop) spilled its pointers and ran 8 experts of 768 x 2048
  * at 7.1-7.7 GB/s on one Zen 4 core, whether they were in L3 or in memory. This one computes at 18 GB/s from L2 and
- * 9-12 from memory; a prefetch 1-8 KB ahead in the same stream gained 1-3% in a layer's experts, within the noise,
- * so there is none. Returns r1. */
+ * 9-12 from memory. A prefetch Q8_PFD bytes ahead in the same stream: a layer's 8 experts, rotated over 256 (640 MB,
+ * from memory), 2 threads of a Zen 4 VM, 978-1091 -> 908-1003 us at 1 KB (+8-9%; 512 B +0-2%, 2 KB +8%, 4 KB +4%),
+ * one thread 1536 -> 1448; over 64 experts +3%; one layer's 8 again and again (20 MB, in L3) level. Returns r1. */
+#ifndef Q8_PFD
+#define Q8_PFD 1024 /* bytes ahead in the row stream to prefetch (0: none; -DQ8_PFD=N to measure another) */
+#endif
 static int64_t q8_rows1_vnni(int kind, const uint8_t *packed, const void *scales, const float *e8m0,
                              const q8k_t *k, const q8x_t *q, float *out, int64_t r0, int64_t r1, int64_t H,
                              int64_t nb, int64_t G) {
@@ -745,6 +749,7 @@ static int64_t q8_rows1_vnni(int kind, const uint8_t *packed, const void *scales
             const int64_t g1 = g0 + GR < G ? g0 + GR : G;
             for (int64_t g = g0; g < g1; g++) {
                 const int8_t *xe = q->xe + g * Q8GB, *xo = q->xo + g * Q8GB;
+                if (Q8_PFD) _mm_prefetch((const char *)(w + g * 64 + Q8_PFD), _MM_HINT_T0); /* never faults */
                 const __m512i v = _mm512_loadu_si512(w + g * 64);
                 const __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, m15));
                 const __m512i hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
