@@ -1,6 +1,7 @@
 """Reading the next layer's likely experts ahead (``--guess-next``): a decode layer's fetch takes the guessed reads it
 asks for, the others are cancelled before they start or skipped when they land (their buffers back, their failures
-forgotten), guesses whose reads go mostly unused back off, and the logits never change."""
+forgotten); guesses are read only where they pay (mostly right, their unused reads shorter than the drives' idle
+gap), and the logits never change."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _source(pm: PackedModel, reader: _Held, **kw) -> StreamingExperts:
     return StreamingExperts(pm, cache_bytes=0, threads=1, readers=readers, reserve=False, **kw)
 
 
-def _one_drive(k3_model) -> tuple[PackedModel, str]:
+def _first_drive(k3_model) -> tuple[PackedModel, str]:
     pm = PackedModel.open(str(k3_model / "model"))
     return pm, pm.drives[0].label
 
@@ -100,7 +101,7 @@ def test_guessed_reads_change_no_logit(family, qwen, k3_model, always_read):
 
 
 def test_narrowed_reads_cancel_what_has_not_started_and_skip_what_has(k3_model):
-    pm, label = _one_drive(k3_model)
+    pm, label = _first_drive(k3_model)
     L = pm.moe_layers[0]
     ids = _experts_on(pm, L)[:4]
     reader = _Held(label, pm.drives[0].path, hold=pm.expert_path(L, ids[0], 0))  # the others queue behind it
@@ -132,7 +133,7 @@ def _poll_until_done(reads: LayerReads) -> bool:
 
 
 def test_a_failed_read_of_an_unwanted_expert_is_forgotten(k3_model):
-    pm, label = _one_drive(k3_model)
+    pm, label = _first_drive(k3_model)
     L = pm.moe_layers[0]
     a, b = _experts_on(pm, L)[:2]
     reader = _Held(label, pm.drives[0].path, fail=pm.expert_path(L, a, 0))
@@ -156,7 +157,7 @@ def test_a_failed_read_of_an_unwanted_expert_is_forgotten(k3_model):
 def test_a_fetch_takes_the_guessed_reads_it_asks_for(k3_model, always_read):
     """The guess is read once the next fetch has queued its own reads; the guessed layer's fetch yields exactly what
     it asks for, the right guesses among them, and the same bytes as an unguessed fetch."""
-    pm, label = _one_drive(k3_model)
+    pm, label = _first_drive(k3_model)
     L0, L1 = pm.moe_layers[:2]
     on1 = _experts_on(pm, L1)
     src = _source(pm, _Held(label, pm.drives[0].path))
@@ -181,7 +182,7 @@ def test_a_fetch_takes_the_guessed_reads_it_asks_for(k3_model, always_read):
 def test_guesses_are_read_only_while_they_score_well(k3_model):
     """Guesses are scored against what their layer asks for; unread while too few are scored or they score low (then
     one turn in GUESS_PROBE), read once they score well."""
-    pm, label = _one_drive(k3_model)
+    pm, label = _first_drive(k3_model)
     L0, L1 = pm.moe_layers[:2]
     on0, on1 = _experts_on(pm, L0), _experts_on(pm, L1)
     src = _source(pm, _Held(label, pm.drives[0].path))
@@ -216,7 +217,7 @@ def test_guesses_are_read_only_while_they_score_well(k3_model):
 
 def test_guesses_whose_unused_reads_outweigh_the_gap_are_not_read(k3_model):
     """Guesses mostly right, but their unused reads would take longer than the drives sit idle: not read."""
-    pm, label = _one_drive(k3_model)
+    pm, label = _first_drive(k3_model)
     src = _source(pm, _Held(label, pm.drives[0].path))
     try:
         for _ in range(4):
@@ -231,7 +232,7 @@ def test_guesses_whose_unused_reads_outweigh_the_gap_are_not_read(k3_model):
 
 
 def test_no_guess_next_turns_guessing_off(k3_model):
-    pm, label = _one_drive(k3_model)
+    pm, label = _first_drive(k3_model)
     src = _source(pm, _Held(label, pm.drives[0].path), guess_next=False)
     try:
         src._note_misses(3)
