@@ -221,7 +221,7 @@ def test_guesses_whose_unused_reads_outweigh_the_gap_are_not_read(k3_model):
     src = _source(pm, _Held(label, pm.drives[0].path))
     try:
         for _ in range(4):
-            src._guess_log.append((8, 5))  # 5 of 8 asked for: useful 62%, 3 unused reads a guess
+            src._log_guess(8, 5)  # 5 of 8 asked for: useful 62%, 3 unused reads a guess
         src._gaps.append(1e-6)  # the drives idle 1 us before a layer's reads
         assert src.guess_useful >= source_mod.GUESS_MIN_USEFUL and src.guess_waste_s > src.guess_gap_s
         assert not src.guess_reads and "against 0.0 ms the drives sat idle" in src.guess_note

@@ -380,15 +380,20 @@ class GQADecoder(DecoderLM):
         return super().mlp_part(i, carry, experts)
 
     def guess_experts(self, i: int, carry) -> list[int]:
-        if carry.shape[0] == 1 and fast_enabled() and self._is_moe(i):
-            spec = self.__dict__.setdefault("_route_specs", {})
-            if i not in spec:
-                spec[i] = self._route_spec(i)
-            got = None if spec[i] is None else route_one(carry, spec[i][0], self.norm_eps, spec[i][1], spec[i][2],
-                                                         spec[i][3])
+        spec = self._spec(i) if carry.shape[0] == 1 and fast_enabled() and self._is_moe(i) else None
+        if spec is not None:
+            ln, router, k, renorm = spec
+            got = route_one(carry, ln, self.norm_eps, router, k, renorm)
             if got is not None:  # the compiled routing of one token (_moe_one's)
                 return sorted(got[1])
         return super().guess_experts(i, carry)
+
+    def _spec(self, i: int) -> tuple | None:
+        """Layer i's ``_route_spec``, made once."""
+        specs = self.__dict__.setdefault("_route_specs", {})
+        if i not in specs:
+            specs[i] = self._route_spec(i)
+        return specs[i]
 
     def _router_one(self, i: int) -> tuple | None:
         """(router record [E, D], k, renormalise) where layer i's routing is a softmax top-k over plain logits and the
@@ -401,10 +406,7 @@ class GQADecoder(DecoderLM):
         in one (``kernels.route_one``), each group of experts the source hands over in one (``glu_into``, each
         expert's own result bit for bit), their weighted sum in slot order in one (``moe_sum_one``), so the result
         does not depend on which experts were cached or the order reads land. None where it does not apply."""
-        specs = self.__dict__.setdefault("_route_specs", {})
-        if i not in specs:
-            specs[i] = self._route_spec(i)
-        spec = specs[i]
+        spec = self._spec(i)
         if spec is None:
             return None
         ln, router, k, renorm = spec

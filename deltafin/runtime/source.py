@@ -150,6 +150,8 @@ class StreamingExperts:
         self._miss_log: deque[int] = deque(maxlen=GUESS_WINDOW * max(len(model.moe_layers), 1))  # misses a fetch
         self._recent_misses = 0
         self._guess_log: deque[tuple[int, int]] = deque(maxlen=self._miss_log.maxlen)  # (misses, asked for) a guess
+        self._guess_sums = [0, 0]  # the log's misses and asked-for, summed (asked every layer: kept, not recounted)
+        self._expert_bytes = max((model.file_bytes(L) for L in model.moe_layers), default=0)
         self._guess_turn = 0  # turns offered while the guesses score low (GUESS_PROBE)
         self._scored: dict[int, list[int]] = {}  # layer -> a guess's misses, scored at its fetch but not read
         self._gaps: deque[float] = deque(maxlen=self._miss_log.maxlen)  # drives idle before a layer's own reads, s
@@ -238,15 +240,24 @@ class StreamingExperts:
         self._guess_turn += 1
         return self._guess_turn % GUESS_PROBE == 0
 
+    def _log_guess(self, named: int, asked: int) -> None:
+        if len(self._guess_log) == self._guess_log.maxlen:
+            n, u = self._guess_log[0]
+            self._guess_sums[0] -= n
+            self._guess_sums[1] -= u
+        self._guess_log.append((named, asked))
+        self._guess_sums[0] += named
+        self._guess_sums[1] += asked
+
     @property
     def _guess_sample(self) -> int:
-        return sum(n for n, _ in self._guess_log)
+        return self._guess_sums[0]
 
     @property
     def guess_useful(self) -> float:
         """The share of the misses the last guesses named that their layers asked for (0.0 before any)."""
-        n = self._guess_sample
-        return sum(u for _, u in self._guess_log) / n if n else 0.0
+        n, u = self._guess_sums
+        return u / n if n else 0.0
 
     @property
     def guess_note(self) -> str:
@@ -265,9 +276,8 @@ class StreamingExperts:
         summed)."""
         if not self._guess_log:
             return 0.0
-        unused = sum(n - u for n, u in self._guess_log) / len(self._guess_log)
-        nbytes = max((self.model.file_bytes(L) for L in self.model.moe_layers), default=0)
-        return unused * nbytes / (max(sum(self._rates), 1e-3) * 1e9)
+        unused = (self._guess_sums[0] - self._guess_sums[1]) / len(self._guess_log)
+        return unused * self._expert_bytes / (max(sum(self._rates), 1e-3) * 1e9)
 
     @property
     def guess_gap_s(self) -> float | None:
@@ -321,7 +331,7 @@ class StreamingExperts:
         wanted = set(expert_ids)
         scored = self._scored.pop(layer, None)
         if scored is not None:
-            self._guess_log.append((len(scored), len(wanted.intersection(scored))))
+            self._log_guess(len(scored), len(wanted.intersection(scored)))
         misses, reads, guessed = self._ahead.pop(layer, ([], None, False))
         if reads is None:
             return [], None
@@ -330,7 +340,7 @@ class StreamingExperts:
         if guessed:
             self.stats.guess_used += len(early)
             self.stats.guess_cancelled += cancelled
-            self._guess_log.append((len(misses), len(early)))
+            self._log_guess(len(misses), len(early))
         return early, reads
 
     def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool) -> Iterator:
