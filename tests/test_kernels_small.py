@@ -183,7 +183,7 @@ def test_tiny_qwen3_next_on_the_kernel_path(tmp_path, monkeypatch):
 
 def test_tiny_k3_decode_on_the_kernel_path(monkeypatch):
     """Decode steps of the tiny Kimi K3 in bf16 through every fused kernel (KDA step, mix + norm, norms,
-    SiTU-GLU, int8 linears, grouped experts) against the float32 reference: within bf16 rounding (measured
+    SiTU-GLU, int8 linears, grouped experts, MLA's absorbed projections, the router) against the float32 reference: within bf16 rounding (measured
     2.1e-2 on the CPU interpreter, the plain bf16 torch path 1.3e-2: the roundings fall elsewhere)."""
     from deltafin.k3_tiny import tiny_config
     from deltafin.models import registry
@@ -204,7 +204,8 @@ def test_tiny_k3_decode_on_the_kernel_path(monkeypatch):
             forward_batch(model, [(torch.tensor([5, 17, 99], device=DEV), st)], src)
             logits[dtype] = torch.cat([forward_batch(model, [(torch.tensor([t], device=DEV), st)], src)[0]
                                        for t in (7, 8, 9)])
-    assert {"triton:kda_step", "triton:mix_norm", "triton:situ_glu"} <= kc.USED
+    assert {"triton:kda_step", "triton:mix_norm", "triton:situ_glu", "triton:mla_absorb_q", "triton:mla_absorb_out",
+            "triton:router_topk"} <= kc.USED
     assert _rel(logits[torch.bfloat16], logits[torch.float32]) < 3e-2
 
 

@@ -68,6 +68,25 @@ def test_linear_matches_reference(fmt, dtype):
         _check_linear(fmt, T, N, Kd, dtype, seed=i)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "int8"])
+def test_linear_split_k_adds_its_partials_in_the_kernel(fmt):
+    """Three splits of k in one launch: the last split of a tile to land adds the float32 partials in split
+    order, the same bits every call, within bf16 rounding of each split run alone and the three summed."""
+    g = torch.Generator().manual_seed(5)
+    w = _record(fmt, 40, 160, g).to(DEV)
+    x = torch.randn(2, 160, generator=g).to(DEV, torch.bfloat16)
+    cfg = {"BT": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1, "splits": 3, "k_per_split": 64}
+    y = _linear(fmt)(x, w.data, w.scale, cfg)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, _linear(fmt)(x, w.data, w.scale, cfg))
+    parts = []
+    for k0 in (0, 64, 128):  # each split alone: the same tiles over its k, in float32
+        xs = torch.zeros(2, 160, device=DEV)
+        xs[:, k0:k0 + 64] = x[:, k0:k0 + 64].float()
+        parts.append(_linear(fmt)(xs, w.data, w.scale, dict(cfg, splits=1, k_per_split=160)))
+    want = (parts[0] + parts[1] + parts[2]).to(torch.bfloat16)
+    assert _rel(y, want) < 8e-3 and _rel(y, x.double() @ dequantize(w).double().T) < 8e-3
+
+
 def _experts(fmt: str, n: int, D: int, inter: int, g: torch.Generator) -> list[dict]:
     shapes = {"gate": (inter, D), "up": (inter, D), "down": (D, inter)}
     return [{r: _record(fmt, o, i, g).to(DEV) for r, (o, i) in shapes.items()} for _ in range(n)]

@@ -50,6 +50,54 @@ def linear(x: torch.Tensor, w) -> torch.Tensor | None:
     return K.int4g32_linear(x, w.data, w.scale)
 
 
+def mla_absorb_q(q_nope: torch.Tensor, w) -> torch.Tensor | None:
+    """One token's q_nope [1, H, dn] times each head's W_uk of an int8 or bf16 kv_b_proj record
+    (``triton_decode``), or None (the torch form runs)."""
+    return _absorbed("mla_absorb_q", q_nope, w, q_nope.shape[-1])
+
+
+def mla_absorb_out(o: torch.Tensor, w, dn: int) -> torch.Tensor | None:
+    """One token's attention output over the latent o [1, H, R] times each head's W_uv, or None."""
+    return _absorbed("mla_absorb_out", o, w, dn)
+
+
+def _absorbed(name: str, x: torch.Tensor, w, dn: int) -> torch.Tensor | None:
+    if name in _BROKEN or not enabled(x) or x.shape[0] != 1 or getattr(w, "format", None) not in ("int8", "bf16"):
+        return None
+    from deltafin.kernels import triton_decode
+
+    H, R = x.shape[1], w.shape[1]
+    dv = w.shape[0] // H - dn
+    if dv <= 0 or w.shape[0] != H * (dn + dv) or not triton_decode.absorb_fits(dn, dv, R):
+        return None
+    s = w.scale.float() if w.format == "int8" else None
+    return _run(name, lambda: getattr(triton_decode, name)(x, w.data, s, dn, dv))
+
+
+def router_topk(x: torch.Tensor, w, bias: torch.Tensor | None, k: int, renorm: bool, scaling: float, eps: float):
+    """A decode step's routing in one launch (``triton_decode.router_topk``): (ids, weights), or None (the torch
+    form runs) for more than a few tokens or a router the kernel does not take."""
+    if "router_topk" in _BROKEN or not enabled(x) or x.shape[0] > 4 or getattr(w, "format", None) not in ("bf16", "f32"):
+        return None
+    from deltafin.kernels import triton_decode
+
+    if not triton_decode.router_fits(w.shape[0], k):
+        return None
+    return _run("router_topk", lambda: triton_decode.router_topk(x, w.data, bias, k, renorm, scaling, eps))
+
+
+def _run(name: str, fn):
+    """fn() of a fused kernel; a build failure is logged once and that kernel's torch form runs from then on."""
+    try:
+        y = fn()
+    except Exception as e:  # noqa: BLE001 - a Triton build failure must not stop a run: the torch forms are exact
+        log.warning("fused %s off, its torch form runs: %s: %s", name, type(e).__name__, e)
+        _BROKEN.add(name)
+        return None
+    USED.add(f"triton:{name}")
+    return y
+
+
 def xxh3_available(device: torch.device) -> bool:
     """Whether ``xxh3_64_rows`` runs its kernel for tensors on ``device`` (CUDA with Triton, or the interpreter)."""
     if not kernel_device(device) or "xxh3_64" in _BROKEN:

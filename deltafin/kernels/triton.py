@@ -31,10 +31,12 @@ from deltafin.kernels.triton_tiles import (
 
 
 @triton.jit
-def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
+def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, T, N, K, stride_x, splits,
                    K_PER_SPLIT: tl.constexpr, FMT: tl.constexpr, ROW_SCALE: tl.constexpr, IEEE: tl.constexpr,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y_part[split, t, n] = sum over this split's k of x[t, k] * W[n, k] (float32 sums, stored in y's dtype)."""
+    """y[t, n] = sum over k of x[t, k] * W[n, k] (float32 sums, stored in y's dtype). With several splits of k
+    each program stores its float32 partial tile and the last of a tile's splits to arrive (a counter) adds
+    them in split order and stores the result: one launch, and the sum never depends on arrival order."""
     pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_t = pid_t * BT + tl.arange(0, BT)
@@ -48,8 +50,21 @@ def _linear_kernel(x_ptr, p_ptr, s_ptr, y_ptr, T, N, K, stride_x,
         acc = mma_weight(acc, x, p_ptr, s_ptr, offs_n, k0, N, K, FMT, IEEE, BN, BK)
     if ROW_SCALE:
         acc = acc * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-    out = y_ptr + pid_k * T * N + offs_t[:, None] * N + offs_n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_t < T)[:, None] & (offs_n < N)[None, :])
+    tile = offs_t[:, None] * N + offs_n[None, :]
+    mask = (offs_t < T)[:, None] & (offs_n < N)[None, :]
+    if splits == 1:
+        tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * T * N + tile, acc, mask=mask)
+        # release our partial, acquire the others' (gpu scope): the last arrival sees every partial
+        done = tl.atomic_add(cnt_ptr + pid_t * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        if done == splits - 1:
+            tot = tl.zeros((BT, BN), dtype=tl.float32)
+            sp = 0
+            while sp < splits:  # split order: a fixed summation order
+                tot += tl.load(part_ptr + sp * T * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                sp += 1
+            tl.store(y_ptr + tile, tot.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -146,15 +161,18 @@ def _linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, fmt: str, N: int,
     if fmt == "int8" and (cfg.get("gemv") if cfg else triton_gemv.use_int8_gemv(T, N, K)):
         return triton_gemv.int8_gemv(x2, p, s, cfg).reshape(*lead, N)  # decode: the GEMV form
     c = cfg or linear_config(fmt, T, N, K)
-    # one split writes the result in x's dtype directly; several write float32 partial sums
-    part = torch.empty(c["splits"], T, N, device=x.device, dtype=torch.float32 if c["splits"] > 1 else x.dtype)
-    grid = (triton.cdiv(N, c["BN"]), triton.cdiv(T, c["BT"]), c["splits"])
-    _linear_kernel[grid](x2, p, s, part, T, N, K, x2.stride(0),
+    sp = c["splits"]
+    grid = (triton.cdiv(N, c["BN"]), triton.cdiv(T, c["BT"]), sp)
+    y = torch.empty(T, N, device=x.device, dtype=x.dtype)
+    part = cnt = y  # one split writes the result directly; several write float32 partial sums, added in-kernel
+    if sp > 1:
+        part = torch.empty(sp, T, N, device=x.device, dtype=torch.float32)
+        cnt = torch.zeros(grid[0] * grid[1], device=x.device, dtype=torch.int32)
+    _linear_kernel[grid](x2, p, s, y, part, cnt, T, N, K, x2.stride(0), sp,
                          K_PER_SPLIT=c["k_per_split"], FMT=format_code(fmt, x.dtype, c.get("scaled")), ROW_SCALE=fmt == "int8", IEEE=x.dtype == torch.float32 or INTERPRET,
                          BT=c["BT"], BN=c["BN"], BK=c["BK"], num_warps=c["num_warps"],
                          num_stages=c["num_stages"])
-    y = part[0] if c["splits"] == 1 else sum_cast(part, x.dtype)
-    return y.to(x.dtype).reshape(*lead, N)
+    return y.reshape(*lead, N)
 
 
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, cfg: dict | None = None

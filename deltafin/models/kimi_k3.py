@@ -32,7 +32,7 @@ from deltafin.models.base import (
     rowwise,
     stack_rows,
 )
-from deltafin.models.common import READS_TOP, DecoderLM, require_tensors, sigmoid_topk
+from deltafin.models.common import READS_TOP, ROUTER_RENORM_EPS, DecoderLM, require_tensors, sigmoid_topk
 from deltafin.models.layers import GrowingCache
 
 # §6.2 disagreement 2: the official module declares A_log [num_heads], the checkpoint stores it zero-padded
@@ -448,8 +448,12 @@ class Model(DecoderLM):
         """§3.4 step 1: sigmoid scores in fp32; the correction bias only picks the experts; the weights are the
         unbiased scores of the chosen ones, renormalised, times routed_scaling_factor."""
         c, pre = self.cfg, f"model.layers.{i}.block_sparse_moe.gate."
-        logits = linear(x.float(), self.w[pre + "weight"])  # [T, E]
         bias = self.vec[pre + "e_score_correction_bias"]
+        got = kc.router_topk(x, self.w[pre + "weight"], bias, c.num_experts_per_token, c.moe_renormalize,
+                             c.routed_scaling_factor, ROUTER_RENORM_EPS)  # one launch for a decode step
+        if got is not None:
+            return got
+        logits = linear(x.float(), self.w[pre + "weight"])  # [T, E]
         return sigmoid_topk(logits, bias, c.num_experts_per_token, c.moe_renormalize, c.routed_scaling_factor)
 
     def _moe(self, i: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from deltafin.kernels import cuda as kc
 from deltafin.models.base import dense, linear, rms_norm
 from deltafin.models.layers import attention, attention_upto
 from deltafin.quant.record import QTensor
@@ -70,9 +71,15 @@ def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float,
     """
     T, H, _ = q_nope.shape
     R = rows.shape[-1] - q_rot.shape[-1]
+    attend = attention_upto if isinstance(pos, torch.Tensor) else attention
+    q_lat = kc.mla_absorb_q(q_nope, w_kv_b)  # one token on the kernel path: from the int8 rows, no bf16 copy
+    if q_lat is not None:
+        o = attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)
+        y = kc.mla_absorb_out(o, w_kv_b, dn)
+        if y is not None:
+            return y
     w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
-    attend = attention_upto if isinstance(pos, torch.Tensor) else attention
     o = attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)  # [T, H, R]
     return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(T, H * dv)
 

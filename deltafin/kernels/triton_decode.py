@@ -1,0 +1,159 @@
+"""One-token decode kernels for the steps around the big GEMVs: MLA's absorbed projections and the router.
+
+A K3 decode step on CUDA spent ~80 us per MLA layer turning kv_b_proj (int8 [H*(dn+dv), R], 12.6 MB) into a
+bf16 copy (three elementwise passes over 50 MB) before two small batched matmuls, and ~25 us per MoE layer on
+the router: its bf16 weight widened to float32 every step, a cuBLAS GEMV, then eight small launches for the
+sigmoid, bias, top-k, gather and renormalisation. Here:
+
+- ``mla_absorb_q(q_nope, q, s, dn, dv)``: q_lat[h] = q_nope[h] @ W_uk[h] straight from the int8 rows (or bf16
+  ones), exact products (q * x * s in float32), float32 sums; ``mla_absorb_out(o, q, s, dn, dv)``: out[h] = W_uv[h] @ o[h].
+  Each reads its half of kv_b once (two launches where there were five plus two matmuls);
+- ``router_topk(x, w, bias, k, renorm, scaling, eps)``: float32 logits of bf16 router rows (exact products,
+  float32 sums), and the last program to finish (a counter) takes the sigmoid, adds the selection bias,
+  picks the k best (ties to the lower index) and writes the ids and the renormalised, scaled weights: one
+  launch.
+
+The torch forms (``mla.attend_absorbed``, ``common.sigmoid_topk``) are the reference and the fallback; the
+results agree within float32 rounding (the sums run in another order, and the torch form rounds kv_b to bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 4096  # widest router one program ranks in registers
+
+
+@triton.jit
+def _absorb_q_kernel(x_ptr, q_ptr, s_ptr, y_ptr, R, DN: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr,
+                     SCALED: tl.constexpr):
+    """y[h, r] = sum_d x[h, d] * s[h*(DN+DV) + d] * q[h*(DN+DV) + d, r] for one head and BR columns (s = 1 for
+    bf16 or float32 rows)."""
+    h, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_d = tl.arange(0, DN)
+    offs_r = pid * BR + tl.arange(0, BR)
+    rm = offs_r < R
+    rows = h * (DN + DV) + offs_d
+    w = tl.load(q_ptr + rows[:, None] * R + offs_r[None, :], mask=rm[None, :], other=0).to(tl.float32)
+    xs = tl.load(x_ptr + h * DN + offs_d).to(tl.float32)
+    if SCALED:
+        xs = xs * tl.load(s_ptr + rows)
+    tl.store(y_ptr + h * R + offs_r, tl.sum(w * xs[:, None], axis=0).to(y_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit
+def _absorb_out_kernel(o_ptr, q_ptr, s_ptr, y_ptr, R, DN: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                       BR: tl.constexpr, SCALED: tl.constexpr):
+    """y[h*DV + v] = s[row] * sum_r q[row, r] * o[h, r], row = h*(DN+DV) + DN + v, for one head and BV rows."""
+    h, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_v = pid * BV + tl.arange(0, BV)
+    vm = offs_v < DV
+    rows = h * (DN + DV) + DN + offs_v
+    acc = tl.zeros((BV, BR), dtype=tl.float32)
+    for r0 in range(0, R, BR):
+        offs_r = r0 + tl.arange(0, BR)
+        rm = offs_r < R
+        w = tl.load(q_ptr + rows[:, None] * R + offs_r[None, :], mask=vm[:, None] & rm[None, :], other=0)
+        o = tl.load(o_ptr + h * R + offs_r, mask=rm, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * o[None, :]
+    y = tl.sum(acc, axis=1)
+    if SCALED:
+        y = y * tl.load(s_ptr + rows, mask=vm, other=0.0)
+    tl.store(y_ptr + h * DV + offs_v, y.to(y_ptr.dtype.element_ty), mask=vm)
+
+
+def absorb_fits(dn: int, dv: int, R: int) -> bool:
+    """Whether the absorbed kernels take these widths (power-of-two head widths, a latent of at most 4096)."""
+    return dn == triton.next_power_of_2(dn) and dv == triton.next_power_of_2(dv) and 16 <= dn <= 256 and \
+        16 <= dv <= 256 and R <= 4096
+
+
+def mla_absorb_q(q_nope: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, dn: int, dv: int) -> torch.Tensor:
+    """q_nope [1, H, dn] -> q_lat [1, H, R] in q_nope's dtype, for kv_b_proj = q [H*(dn+dv), R] (int8 times the
+    row scales s, or bf16 / float32 rows with s None)."""
+    _, H, _ = q_nope.shape
+    R = q.shape[1]
+    x = q_nope.reshape(H, dn).contiguous()
+    y = torch.empty(1, H, R, device=q_nope.device, dtype=q_nope.dtype)
+    br = min(128, triton.next_power_of_2(R))
+    _absorb_q_kernel[(H, triton.cdiv(R, br))](x, q, q if s is None else s, y, R, DN=dn, DV=dv, BR=br,
+                                              SCALED=s is not None, num_warps=4)
+    return y
+
+
+def mla_absorb_out(o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, dn: int, dv: int) -> torch.Tensor:
+    """o [1, H, R] (attention over the latent rows) -> [1, H*dv] in o's dtype: each head's W_uv @ o[h]."""
+    _, H, R = o.shape
+    x = o.reshape(H, R).contiguous()
+    y = torch.empty(1, H * dv, device=o.device, dtype=o.dtype)
+    bv, br = 16, min(512, triton.next_power_of_2(R))
+    _absorb_out_kernel[(H, triton.cdiv(dv, bv))](x, q, q if s is None else s, y, R, DN=dn, DV=dv, BV=bv, BR=br,
+                                                 SCALED=s is not None, num_warps=4)
+    return y
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, E, D, scaling, eps,
+                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr, BE: tl.constexpr,
+                   BD: tl.constexpr, EP: tl.constexpr):
+    """Logits of BE router rows for one token; the token's last program to finish ranks all E of them."""
+    t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_e = pid * BE + tl.arange(0, BE)
+    em = offs_e < E
+    acc = tl.zeros((BE, BD), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        dm = offs_d < D
+        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * D + offs_d[None, :], mask=em[:, None] & dm[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + t * D + offs_d, mask=dm, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(logit_ptr + t * E + offs_e, tl.sum(acc, axis=1), mask=em)
+    # release our logits, acquire the others' (gpu scope): the last arrival sees every row of the token
+    done = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        offs = tl.arange(0, EP)
+        m = offs < E
+        z = tl.load(logit_ptr + t * E + offs, mask=m, other=0.0, cache_modifier=".cg")
+        score = 1.0 / (1.0 + tl.exp(-z))
+        choice = score
+        if HAS_BIAS:
+            choice = score + tl.load(bias_ptr + offs, mask=m, other=0.0)
+        choice = tl.where(m, choice, -float("inf"))
+        offs_k = tl.arange(0, TOPK)
+        got = tl.zeros((TOPK,), dtype=tl.int64)
+        wk = tl.zeros((TOPK,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # the best left, ties to the lower index; taken out for the next
+            best = tl.max(choice, 0)
+            i = tl.min(tl.where(choice == best, offs, EP), 0)
+            wi = tl.sum(tl.where(offs == i, score, 0.0), 0)
+            got = tl.where(offs_k == j, i.to(tl.int64), got)
+            wk = tl.where(offs_k == j, wi, wk)
+            choice = tl.where(offs == i, -float("inf"), choice)
+        if RENORM:
+            wk = wk / (tl.sum(wk, 0) + eps)
+        tl.store(ids_ptr + t * TOPK + offs_k, got)
+        tl.store(wts_ptr + t * TOPK + offs_k, wk * scaling)
+
+def router_fits(E: int, k: int) -> bool:
+    return E <= MAX_EXPERTS and k == triton.next_power_of_2(k) and k <= E
+
+
+def router_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: int, renorm: bool, scaling: float,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] (a few decode tokens), router rows w [E, D] (bf16 or float32), bias [E] float32 or None ->
+    (ids [T, k] int64, weights [T, k] float32): ``common.sigmoid_topk``'s contract (one expert group)."""
+    T, D = x.shape
+    E = w.shape[0]
+    x = x.contiguous()
+    logits = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    cnt = torch.zeros(T, device=x.device, dtype=torch.int32)
+    ids = torch.empty(T, k, device=x.device, dtype=torch.int64)
+    wts = torch.empty(T, k, device=x.device, dtype=torch.float32)
+    be, bd = 4, min(1024, triton.next_power_of_2(D))
+    _router_kernel[(T, triton.cdiv(E, be))](
+        x, w, bias if bias is not None else logits, logits, cnt, ids, wts, E, D, float(scaling), float(eps),
+        HAS_BIAS=bias is not None, RENORM=renorm, TOPK=k, BE=be, BD=bd, EP=triton.next_power_of_2(E), num_warps=4)
+    return ids, wts
