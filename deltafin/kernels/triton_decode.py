@@ -117,21 +117,23 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr,
         offs = tl.arange(0, EP)
         m = offs < E
         z = tl.load(logit_ptr + t * E + offs, mask=m, other=0.0, cache_modifier=".cg")
-        score = 1.0 / (1.0 + tl.exp(-z))
-        choice = score
+        choice = 1.0 / (1.0 + tl.exp(-z))
         if HAS_BIAS:
-            choice = score + tl.load(bias_ptr + offs, mask=m, other=0.0)
+            choice = choice + tl.load(bias_ptr + offs, mask=m, other=0.0)
         choice = tl.where(m, choice, -float("inf"))
+        # one key per expert, ordered as (choice, lower index first): the float's bits made monotonic as a
+        # signed integer, above EP - 1 - index; each round takes the largest key out
+        bits = choice.to(tl.int32, bitcast=True)
+        mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = (mono.to(tl.int64) << 32) | (EP - 1 - offs).to(tl.int64)
         offs_k = tl.arange(0, TOPK)
         got = tl.zeros((TOPK,), dtype=tl.int64)
-        wk = tl.zeros((TOPK,), dtype=tl.float32)
-        for j in tl.static_range(TOPK):  # the best left, ties to the lower index; taken out for the next
-            best = tl.max(choice, 0)
-            i = tl.min(tl.where(choice == best, offs, EP), 0)
-            wi = tl.sum(tl.where(offs == i, score, 0.0), 0)
-            got = tl.where(offs_k == j, i.to(tl.int64), got)
-            wk = tl.where(offs_k == j, wi, wk)
-            choice = tl.where(offs == i, -float("inf"), choice)
+        for j in tl.static_range(TOPK):
+            best = tl.max(key, 0)
+            got = tl.where(offs_k == j, (EP - 1) - (best & 0xFFFFFFFF), got)
+            key = tl.where(key == best, -0x7FFFFFFFFFFFFFFF, key)  # below every expert's key
+        zk = tl.load(logit_ptr + t * E + got, cache_modifier=".cg")
+        wk = 1.0 / (1.0 + tl.exp(-zk))  # the unbiased scores of the chosen
         if RENORM:
             wk = wk / (tl.sum(wk, 0) + eps)
         tl.store(ids_ptr + t * TOPK + offs_k, got)
@@ -152,7 +154,7 @@ def router_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: 
     cnt = torch.zeros(T, device=x.device, dtype=torch.int32)
     ids = torch.empty(T, k, device=x.device, dtype=torch.int64)
     wts = torch.empty(T, k, device=x.device, dtype=torch.float32)
-    be, bd = 4, min(1024, triton.next_power_of_2(D))
+    be, bd = 2, min(2048, triton.next_power_of_2(D))  # 448 programs of 8 KB loads for K3's 896 x 7168
     _router_kernel[(T, triton.cdiv(E, be))](
         x, w, bias if bias is not None else logits, logits, cnt, ids, wts, E, D, float(scaling), float(eps),
         HAS_BIAS=bias is not None, RENORM=renorm, TOPK=k, BE=be, BD=bd, EP=triton.next_power_of_2(E), num_warps=4)
