@@ -186,11 +186,13 @@ def test_deltafin_side_runs_its_one_thread_figure_on_exactly_one_thread(tmp_path
 
 def test_the_capped_side_reports_its_read_bound_from_the_bytes_its_timed_steps_read(tmp_path):
     """With a cache far smaller than the experts every timed step reads some, and the bound is those bytes at the
-    raw rate of the same files measured in the same run."""
+    raw rate of the same files measured in the same run; beside it, the same bytes read one file at a time."""
     from tests.tiny import pack_tiny
 
     model = pack_tiny(tmp_path, "qwen3_moe")
     r = peer_run._worker({"model": model, "threads": 1, "tokens": 4, "prompt": 4, "cache_gb": 1e-6})
     assert r["bytes_read_per_token"] > 0 and r["raw_GBps"] > 0
     assert r["read_bound_tok_s"] == pytest.approx(r["raw_GBps"] * 1e9 / r["bytes_read_per_token"])
+    assert r["one_read_bound_tok_s"] == pytest.approx(r["one_read_GBps"] * 1e9 / r["bytes_read_per_token"])
+    assert r["one_read_GBps"] > 0 and r["misses_per_token"] > 0
     assert r["decode_capped"] > 0 and 0 <= r["hit_rate"] < 1

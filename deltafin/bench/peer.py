@@ -181,6 +181,8 @@ def _capped(args, files: dict, tools, model_bytes: int) -> dict:
                 os.rmdir(child)
     r["deltafin"], r["deltafin_hit_rate"] = d["decode_capped"], d["hit_rate"]
     r["deltafin_read_bound_tok_s"], r["raw_GBps"] = d.get("read_bound_tok_s"), d.get("raw_GBps")
+    r["deltafin_one_read_bound_tok_s"], r["one_read_GBps"] = d.get("one_read_bound_tok_s"), d.get("one_read_GBps")
+    r["deltafin_misses_per_token"] = d.get("misses_per_token")
     return r
 
 
@@ -219,6 +221,14 @@ def report(args, files: dict, pairs: list[dict], capped: dict, version: str) -> 
             print(f"Deltafin under the cap: {capped['deltafin'] / bound:.2f} of its read bound, {bound:.1f} tok/s (the "
                   f"expert bytes it read a token, after cache hits, at the {capped['raw_GBps']:.2f} GB/s raw direct "
                   f"rate of the same files; target >= 0.9){both}")
+            one = capped.get("deltafin_one_read_bound_tok_s")
+            if one:
+                after = "" if warm is None else (
+                    f"; with the warm step after them, {1 / (1 / one + 1 / warm):.1f} tok/s, of which Deltafin ran "
+                    f"{capped['deltafin'] * (1 / one + 1 / warm):.2f}")
+                print(f"Its misses read one at a time ({capped['deltafin_misses_per_token']:.1f} expert files a token, "
+                      f"each read once its layer's routing is known): {capped['one_read_GBps']:.2f} GB/s a whole file, "
+                      f"{one:.1f} tok/s, {capped['deltafin'] / one:.2f} of it{after}")
     if not use:  # --pairs 0: the capped pair alone
         return rec | {"pairs": pairs, "files": files, "capped": capped, "llama_cpp_version": version}
     roof = [p["deltafin"]["roofline_tok_s"] for p in use]
