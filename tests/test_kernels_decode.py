@@ -74,6 +74,26 @@ def test_attend_absorbed_on_the_kernel_path_stays_within_bf16_rounding(monkeypat
     assert _rel(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("pos,r", [(0, 16), (37, 16), (255, 16), (256, 8), (699, 16)])
+def test_attention_over_the_latent_rows_matches_the_softmax(pos, r):
+    """One token over a buffer of 700 rows (three splits; 20 heads, not a multiple of a head group; a rope part
+    narrower than a dot, padded), its
+    position as a device tensor (the rows past it masked) or an int over the rows up to it: both the float64
+    softmax within bf16 rounding (the probabilities are rounded to bf16 before they meet the values, as the
+    torch form does), the same bits on a second call."""
+    H, R, C = 20, 64, 700
+    ql, qr = _rand(1, H, R, seed=14).bfloat16(), _rand(1, H, r, seed=15).bfloat16()
+    rows = _rand(C, R + r, seed=16).bfloat16()
+    q = torch.cat((ql, qr), -1).double()[0]
+    ref = (torch.softmax(q @ rows[:pos + 1].double().T * 0.1, -1) @ rows[:pos + 1, :R].double())[None]
+    at = D.mla_attend(ql, qr, rows, torch.tensor([pos], device=DEV), 0.1)
+    assert at.shape == (1, H, R) and at.dtype == torch.bfloat16
+    assert _rel(at, ref) < 1e-2
+    assert torch.equal(at, D.mla_attend(ql, qr, rows, torch.tensor([pos], device=DEV), 0.1))
+    upto = D.mla_attend(ql, qr, rows[:pos + 1], pos, 0.1)
+    assert _rel(upto, ref) < 1e-2
+
+
 @pytest.mark.parametrize("bias,renorm,scaling", [(True, True, 2.5), (False, False, 1.0), (True, False, 0.7)])
 def test_router_picks_and_weighs_as_sigmoid_topk(bias, renorm, scaling):
     """Two tokens, 100 experts (not a power of two), top 8: the same experts in the same order, the weights

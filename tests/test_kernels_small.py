@@ -205,7 +205,7 @@ def test_tiny_k3_decode_on_the_kernel_path(monkeypatch):
             logits[dtype] = torch.cat([forward_batch(model, [(torch.tensor([t], device=DEV), st)], src)[0]
                                        for t in (7, 8, 9)])
     assert {"triton:kda_step", "triton:mix_norm", "triton:situ_glu", "triton:mla_absorb_q", "triton:mla_absorb_out",
-            "triton:router_topk"} <= kc.USED
+            "triton:mla_attend", "triton:router_topk"} <= kc.USED
     assert _rel(logits[torch.bfloat16], logits[torch.float32]) < 3e-2
 
 

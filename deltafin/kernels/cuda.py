@@ -74,6 +74,20 @@ def _absorbed(name: str, x: torch.Tensor, w, dn: int) -> torch.Tensor | None:
     return _run(name, lambda: getattr(triton_decode, name)(x, w.data, s, dn, dv))
 
 
+def mla_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, pos, scale: float) -> torch.Tensor | None:
+    """One token's absorbed MLA attention over the latent rows in one pass (``triton_decode.mla_attend``), or
+    None (the torch form runs)."""
+    if "mla_attend" in _BROKEN or not enabled(q_lat) or q_lat.shape[0] != 1 or rows.dtype != q_lat.dtype:
+        return None
+    from deltafin.kernels import triton_decode
+
+    R, RR = q_lat.shape[-1], q_rot.shape[-1]
+    if rows.dim() != 2 or rows.shape[1] != R + RR or rows.stride(1) != 1 or rows.stride(0) != R + RR or \
+            not triton_decode.attend_fits(q_lat.shape[1], R, RR):
+        return None
+    return _run("mla_attend", lambda: triton_decode.mla_attend(q_lat, q_rot, rows, pos, scale))
+
+
 def router_topk(x: torch.Tensor, w, bias: torch.Tensor | None, k: int, renorm: bool, scaling: float, eps: float):
     """A decode step's routing in one launch (``triton_decode.router_topk``): (ids, weights), or None (the torch
     form runs) for more than a few tokens or a router the kernel does not take."""

@@ -8,6 +8,10 @@ sigmoid, bias, top-k, gather and renormalisation. Here:
 - ``mla_absorb_q(q_nope, q, s, dn, dv)``: q_lat[h] = q_nope[h] @ W_uk[h] straight from the int8 rows (or bf16
   ones), exact products (q * x * s in float32), float32 sums; ``mla_absorb_out(o, q, s, dn, dv)``: out[h] = W_uv[h] @ o[h].
   Each reads its half of kv_b once (two launches where there were five plus two matmuls);
+- ``mla_attend(q_lat, q_rot, rows, pos, scale)``: the absorbed attention of one token over the latent cache in
+  splits of the rows (flash-decoding: scores and an online softmax in float32 on the tensor cores, the splits
+  merged in order by a second launch), where the torch form wrote and re-read the scores of every cached row
+  (96 heads x the buffer's length) several times;
 - ``router_topk(x, w, bias, k, renorm, scaling, eps)``: float32 logits of bf16 router rows (exact products,
   float32 sums), and the last program to finish (a counter) takes the sigmoid, adds the selection bias,
   picks the k best (ties to the lower index) and writes the ids and the renormalised, scaled weights: one
@@ -22,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from deltafin.kernels.triton_tiles import INTERPRET
 
 MAX_EXPERTS = 4096  # widest router one program ranks in registers
 
@@ -159,3 +165,108 @@ def router_topk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: 
         x, w, bias if bias is not None else logits, logits, cnt, ids, wts, E, D, float(scaling), float(eps),
         HAS_BIAS=bias is not None, RENORM=renorm, TOPK=k, BE=be, BD=bd, EP=triton.next_power_of_2(E), num_warps=4)
     return ids, wts
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in float32 sums; IEEE: float32 operands (Triton's interpreter gets bf16 dot products wrong)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _mla_attend_kernel(q_ptr, rows_ptr, at_ptr, o_ptr, ml_ptr, n_rows, per_split, H, scale, DK: tl.constexpr,
+                       R: tl.constexpr, RR: tl.constexpr, RRP: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
+                       AT: tl.constexpr, IEEE: tl.constexpr):
+    """One split of the cached rows for BH heads: the rows' scores against q (latent and rope parts, float32 on the
+    tensor cores), an online softmax over the split, and the probabilities times the rows' latents; the split's
+    unnormalised output, running max and sum go to o / ml for the combining launch."""
+    sp, hg = tl.program_id(0), tl.program_id(1)
+    if AT:  # keys 0 .. n-1 are visible
+        n = tl.load(at_ptr).to(tl.int32) + 1
+    else:
+        n = n_rows
+    lo = sp * per_split
+    hi = tl.minimum(lo + per_split, n)
+    offs_h = hg * BH + tl.arange(0, BH)
+    hm = offs_h < H
+    offs_r, offs_rr = tl.arange(0, R), tl.arange(0, RRP)  # the rope part padded to a dot's least width
+    rrm = offs_rr < RR
+    ql = tl.load(q_ptr + offs_h[:, None] * DK + offs_r[None, :], mask=hm[:, None], other=0.0)
+    qr = tl.load(q_ptr + offs_h[:, None] * DK + R + offs_rr[None, :], mask=hm[:, None] & rrm[None, :], other=0.0)
+    m = tl.full((BH,), -float("inf"), dtype=tl.float32)
+    den = tl.zeros((BH,), dtype=tl.float32)
+    acc = tl.zeros((BH, R), dtype=tl.float32)
+    for s0 in range(lo, hi, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        sm = offs_s < hi
+        kl = tl.load(rows_ptr + offs_s.to(tl.int64)[:, None] * DK + offs_r[None, :], mask=sm[:, None], other=0.0)
+        kr = tl.load(rows_ptr + offs_s.to(tl.int64)[:, None] * DK + R + offs_rr[None, :],
+                     mask=sm[:, None] & rrm[None, :], other=0.0)
+        s = _dot(ql, tl.trans(kl), IEEE) + _dot(qr, tl.trans(kr), IEEE)  # [BH, BS] float32
+        s = tl.where(sm[None, :], s * scale, -float("inf"))
+        new = tl.maximum(m, tl.max(s, 1))  # finite: every block holds a visible row
+        a = tl.exp(m - new)
+        p = tl.exp(s - new[:, None])
+        den = den * a + tl.sum(p, 1)
+        acc = acc * a[:, None] + _dot(p.to(kl.dtype), kl, IEEE)  # p rounded to the rows' dtype, as torch's form
+        m = new
+    base = sp.to(tl.int64) * H + offs_h
+    tl.store(o_ptr + base[:, None] * R + offs_r[None, :], acc, mask=hm[:, None])
+    tl.store(ml_ptr + base * 2, m, mask=hm)
+    tl.store(ml_ptr + base * 2 + 1, den, mask=hm)
+
+
+@triton.jit
+def _mla_combine_kernel(o_ptr, ml_ptr, y_ptr, splits, H, R: tl.constexpr, SP: tl.constexpr, BR: tl.constexpr):
+    """BR columns of a head's output from its splits, all loaded at once: each rescaled to the largest running
+    max (an empty split weighs 0), summed, divided by the summed denominators (fixed reduction trees: the same
+    bits every call); stored in y's dtype."""
+    h, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_s = tl.arange(0, SP)
+    sm = offs_s < splits
+    offs_r = pid * BR + tl.arange(0, BR)
+    m = tl.load(ml_ptr + (offs_s * H + h) * 2, mask=sm, other=-float("inf"))
+    f = tl.where(m == -float("inf"), 0.0, tl.exp(m - tl.max(m, 0)))
+    den = tl.sum(f * tl.load(ml_ptr + (offs_s * H + h) * 2 + 1, mask=sm, other=0.0), 0)
+    o = tl.load(o_ptr + (offs_s[:, None] * H + h) * R + offs_r[None, :], mask=sm[:, None], other=0.0)
+    tl.store(y_ptr + h * R + offs_r, (tl.sum(o * f[:, None], 0) / den).to(y_ptr.dtype.element_ty))
+
+
+ATTEND_SPLIT_ROWS = 256  # rows per split at the engine's default context: 16 splits x 3 head groups at 4K
+
+
+def attend_fits(H: int, R: int, RR: int) -> bool:
+    """Whether the absorbed attention kernel takes these widths (a power-of-two latent of 16-1024)."""
+    return R == triton.next_power_of_2(R) and 16 <= R <= 1024 and 1 <= RR <= 256 and H >= 1
+
+
+def mla_attend(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, pos: int | torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """One query token's absorbed MLA attention: q_lat [1, H, R] and q_rot [1, H, r] against the cached rows
+    [C, R + r] (latent, then rope key) at positions 0..pos (``pos`` an int, or a device tensor [1] with the rows
+    past it masked: a CUDA graph's whole buffer); values are the rows' latents. Returns [1, H, R] in q's dtype.
+    The rows are cut into at most 128 splits, their count and size set by the buffer's length (a replayed graph's
+    grid stays put; the sums, hence the bits, follow the buffer's length: ``--max-len``), each split read once per
+    head group, and merged by a second launch."""
+    _, H, R = q_lat.shape
+    RR = q_rot.shape[-1]
+    C, DK = rows.shape
+    assert DK == R + RR and rows.stride(-1) == 1 and rows.stride(0) == DK
+    q = torch.cat((q_lat, q_rot), -1).reshape(H, DK).contiguous()
+    splits = max(1, min(128, triton.cdiv(C, ATTEND_SPLIT_ROWS)))
+    per = triton.cdiv(triton.cdiv(C, splits), 32) * 32
+    splits = triton.cdiv(C, per)
+    bh = 32 if H > 16 else 16
+    o = torch.empty(splits, H, R, device=rows.device, dtype=torch.float32)
+    ml = torch.empty(splits, H, 2, device=rows.device, dtype=torch.float32)
+    at = isinstance(pos, torch.Tensor)
+    _mla_attend_kernel[(splits, triton.cdiv(H, bh))](
+        q, rows, pos if at else q, o, ml, 0 if at else int(pos) + 1, per, H, float(scale), DK=DK, R=R, RR=RR,
+        RRP=max(16, triton.next_power_of_2(RR)), BH=bh, BS=32, AT=at, IEEE=INTERPRET, num_warps=8, num_stages=2)
+    y = torch.empty(1, H, R, device=rows.device, dtype=q_lat.dtype)
+    br = min(R, 64)
+    _mla_combine_kernel[(H, R // br)](o, ml, y, splits, H, R=R, SP=triton.next_power_of_2(splits), BR=br,
+                                      num_warps=4)
+    return y

@@ -74,7 +74,9 @@ def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float,
     attend = attention_upto if isinstance(pos, torch.Tensor) else attention
     q_lat = kc.mla_absorb_q(q_nope, w_kv_b)  # one token on the kernel path: from the int8 rows, no bf16 copy
     if q_lat is not None:
-        o = attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)
+        o = kc.mla_attend(q_lat, q_rot, rows, pos, scale)  # flash-decoding over the latent rows
+        if o is None:
+            o = attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)
         y = kc.mla_absorb_out(o, w_kv_b, dn)
         if y is not None:
             return y
