@@ -52,15 +52,16 @@ def _mix_norm_kernel(v_ptr, wm_ptr, wn_ptr, y_ptr, S, D, stride_s, stride_t, eps
     zero = tl.sum(acc, 0)
     top = zero - float("inf")  # running max of the logits
     den = zero  # running sum of exp(logit - top)
-    for s in tl.static_range(MAX_S):  # unrolled, so the rows' loads go out early; rows past S read as nothing
-        v = tl.load(v_ptr + s * stride_s + t * stride_t + offs, mask=m & (offs * 0 + s < S), other=0.0).to(tl.float32)
-        logit = tl.where(s < S, tl.sum(v * _rms(v, D, eps_mix) * wm, 0), -float("inf"))
-        new = tl.maximum(top, logit)  # source 0 always exists: top is finite from then on
-        a = tl.exp(top - new)
-        b = tl.exp(logit - new)  # 0 past S: acc, den and top stay as they were, bit for bit
-        acc = acc * a + b * v
-        den = den * a + b
-        top = new
+    for s in range(0, MAX_S):  # a constant bound (few compiled variants); sources past S are skipped
+        if s < S:
+            v = tl.load(v_ptr + s * stride_s + t * stride_t + offs, mask=m, other=0.0).to(tl.float32)
+            logit = tl.sum(v * _rms(v, D, eps_mix) * wm, 0)
+            new = tl.maximum(top, logit)
+            a = tl.exp(top - new)
+            b = tl.exp(logit - new)
+            acc = acc * a + b * v
+            den = den * a + b
+            top = new
     h = (acc / den).to(y_ptr.dtype.element_ty).to(tl.float32)  # the mix in the stream's dtype, then its norm
     wn = tl.load(wn_ptr + offs, mask=m, other=0.0)
     tl.store(y_ptr + t * D + offs, (wn * (h * _rms(h, D, eps_norm))).to(y_ptr.dtype.element_ty), mask=m)
@@ -151,9 +152,6 @@ def _kda_step_kernel(yq, yk, yv, wq, wk, wv, hist_ptr, z_ptr, dtb_ptr, alog_ptr,
     of S [K, K] in place, the output read from the new state, its RMSNorm and sigmoid output gate."""
     h = tl.program_id(0)
     ck = h * K + tl.arange(0, K)
-    rows = tl.arange(0, K)
-    s_ptrs = S_ptr + h.to(tl.int64) * K * K + rows[:, None] * K + rows[None, :]
-    S = tl.load(s_ptrs)  # first: the state's 64 KB arrive while the conv and the norms run
     hist_c = (W - 1) * C
     q = _conv_silu(yq, wq, hist_ptr, ck, C, W)
     k = _conv_silu(yk, wk, hist_ptr + hist_c, ck, C, W)
@@ -163,7 +161,9 @@ def _kda_step_kernel(yq, yk, yv, wq, wk, wv, hist_ptr, z_ptr, dtb_ptr, alog_ptr,
     z = tl.load(z_ptr + ck).to(tl.float32) + tl.load(dtb_ptr + ck)
     g = bound * _sigmoid(tl.exp(tl.load(alog_ptr + h)) * z)  # log-decay per key channel
     beta = _sigmoid(tl.load(b_ptr + h).to(tl.float32))
-    S = S * tl.exp(g)[:, None]  # decay the rows
+    rows = tl.arange(0, K)
+    s_ptrs = S_ptr + h.to(tl.int64) * K * K + rows[:, None] * K + rows[None, :]
+    S = tl.load(s_ptrs) * tl.exp(g)[:, None]  # decay the rows
     u = tl.sum(k[:, None] * S, 0)  # S^T k
     S = S + (beta * k)[:, None] * (v - u)[None, :]
     tl.store(s_ptrs, S)
