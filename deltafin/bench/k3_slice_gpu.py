@@ -318,6 +318,36 @@ def from_cli(args, mode: str) -> dict:
     return run(a, mode)
 
 
+def k3_token_bytes(tc: dict, w: dict, expert_bytes: int) -> int:
+    """What one 93-layer K3 decode token reads once with every expert cached: each slice layer kind's trunk
+    records (medians, projected to K3's schedule: the dense layer 0, 68 KDA and 24 MLA MoE layers), the head and
+    final norms, one embedding row, and 16 experts in each of the 92 MoE layers (the state comes on top)."""
+    kda = set(tc["linear_attn_config"]["kda_layers"])
+    per = {}
+    for name, r in w.items():
+        if name.startswith("model.layers."):
+            L = int(name.split(".")[2])
+            per[L] = per.get(L, 0) + r.nbytes
+    kinds = {"kda": [b for L, b in per.items() if L > 0 and L + 1 in kda],
+             "mla": [b for L, b in per.items() if L > 0 and L + 1 not in kda]}
+    med = {k: statistics.median(v) if v else 0 for k, v in kinds.items()}
+    mla = med["mla"] or med["kda"]
+    emb = w["model.embed_tokens.weight"]
+    top = sum(r.nbytes for n, r in w.items() if not n.startswith("model.layers.")) - emb.nbytes
+    return int(per.get(0, 0) + (K3_LAYERS - 1 - K3_MLA) * med["kda"] + K3_MLA * mla + top
+               + emb.nbytes // tc["vocab_size"] + (K3_LAYERS - 1) * tc["num_experts_per_token"] * expert_bytes)
+
+
+def _copy_gbps(dev) -> float:
+    """Device-to-device copy rate (bytes read + written per second), the decode's memory limit."""
+    import triton.testing
+
+    a = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median") * 1e-3
+    return 2 * (1 << 31) / t / 1e9
+
+
 def run(a, mode: str) -> dict:
     from deltafin.kernels import cuda as kc
     from deltafin.models import registry
@@ -334,6 +364,8 @@ def run(a, mode: str) -> dict:
     res = {"layers": a.layers, "experts": a.experts, "build_s": time.time() - t0,
            "trunk_bytes": sum(r.nbytes for r in w.values()), "expert_bytes": experts.nbytes}
     if mode != "prefill":
+        res["k3_token_bytes"] = k3_token_bytes(tc, w, experts.nbytes)
+        res["copy_GBps"] = _copy_gbps(dev) if dev.type == "cuda" else None
         res["decode"] = run_decode(model, tc, experts, a.tokens)
         res["decode_graphs"] = run_decode_graphs(model, tc, experts, a.tokens)
         res["kernels"] = sorted(kc.USED)
@@ -363,7 +395,7 @@ def run(a, mode: str) -> dict:
     if "decode" in res:
         _print_decode(res)
         for n in getattr(a, "context", []):
-            _print_context(n, res[f"decode_ctx_{n}"], res["decode_graphs"], res["layers"])
+            _print_context(n, res[f"decode_ctx_{n}"], res["decode_graphs"], res["layers"], res)
     for T in a.prefill:
         _print_prefill(T, res[f"prefill_{T}"])
     return res
@@ -382,20 +414,30 @@ def _print_decode(res: dict) -> None:
           f"= {g['k3_93_layers_s'] / 0.025:.2f}x; eager {d['k3_93_layers_s'] * 1e3:.1f} ms "
           f"(graphs {d['k3_93_layers_s'] / g['k3_93_layers_s']:.1f}x faster); torch path "
           f"{dt['k3_93_layers_s'] * 1e3:.0f} ms; kernels {', '.join(res['kernels'])}")
+    if res.get("copy_GBps"):
+        bound = res["k3_token_bytes"] / (res["copy_GBps"] * 1e9)
+        print(f"memory-read bound: {res['k3_token_bytes'] / 1e9:.1f} GB a K3 token (trunk and 16 experts a layer, "
+              f"each read once) at the {res['copy_GBps']:.0f} GB/s device copy rate of this run = {bound * 1e3:.1f} ms; "
+              f"the graphs' step {g['k3_93_layers_s'] / bound:.2f}x it")
 
 
-def _print_context(n: int, c: dict, zero: dict, layers: int) -> None:
+def _print_context(n: int, c: dict, zero: dict, layers: int, res: dict | None = None) -> None:
+    res = res or {}
     if "error" in c:
         print(f"decode {n} tokens deep: {c['error'][:120]}")
         return
     ms, ms0 = c["k3_93_layers_s"] * 1e3, zero["k3_93_layers_s"] * 1e3
+    bound = ""
+    if res.get("copy_GBps"):
+        b = (res["k3_token_bytes"] + c["state_bytes"]["k3_93_layers"]) / (res["copy_GBps"] * 1e9) * 1e3
+        bound = f"; memory-read bound with the state {b:.1f} ms ({ms / b:.2f}x)"
     print(f"decode {n} tokens deep (CUDA graphs, {c['max_len']}-row caches): {ms:.1f} ms per K3 token = "
           f"{1e3 / ms:.1f} tok/s of math, beside {ms0:.1f} ms = {1e3 / ms0:.1f} tok/s at the default context "
           f"({zero['max_len']} rows); the slice's step {c['step_wall_s'] * 1e3:.2f} ms wall for {layers} layers; "
           f"the sequence's state for 93 layers {c['state_bytes']['k3_93_layers'] / 1e9:.2f} GB ({K3_MLA} MLA "
           f"caches of {c['state_bytes']['mla_layer'] / 1e6:.0f} MB, {K3_LAYERS - K3_MLA} KDA states of "
           f"{c['state_bytes']['kda_layer'] / 1e6:.1f} MB)"
-          + ("" if c["recorded"] else "; NOT recorded: the runner ran eagerly"))
+          + bound + ("" if c["recorded"] else "; NOT recorded: the runner ran eagerly"))
 
 
 def _print_prefill(T: int, p: dict) -> None:
