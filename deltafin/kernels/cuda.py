@@ -210,14 +210,7 @@ def _small(name: str, x: torch.Tensor, width: int, *args):
 
     if not triton_small.fits(width):
         return None
-    try:
-        y = getattr(triton_small, name)(*args)
-    except Exception as e:  # noqa: BLE001 - a Triton build failure must not stop a run: the torch forms are exact
-        log.warning("fused %s off, its torch form runs: %s: %s", name, type(e).__name__, e)
-        _BROKEN.add(name)
-        return None
-    USED.add(f"triton:{name}")
-    return y
+    return _run(name, lambda: getattr(triton_small, name)(*args))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
