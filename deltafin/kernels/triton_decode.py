@@ -1,24 +1,23 @@
-"""One-token decode kernels for the steps around the big GEMVs: MLA's absorbed projections and the router.
+"""One-token decode kernels for the steps around the big GEMVs: MLA's absorbed projections and attention,
+and the router.
 
-A K3 decode step on CUDA spent ~80 us per MLA layer turning kv_b_proj (int8 [H*(dn+dv), R], 12.6 MB) into a
-bf16 copy (three elementwise passes over 50 MB) before two small batched matmuls, and ~25 us per MoE layer on
-the router: its bf16 weight widened to float32 every step, a cuBLAS GEMV, then eight small launches for the
-sigmoid, bias, top-k, gather and renormalisation. Here:
+On an H200 a K3 decode step spent ~80 us per MLA layer turning kv_b_proj (int8 [H*(dn+dv), R], 12.6 MB) into a
+bf16 copy before two small batched matmuls, ~20 us on the scores of every cached row, and ~25 us per MoE layer
+on the router (its bf16 weight widened to float32 every step, a GEMV, then eight small launches). Here:
 
 - ``mla_absorb_q(q_nope, q, s, dn, dv)``: q_lat[h] = q_nope[h] @ W_uk[h] straight from the int8 rows (or bf16
-  ones), exact products (q * x * s in float32), float32 sums; ``mla_absorb_out(o, q, s, dn, dv)``: out[h] = W_uv[h] @ o[h].
-  Each reads its half of kv_b once (two launches where there were five plus two matmuls);
+  ones), exact products (q * x * s in float32), float32 sums; ``mla_absorb_out(o, q, s, dn, dv)``: out[h] =
+  W_uv[h] @ o[h]. Each reads its half of kv_b once;
 - ``mla_attend(q_lat, q_rot, rows, pos, scale)``: the absorbed attention of one token over the latent cache in
   splits of the rows (flash-decoding: scores and an online softmax in float32 on the tensor cores, the splits
-  merged in order by a second launch), where the torch form wrote and re-read the scores of every cached row
-  (96 heads x the buffer's length) several times;
+  merged by a second launch);
 - ``router_topk(x, w, bias, k, renorm, scaling, eps)``: float32 logits of bf16 router rows (exact products,
   float32 sums), and the last program to finish (a counter) takes the sigmoid, adds the selection bias,
   picks the k best (ties to the lower index) and writes the ids and the renormalised, scaled weights: one
   launch.
 
 The torch forms (``mla.attend_absorbed``, ``common.sigmoid_topk``) are the reference and the fallback; the
-results agree within float32 rounding (the sums run in another order, and the torch form rounds kv_b to bf16).
+results agree within float32 rounding, or bf16 where the torch form rounds (kv_b, the scores).
 """
 
 from __future__ import annotations
