@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 
@@ -190,6 +191,49 @@ def _glu_rows(device: str, seconds: float, rounds: int = 3) -> list[dict]:
     return rows
 
 
+def _mla_row(device: str, seconds: float) -> dict | None:
+    """Kimi K3's one-token MLA absorbed projections (96 heads, kv_b_proj int8 [96 x 256, 512]: q through W_uk,
+    the attention's output through W_uv, the attention itself left out): the fast path's per-head int8 GEMVs
+    against the torch form, which widens kv_b to float every step. GB/s of kv_b's 12.6 MB a token."""
+    from deltafin import kernels
+    from deltafin.models import mla
+
+    if device != "cpu":
+        return None
+    H, dn, dv, R = 96, 128, 128, 512
+    g = torch.Generator().manual_seed(3)
+    w = _i8(H * (dn + dv), R, g, device)
+    qn, o = torch.randn(1, H, dn, generator=g), torch.randn(1, H, R, generator=g)
+    with kernels.fast():
+        if kernels.mla_absorbed_cpu(qn, w, dn, dv) is None:
+            return None
+
+        def fast():
+            q_lat, out = kernels.mla_absorbed_cpu(qn, w, dn, dv)
+            out(o)
+
+        t_fast = _median_call(fast, seconds)
+
+    def plain():
+        w_uk, w_uv = mla.split_kv_b(w, H, dn, dv, torch.float32)
+        torch.bmm(qn.transpose(0, 1), w_uk)
+        torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))
+
+    t_plain = _median_call(plain, seconds / 4)
+    return {"case": "k3 mla absorbed x1 tok", "weight_bytes": w.nbytes, "fused_GBps": w.nbytes / t_fast / 1e9,
+            "torch_GBps": w.nbytes / t_plain / 1e9, "fused_ms": t_fast * 1e3, "torch_ms": t_plain * 1e3}
+
+
+def _median_call(fn: Callable[[], object], seconds: float) -> float:
+    fn()
+    ts, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(ts) < 3:
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str) -> Iterator[None]:
     old = os.environ.get(name)
@@ -260,6 +304,7 @@ def run(args) -> dict:
     # the int16 peak before and after the GEMM rows, the higher kept (as the bandwidth): a VM's vCPUs move between
     # one core's two hyperthreads and two whole cores, and the ratio against a peak caught in the low state would
     # read past 1
+    mla_row = _mla_row(device, args.seconds)
     peak0 = int16_peak(device)
     gemm = device == "cpu" and cpu.available() and cpu.gemm_enabled()  # builds without it: the tiled float path
     prefill = _prefill_rows(device, args.seconds) if gemm else []
@@ -268,6 +313,8 @@ def run(args) -> dict:
     for r in prefill:
         r["fused_over_peak"] = r["fused_GFLOPs"] / peak if peak else None
     bw = max(bw0, bandwidth(device))
+    if mla_row:
+        mla_row |= {"fused_over_bandwidth": mla_row["fused_GBps"] / bw, "torch_over_bandwidth": mla_row["torch_GBps"] / bw}
     for r in rows:
         r["fused_over_bandwidth"] = r["fused_GBps"] / bw
         r["torch_over_bandwidth"] = r["torch_GBps"] / bw
@@ -278,7 +325,7 @@ def run(args) -> dict:
               "bandwidth_GBps_before_after": [bw0, bw], "last_level_cache_bytes": llc, "cases": rows,
               "worst_one_token_fraction": min(r["fused_over_bandwidth"] for r in one), "target": TARGET,
               "int16_peak_GOPs": peak, "int16_peak_GOPs_before_after": [peak0, peak], "prefill": prefill,
-              "prefill_target": PREFILL_TARGET, "gated_expert": glu_rows,
+              "prefill_target": PREFILL_TARGET, "gated_expert": glu_rows, "mla": mla_row,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     _print(result)
     if args.json:
@@ -298,6 +345,11 @@ def _print(r: dict) -> None:
                f"{c['one_call_over_bandwidth']:.2f}" if c.get("one_call_GBps") else "")
         print(f"  {c['case']:<28} fused {c['fused_GBps']:6.2f} GB/s = {c['fused_over_bandwidth']:.2f} of bandwidth"
               f"{mark}; plain torch {c['torch_GBps']:6.3f} GB/s = {c['torch_over_bandwidth']:.3f}{one}")
+    if r.get("mla"):
+        m = r["mla"]
+        print(f"  {m['case']:<28} fused {m['fused_GBps']:6.2f} GB/s = {m['fused_over_bandwidth']:.2f} of bandwidth "
+              f"({m['fused_ms']:.2f} ms); plain torch (kv_b widened every step) {m['torch_GBps']:6.3f} GB/s = "
+              f"{m['torch_over_bandwidth']:.3f} ({m['torch_ms']:.1f} ms)")
     print(f"worst one-token case: {r['worst_one_token_fraction']:.2f} of memory bandwidth (target >= {r['target']})")
     if r["device"] == "cpu" and not r["prefill"]:
         print("prefill: this build has no int16 GEMM (AVX-512 VNNI and VBMI, or AVX2); many-token matmuls take the "

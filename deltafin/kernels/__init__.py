@@ -17,6 +17,7 @@ import contextvars
 import importlib
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
@@ -149,6 +150,36 @@ def gqa_one(table, x: torch.Tensor, *args) -> torch.Tensor | None:
     attention, o) in one compiled call on the CPU's fast path (``cpu.gqa_one``), else None: the separate calls run."""
     be = _cpu_fast(x)
     return None if be is None or table is None else be.gqa_one(table, x, *args)
+
+
+def mla_absorbed_cpu(q_nope: torch.Tensor, w, dn: int, dv: int):
+    """One token's absorbed MLA projections from an int8 kv_b_proj record on the CPU's fast path, without a float
+    copy of it: (q_lat [1, H, R], out(o [1, H, R]) -> [1, H*dv]), else None (the torch form runs). The query
+    side reads a transposed int8 copy of each head's W_uk (made once per record, half of kv_b's bytes), the
+    activation times W_uk's row scales; the output side reads W_uv's rows where they are."""
+    be = _cpu_fast(q_nope)
+    if be is None or q_nope.shape[0] != 1 or getattr(w, "format", None) != "int8":
+        return None
+    H = q_nope.shape[1]
+    rows, R = w.shape
+    if rows != H * (dn + dv):
+        return None
+    wh, sh = w.data.view(H, dn + dv, R), w.scale.to(torch.float32).view(H, dn + dv)
+    got = _UK_T.get(id(w.data))
+    if got is None or got[0]() is not w.data:
+        got = _UK_T[id(w.data)] = (weakref.ref(w.data), wh[:, :dn].transpose(1, 2).contiguous())  # [H, R, dn]
+        weakref.finalize(w.data, _UK_T.pop, id(w.data), None)
+    q_lat = be.int8_heads((q_nope[0] * sh[:, :dn]).contiguous(), got[1], None)
+    if q_lat is None:
+        return None
+
+    def out(o: torch.Tensor) -> torch.Tensor:
+        return be.int8_heads(o[0], wh[:, dn:], sh[:, dn:]).reshape(1, H * dv)
+
+    return q_lat.view(1, H, R), out
+
+
+_UK_T: dict[int, tuple] = {}  # id of kv_b's int8 data -> (a weak reference to it, its W_uk transposed), while it lives
 
 
 def route_one(x: torch.Tensor, ln: torch.Tensor, eps: float, router: torch.Tensor, k: int, renorm: bool):

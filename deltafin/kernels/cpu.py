@@ -519,6 +519,29 @@ def int8_linear_many(x: torch.Tensor, ws: list[QTensor], lib=None) -> list[torch
     return outs
 
 
+def int8_heads(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, lib=None) -> torch.Tensor | None:
+    """out[h] = (q[h] * s[h][:, None]) @ x[h] for n heads in one compiled call: x [n, C] float32, q int8 [n, R, C]
+    (each head's rows contiguous; heads at any stride), s float32 [n, R] (rows contiguous) or None for unit
+    scales. Each head's rows get ``int8_linear``'s int16-activation arithmetic. None where that path is off."""
+    lib = lib or native.library()
+    if not i16_enabled(lib):
+        return None
+    n, R, C = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == C and x.shape == (n, C)
+    if s is None:
+        s, ss = torch.ones(R, dtype=torch.float32), 0
+    else:
+        assert s.shape == (n, R) and s.stride(1) == 1 and s.dtype == torch.float32
+        ss = s.stride(0)
+    x = _x32(x)
+    out = torch.empty(n, R, dtype=torch.float32)
+    USED.add("int8_heads")
+    if lib.df_i8a16_heads(n, q.data_ptr(), q.stride(0), s.data_ptr(), ss, x.data_ptr(), out.data_ptr(), R, C,
+                          _threads(n * R, C, 1)):
+        raise MemoryError(f"int16 activation buffers for {n} heads of {C}; set DELTAFIN_CPU_Q8=0 to skip them")
+    return out
+
+
 class GQATable:
     """One layer's records as ``df_gqa1`` reads them (an int64 table of pointers and sizes), with the float32 copies
     it points into kept alive beside it. Made once per layer (``gqa_table``)."""

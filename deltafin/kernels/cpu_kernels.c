@@ -1299,6 +1299,42 @@ int df_i8a16_multi(int n, const int8_t *const *w, const float *const *s, float *
 }
 
 /* 1 when the int8 x int16 path has its vector (AVX-512 VNNI) code here, 0 when it runs the plain C loop. */
+/* Rows [r0, r1) of df_i8a16_heads' n * R, head by head. */
+static void i8a16_heads_span(const int8_t *w, int64_t ws, const float *s, int64_t ss, const i8a16_t *a, float *out,
+                             int64_t r0, int64_t r1, int64_t R, int64_t C) {
+    for (int64_t h = r0 / R; h * R < r1; h++) {
+        const int64_t lo = r0 > h * R ? r0 - h * R : 0;
+        const int64_t hi = r1 - h * R < R ? r1 - h * R : R;
+        i8a16_rows(w + h * ws, s + h * ss, &a[h], out + h * R, lo, hi, R, C, 1);
+    }
+}
+
+/* n int8 matrices of the same shape [R, C], each with its own one-token x (MLA's per-head absorbed projections:
+ * head h's rows at w + h * ws, their scales at s + h * ss, ss = 0 for one shared scale row), out [n, R]. Each x row
+ * is quantized once, then all n * R rows run in one parallel pass with df_i8a16_mm's arithmetic per row. */
+int df_i8a16_heads(int n, const int8_t *w, int64_t ws, const float *s, int64_t ss, const float *x, float *out,
+                   int64_t R, int64_t C, int nthreads) {
+    i8a16_t *a = calloc(n, sizeof(i8a16_t));
+    int rc = a ? 0 : -1;
+    for (int h = 0; rc == 0 && h < n; h++) {
+        a[h].NB = (C + A16B - 1) / A16B;
+        a[h].q = malloc(a[h].NB * A16B * sizeof(int16_t));
+        a[h].d = malloc(a[h].NB * sizeof(float));
+        if (!a[h].q || !a[h].d) rc = -1;
+        else a16_quantize(x + h * C, 1, C, &a[h]);
+    }
+    if (rc == 0) {
+        const int64_t total = (int64_t)n * R;
+        SPLIT(nthreads, total, i8a16_heads_span(w, ws, s, ss, a, out, r0, r1, R, C))
+    }
+    for (int h = 0; a && h < n; h++) {
+        free(a[h].q);
+        free(a[h].d);
+    }
+    free(a);
+    return rc;
+}
+
 int df_a16_vnni(void) {
 #if defined(Q8_VNNI) && defined(__AVX512VL__)
     return 1;

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "df_glu_act": [_INT, _F, _F, _P, _P, _P, _I64],
     "df_a16_vnni": [],
     "df_i8a16_multi": [_INT, _P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "df_i8a16_heads": [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _INT],
     "df_q8_vnni": [],
     "df_simd_width": [],
     "df_isa": [],
@@ -214,7 +215,7 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
                 lib.df_gw_peak.restype = ctypes.c_double
                 lib.df_simd_width.restype = lib.df_isa.restype = lib.df_q8_terms.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = lib.df_gw_merge.restype = _INT
-                lib.df_i8a16_multi.restype = lib.df_q4gw_glu.restype = lib.df_q4q8_glu_many.restype = _INT
+                lib.df_i8a16_multi.restype = lib.df_i8a16_heads.restype = lib.df_q4gw_glu.restype = lib.df_q4q8_glu_many.restype = _INT
                 lib.df_glu_act.restype = lib.df_attend1.restype = lib.df_rms_rows.restype = lib.df_rope1.restype = None
                 lib.df_openmp.restype = _INT
                 if not lib.df_openmp():

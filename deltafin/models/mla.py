@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from deltafin import kernels
 from deltafin.kernels import cuda as kc
 from deltafin.models.base import dense, linear, rms_norm
 from deltafin.models.layers import attention, attention_upto
@@ -80,6 +81,10 @@ def attend_absorbed(q_nope, q_rot, rows, w_kv_b, dn: int, dv: int, scale: float,
         y = kc.mla_absorb_out(o, w_kv_b, dn)
         if y is not None:
             return y
+    cpu = kernels.mla_absorbed_cpu(q_nope, w_kv_b, dn, dv)  # the CPU's fast path: from the int8 rows too
+    if cpu is not None:
+        q_lat, out = cpu
+        return out(attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale))
     w_uk, w_uv = split_kv_b(w_kv_b, H, dn, dv, q_nope.dtype)  # [H, dn, R], [H, dv, R]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
     o = attend(torch.cat((q_lat, q_rot), dim=-1), rows[None], rows[None, :, :R], pos, scale)  # [T, H, R]
