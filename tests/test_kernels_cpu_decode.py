@@ -1,5 +1,5 @@
-"""The CPU fast path's one-token attention, RMSNorm and rotation (``df_attend1``, ``df_rms_rows``, ``df_rope1``)
-against their torch forms, and the places that take them.
+"""The CPU fast path's attention (one token: ``df_attend1``; a prompt: ``df_attend_rows``), RMSNorm and rotation
+(``df_rms_rows``, ``df_rope1``) against their torch forms, and the places that take them.
 
 Tolerance: each is a float32 evaluation of the same formula in another order, so results agree to a few ulps of
 the magnitudes summed (checked against float64 at 2e-6 relative to sum |terms|). They are compared bit for bit
@@ -58,6 +58,73 @@ def test_attend1_is_the_same_at_any_thread_count_and_refuses_what_it_does_not_co
     assert cpu.attend1(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # rows not contiguous
 
 
+def _exact_rows(q, k, v, pos, scale, window, sinks):
+    """float64 causal attention of q [T, H, dk] at positions pos.. and the bound a float32 evaluation keeps to."""
+    T, H, _ = q.shape
+    G = H // k.shape[0]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(G, 0), v.double().repeat_interleave(G, 0)
+    s = torch.einsum("thc,hsc->ths", qd, kd) * scale
+    i, j = torch.arange(T)[:, None] + pos, torch.arange(k.shape[1])[None]
+    hide = (j > i) | ((i - j >= window) if window else torch.zeros_like(j > i))
+    s = s.masked_fill(hide[:, None], float("-inf"))
+    if sinks is not None:
+        s = torch.cat((s, sinks.double()[None, :, None].expand(T, H, 1)), -1)
+    p = torch.softmax(s, -1)[..., : k.shape[1]]
+    o = torch.einsum("ths,hsc->thc", p, vd)
+    # a score's float32 sum errs by at most dk ulps of its sum |q k| (times the scale), and moves the output by that
+    # much of |v_s - o| <= |v_s| + |o| per key
+    pe = p * qd.shape[-1] * 2.0**-24 * scale * torch.einsum("thc,hsc->ths", qd.abs(), kd.abs())
+    moved = torch.einsum("ths,hsc->thc", pe, vd.abs()) + pe.sum(-1, keepdim=True) * o.abs()
+    return o, 2e-6 * torch.einsum("ths,hsc->thc", p, vd.abs()) + moved + 1e-7
+
+
+ROWS_CASES = [  # T, pos, H, Hkv, dk, dv, window, sinks: key blocks cut short, odd head groups, windows, sinks
+    (37, 0, 8, 2, 64, 64, None, False), (100, 21, 6, 3, 40, 24, None, True), (130, 0, 4, 4, 128, 128, 33, False),
+    (5, 70, 16, 2, 128, 128, None, False), (200, 300, 8, 1, 96, 80, 64, True), (1, 9, 4, 2, 16, 16, None, True),
+    (64, 64, 2, 2, 8, 8, 1, False), (70, 0, 3, 1, 20, 70, None, False)]
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_attend_rows_matches_float64_and_gives_each_query_the_same_bits_however_the_prompt_is_cut(isa):
+    """Every build against float64; then each query's row bit for bit the same whether the prompt comes in one call
+    or in pieces (so in any batch and any chunking of a prompt) and at 1 or 2 threads."""
+    import platform
+
+    if isa != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build")
+    lib = native.library(native.ISA_FLAGS[isa]) if isa != "native" else native.library()
+    g = torch.Generator().manual_seed(11)
+    n = torch.get_num_threads()
+    for T, pos, H, Hkv, dk, dv, window, sk in ROWS_CASES:
+        S = pos + T
+        q = torch.randn(T, H, dk, generator=g)
+        k, v = _cache(Hkv, S, dk, S + 7, g) * 2, _cache(Hkv, S, dv, S + 3, g)
+        sinks = torch.randn(H, generator=g) if sk else None
+        scale = dk**-0.5
+        try:
+            torch.set_num_threads(2)
+            got = cpu.attend_rows(q, k, v, pos, scale, window, sinks, lib=lib)
+            parts, t = [], 0
+            for m in (3, 11, 1, 50, 1000):
+                m = min(m, T - t)
+                if m > 0:
+                    parts.append(cpu.attend_rows(q[t : t + m], k[:, : pos + t + m], v[:, : pos + t + m], pos + t,
+                                                 scale, window, sinks, lib=lib))
+                t += m
+            torch.set_num_threads(1)
+            one = cpu.attend_rows(q, k, v, pos, scale, window, sinks, lib=lib)
+        finally:
+            torch.set_num_threads(n)
+        exact, bound = _exact_rows(q, k, v, pos, scale, window, sinks)
+        assert got.shape == (T, H, dv)
+        assert ((got.double() - exact).abs() <= bound).all(), (T, pos, H, Hkv, dk, dv, window, sk)
+        assert torch.equal(torch.cat(parts), got) and torch.equal(one, got)
+    q, k, v = torch.randn(4, 8, 64), _cache(2, 9, 64, 16, g), _cache(2, 9, 64, 16, g)
+    assert cpu.attend_rows(q.bfloat16(), k, v, 5, 0.1, lib=lib) is None  # another dtype: the torch form
+    assert cpu.attend_rows(q, k, v, 4, 0.1, lib=lib) is None  # S != pos + T
+    assert cpu.attend_rows(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 5, 0.1, lib=lib) is None
+
+
 def test_rms_rows_and_rope1_match_their_torch_forms():
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(3, 2048, generator=g) * 3, torch.rand(2048, generator=g) + 0.5
@@ -91,8 +158,15 @@ def test_the_model_layers_take_them_on_the_fast_path_only(monkeypatch):
     assert calls == []  # the reference path: torch only
     with kernels.fast(True):
         base.rms_norm(x, w, 1e-6), rope.apply_rope(h, cs, sn), layers.attention(q1, kk, vv, 8, 0.125)
-        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)  # a prompt of 3 tokens: the torch form
     assert calls == ["rms_rows", "rope1", "attend1"]
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(cpu, "attend_rows", lambda *a, _f=cpu.attend_rows, **k: (calls.append("rows"), _f(*a, **k))[1])
+    with kernels.fast(True):
+        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)  # a prompt of 3 tokens: the compiled prompt call
+    with kernels.fast(False):
+        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)
+    assert calls == ["rows"]
     monkeypatch.undo()
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(1, 8, 64, generator=g), _cache(2, 9, 64, 16, g), _cache(2, 9, 64, 16, g)

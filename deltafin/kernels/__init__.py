@@ -125,6 +125,14 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return None if be is None else be.attend1(q, k, v, scale)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float, window: int | None,
+                sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Many queries' causal attention in one compiled call (``cpu.attend_rows``), or None: the caller's torch form
+    runs (the exact path, other devices and dtypes)."""
+    be = _cpu_fast(q)
+    return None if be is None else be.attend_rows(q, k, v, pos, scale, window, sinks)
+
+
 def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm in one compiled call on the CPU's fast path (``cpu.rms_rows``), else None."""
     be = _cpu_fast(x)

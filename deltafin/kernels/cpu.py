@@ -272,6 +272,34 @@ def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lib
     return out
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float, window: int | None = None,
+                sinks: torch.Tensor | None = None, lib=None) -> torch.Tensor | None:
+    """Causal attention of T queries at positions pos.. (``df_attend_rows``, flash-style, only the keys each query
+    sees): q [T, H, dk], k [Hkv, S, dk], v [Hkv, S, dv] float32 with S = pos + T, sinks [H] or None -> [T, H, dv].
+    Each query row's result is the same whatever T, the other rows and the thread count. None where the layout
+    does not fit (the caller's torch form runs)."""
+    lib = lib or native.library()
+    if q.dim() != 3 or q.dtype != torch.float32 or not (_f32_rows(k) and _f32_rows(v)):
+        return None
+    T, H, dk = q.shape
+    Hkv, S, dv = v.shape
+    if H % Hkv or k.shape[:2] != (Hkv, S) or k.shape[2] != dk or S != pos + T or T == 0:
+        return None
+    if sinks is not None:
+        if sinks.shape != (H,):
+            return None
+        sinks = sinks.to(torch.float32).contiguous()
+    q = q.contiguous()
+    out = torch.empty(T, H, dv)
+    rc = lib.df_attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if sinks is None else sinks.data_ptr(),
+                            out.data_ptr(), H, Hkv, T, pos, dk, dv, k.stride(0), v.stride(0), window or 0, scale,
+                            torch.get_num_threads())
+    if rc:
+        return None
+    USED.add("attend_rows")
+    return out
+
+
 def rms_rows(x: torch.Tensor, w: torch.Tensor, eps: float, lib=None) -> torch.Tensor | None:
     """RMSNorm of x [..., d] float32 by w [d] float32 (``df_rms_rows``), or None where they are not that."""
     lib = lib or native.library()

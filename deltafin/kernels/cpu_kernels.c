@@ -2344,6 +2344,233 @@ void df_attend1(const float *q, const float *k, const float *v, float *out, floa
     }
 }
 
+/* ---- Causal grouped-query attention of many queries (prefill), float32, flash-style ----
+ * q [T, H, dk] at positions pos .. pos+T-1; keys / values of kv head j at k + j kstride, v + j vstride, one row of
+ * dk / dv floats per position from 0; out [T, H, dv]. Query i sees key s iff s <= i and (window <= 0 or
+ * i - s < window). sinks [H] or NULL: a per-head logit that joins the softmax (gpt-oss).
+ * Keys go in blocks of AT_BK aligned to absolute positions; each query row keeps its own running max, sum and
+ * output, updated block by block in position order, with every product summed in channel order. So a row's
+ * result depends only on its query, its position and the cache: not on T, the other rows, the thread count or
+ * how a prompt is split into calls. Tasks (a kv head's heads over AT_BQ positions) run in parallel; only the
+ * blocks a row sees are computed (causal skipping). Returns 0, or -1 when work memory could not be had. */
+#define AT_BK 64
+#define AT_BQ 16
+
+#ifdef __AVX512F__
+static inline __m512 v_exp_neg(__m512 x) { /* exp(x) for x <= 0, 0 below -87 (no denormals) */
+    const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r); /* expm1(r) */
+    return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n));
+}
+#endif
+
+/* s0 / s1 [AT_BK] = q0 / q1 [dk] . kt[c][AT_BK] over c in order */
+static void at_scores2(const float *q0, const float *q1, const float *kt, int64_t dk, float *s0, float *s1) {
+#ifdef __AVX512F__
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t c = 0; c < dk; c++) {
+        const float *kr = kt + c * AT_BK;
+        const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                     k3 = _mm512_loadu_ps(kr + 48), x = _mm512_set1_ps(q0[c]), y = _mm512_set1_ps(q1[c]);
+        a0 = _mm512_fmadd_ps(x, k0, a0); a1 = _mm512_fmadd_ps(x, k1, a1);
+        a2 = _mm512_fmadd_ps(x, k2, a2); a3 = _mm512_fmadd_ps(x, k3, a3);
+        b0 = _mm512_fmadd_ps(y, k0, b0); b1 = _mm512_fmadd_ps(y, k1, b1);
+        b2 = _mm512_fmadd_ps(y, k2, b2); b3 = _mm512_fmadd_ps(y, k3, b3);
+    }
+    _mm512_storeu_ps(s0, a0); _mm512_storeu_ps(s0 + 16, a1); _mm512_storeu_ps(s0 + 32, a2); _mm512_storeu_ps(s0 + 48, a3);
+    _mm512_storeu_ps(s1, b0); _mm512_storeu_ps(s1 + 16, b1); _mm512_storeu_ps(s1 + 32, b2); _mm512_storeu_ps(s1 + 48, b3);
+#else
+    float a[AT_BK], b[AT_BK];
+    for (int j = 0; j < AT_BK; j++) a[j] = b[j] = 0.0f;
+    for (int64_t c = 0; c < dk; c++) {
+        const float *kr = kt + c * AT_BK, x = q0[c], y = q1[c];
+#pragma omp simd
+        for (int j = 0; j < AT_BK; j++) {
+            a[j] += x * kr[j];
+            b[j] += y * kr[j];
+        }
+    }
+    memcpy(s0, a, sizeof a);
+    memcpy(s1, b, sizeof b);
+#endif
+}
+
+/* The softmax step of one row over a block: s [AT_BK] scores (unscaled), keys [lo, hi) of the block visible.
+ * Updates *m and *l; leaves p [AT_BK] (0 where hidden) and returns the factor the row's output is scaled by. */
+static float at_softmax(float *s, int lo, int hi, float scale, float *m, float *l) {
+    float mx = -INFINITY;
+    for (int j = lo; j < hi; j++) {
+        s[j] *= scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    const float mn = mx > *m ? mx : *m, alpha = *m == -INFINITY ? 0.0f : expf(*m - mn);
+    for (int j = 0; j < lo; j++) s[j] = -INFINITY;
+    for (int j = hi; j < AT_BK; j++) s[j] = -INFINITY;
+#ifdef __AVX512F__
+    const __m512 mv = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < AT_BK; j += 16) {
+        const __m512 p = v_exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        _mm512_storeu_ps(s + j, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    const float tot = _mm512_reduce_add_ps(sum);
+#else
+    float tot = 0.0f;
+    for (int j = 0; j < AT_BK; j++) {
+        s[j] = j < lo || j >= hi ? 0.0f : expf(s[j] - mn);
+        tot += s[j];
+    }
+#endif
+    *l = *l * alpha + tot;
+    *m = mn;
+    return alpha;
+}
+
+/* o0 / o1 [dv] = o alpha + sum over keys j < nk of p[j] v[j] (rows of dv floats), keys in order */
+static void at_pv2(const float *p0, const float *p1, float a0, float a1, const float *v, int nk, int64_t dv,
+                   float *o0, float *o1) {
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 64 <= dv; c += 64) {
+        const __m512 x0 = _mm512_set1_ps(a0), x1 = _mm512_set1_ps(a1);
+        __m512 u0 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c)), u1 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c + 16));
+        __m512 u2 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c + 32)), u3 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c + 48));
+        __m512 w0 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c)), w1 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c + 16));
+        __m512 w2 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c + 32)), w3 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c + 48));
+        for (int j = 0; j < nk; j++) {
+            const float *vr = v + j * dv + c;
+            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
+                         v3 = _mm512_loadu_ps(vr + 48), y0 = _mm512_set1_ps(p0[j]), y1 = _mm512_set1_ps(p1[j]);
+            u0 = _mm512_fmadd_ps(y0, v0, u0); u1 = _mm512_fmadd_ps(y0, v1, u1);
+            u2 = _mm512_fmadd_ps(y0, v2, u2); u3 = _mm512_fmadd_ps(y0, v3, u3);
+            w0 = _mm512_fmadd_ps(y1, v0, w0); w1 = _mm512_fmadd_ps(y1, v1, w1);
+            w2 = _mm512_fmadd_ps(y1, v2, w2); w3 = _mm512_fmadd_ps(y1, v3, w3);
+        }
+        _mm512_storeu_ps(o0 + c, u0); _mm512_storeu_ps(o0 + c + 16, u1);
+        _mm512_storeu_ps(o0 + c + 32, u2); _mm512_storeu_ps(o0 + c + 48, u3);
+        _mm512_storeu_ps(o1 + c, w0); _mm512_storeu_ps(o1 + c + 16, w1);
+        _mm512_storeu_ps(o1 + c + 32, w2); _mm512_storeu_ps(o1 + c + 48, w3);
+    }
+    for (; c < dv; c += 16) {
+        const __mmask16 mk = dv - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - c)) - 1);
+        __m512 u = _mm512_mul_ps(_mm512_set1_ps(a0), _mm512_maskz_loadu_ps(mk, o0 + c));
+        __m512 w = _mm512_mul_ps(_mm512_set1_ps(a1), _mm512_maskz_loadu_ps(mk, o1 + c));
+        for (int j = 0; j < nk; j++) {
+            const __m512 vv = _mm512_maskz_loadu_ps(mk, v + j * dv + c);
+            u = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), vv, u);
+            w = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), vv, w);
+        }
+        _mm512_mask_storeu_ps(o0 + c, mk, u);
+        _mm512_mask_storeu_ps(o1 + c, mk, w);
+    }
+#else
+    for (; c < dv; c += 32) {
+        const int64_t n = dv - c < 32 ? dv - c : 32;
+        float u[32], w[32];
+        for (int64_t i = 0; i < n; i++) {
+            u[i] = o0[c + i] * a0;
+            w[i] = o1[c + i] * a1;
+        }
+        for (int j = 0; j < nk; j++) {
+            const float *vr = v + j * dv + c, x = p0[j], y = p1[j];
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) {
+                u[i] += x * vr[i];
+                w[i] += y * vr[i];
+            }
+        }
+        for (int64_t i = 0; i < n; i++) {
+            o0[c + i] = u[i];
+            o1[c + i] = w[i];
+        }
+    }
+#endif
+}
+
+int df_attend_rows(const float *q, const float *k, const float *v, const float *sinks, float *out, int64_t H,
+                   int64_t Hkv, int64_t T, int64_t pos, int64_t dk, int64_t dv, int64_t kstride, int64_t vstride,
+                   int64_t window, float scale, int nthreads) {
+    const int64_t G = H / Hkv, nqb = (T + AT_BQ - 1) / AT_BQ, ntask = Hkv * nqb, R = AT_BQ * G;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *kt = malloc(dk * AT_BK * sizeof(float)), *acc = malloc((R + 1) * dv * sizeof(float));
+        float *ms = malloc((R + 1) * sizeof(float)), *ls = malloc((R + 1) * sizeof(float));
+        float *sc = malloc(2 * AT_BK * sizeof(float));
+        if (!kt || !acc || !ms || !ls || !sc) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < ntask; task++) {
+                const int64_t qb = nqb - 1 - task / Hkv, j = task % Hkv; /* the longest rows first */
+                const int64_t t0 = qb * AT_BQ, t1 = t0 + AT_BQ < T ? t0 + AT_BQ : T, nr = (t1 - t0) * G;
+                const float *kh = k + j * kstride, *vh = v + j * vstride;
+                for (int64_t r = 0; r < nr; r++) { /* row r: position t0 + r / G, head j G + r % G */
+                    ms[r] = sinks ? sinks[j * G + r % G] : -INFINITY;
+                    ls[r] = sinks ? 1.0f : 0.0f;
+                    memset(acc + r * dv, 0, dv * sizeof(float));
+                }
+                const int64_t first = window > 0 ? pos + t0 - window + 1 : 0;
+                for (int64_t kb = (first > 0 ? first : 0) / AT_BK * AT_BK; kb < pos + t1; kb += AT_BK) {
+                    const int nk = (int)(pos + t1 - kb < AT_BK ? pos + t1 - kb : AT_BK);
+                    for (int64_t c = 0; c < dk; c++)
+                        for (int i = 0; i < AT_BK; i++) kt[c * AT_BK + i] = i < nk ? kh[(kb + i) * dk + c] : 0.0f;
+                    for (int64_t r = 0; r < nr; r += 2) {
+                        const int64_t r1 = r + 1 < nr ? r + 1 : nr; /* the last odd row pairs with a spare */
+                        int lo[2], hi[2];
+                        for (int e = 0; e < 2; e++) {
+                            const int64_t ip = pos + t0 + (e ? r1 : r) / G; /* the row's position */
+                            const int64_t a = window > 0 ? ip - window + 1 - kb : -kb, b = ip + 1 - kb;
+                            lo[e] = (int)(a < 0 ? 0 : a > AT_BK ? AT_BK : a);
+                            hi[e] = (int)(b < 0 ? 0 : b > nk ? nk : b);
+                        }
+                        if (lo[0] >= hi[0] && (r1 == nr || lo[1] >= hi[1])) continue;
+                        const int64_t h0 = j * G + r % G, h1 = j * G + r1 % G;
+                        const float *q0 = q + ((t0 + r / G) * H + h0) * dk;
+                        const float *q1 = r1 < nr ? q + ((t0 + r1 / G) * H + h1) * dk : q0;
+                        float *s0 = sc, *s1 = sc + AT_BK, al[2] = {1.0f, 1.0f};
+                        at_scores2(q0, q1, kt, dk, s0, s1);
+                        for (int e = 0; e < 2; e++) {
+                            float *s = e ? s1 : s0;
+                            const int64_t row = e ? r1 : r;
+                            if (lo[e] < hi[e] && row < nr)
+                                al[e] = at_softmax(s, lo[e], hi[e], scale, ms + row, ls + row);
+                            else
+                                memset(s, 0, AT_BK * sizeof(float)); /* nothing seen here: the row is left as is */
+                        }
+                        const int nkb = hi[0] > hi[1] ? hi[0] : hi[1];
+                        at_pv2(s0, s1, al[0], al[1], vh + kb * dv, nkb, dv, acc + r * dv, acc + r1 * dv);
+                    }
+                }
+                for (int64_t r = 0; r < nr; r++) {
+                    const float inv = 1.0f / ls[r], *a = acc + r * dv;
+                    float *o = out + ((t0 + r / G) * H + j * G + r % G) * dv;
+                    for (int64_t c = 0; c < dv; c++) o[c] = a[c] * inv;
+                }
+            }
+        }
+        free(kt);
+        free(acc);
+        free(ms);
+        free(ls);
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
+
 /* rows [n, d] -> out (may be x): w * x / sqrt(mean(x^2) + eps) */
 void df_rms_rows(const float *x, const float *w, float *out, int64_t n, int64_t d, float eps) {
     for (int64_t r = 0; r < n; r++) {
