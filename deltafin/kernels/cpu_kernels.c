@@ -57,8 +57,8 @@ static inline float scale_at(const void *scales, int kind, const float *e8m0, in
 #define LN2_LO 1.428606765330187e-06f
 
 #ifdef __AVX512F__
-static inline __m512 v_expm1(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_min_ps(_mm512_set1_ps(100.0f), x)); /* NaN kept */
+/* expm1(r) for x = n ln2 + r, n returned: the reduction and polynomial shared by expm1 and exp */
+static inline __m512 v_expm1_reduced(__m512 x, __m512 *n_out) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
@@ -70,12 +70,26 @@ static inline __m512 v_expm1(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    const __m512 q = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
+    *n_out = n;
+    return _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r);
+}
+
+static inline __m512 v_expm1(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.0f), _mm512_min_ps(_mm512_set1_ps(100.0f), x)); /* NaN kept */
+    __m512 n;
+    const __m512 q = v_expm1_reduced(x, &n);
     const __m512 s = _mm512_scalef_ps(_mm512_set1_ps(1.0f), n), one = _mm512_set1_ps(1.0f); /* 2^n, 0 below */
     const __m512 small = _mm512_fmadd_ps(s, q, _mm512_sub_ps(s, one));
     /* from n = 25 the 1 is below half an ulp, and 2^n alone may overflow (n = 128) where 2^n (1 + q) does not */
     const __m512 big = _mm512_sub_ps(_mm512_scalef_ps(_mm512_add_ps(q, one), n), one);
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(24.5f), _CMP_GT_OQ), small, big);
+}
+
+static inline __m512 v_exp_neg(__m512 x) { /* exp(x) for x <= 0, 0 below -87 (no denormals) */
+    const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    __m512 n;
+    const __m512 q = v_expm1_reduced(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), &n);
+    return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(_mm512_add_ps(q, _mm512_set1_ps(1.0f)), n));
 }
 
 static inline __m512 v_sigmoid(__m512 g) {
@@ -2356,24 +2370,6 @@ void df_attend1(const float *q, const float *k, const float *v, float *out, floa
 #define AT_BK 64
 #define AT_BQ 16
 
-#ifdef __AVX512F__
-static inline __m512 v_exp_neg(__m512 x) { /* exp(x) for x <= 0, 0 below -87 (no denormals) */
-    const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r); /* expm1(r) */
-    return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n));
-}
-#endif
 
 /* s0 / s1 [AT_BK] = q0 / q1 [dk] . kt[c][AT_BK] over c in order */
 static void at_scores2(const float *q0, const float *q1, const float *kt, int64_t dk, float *s0, float *s1) {
