@@ -1,4 +1,4 @@
-"""The CPU fast path's attention (one token: ``df_attend1``; a prompt: ``df_attend_rows``), RMSNorm and rotation
+"""The CPU fast path's attention (``df_attend_rows``, one token or a prompt), RMSNorm and rotation
 (``df_rms_rows``, ``df_rope1``) against their torch forms, and the places that take them.
 
 Tolerance: each is a float32 evaluation of the same formula in another order, so results agree to a few ulps of
@@ -21,41 +21,6 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"CPU kernels u
 def _cache(Hkv: int, S: int, d: int, cap: int, g: torch.Generator) -> torch.Tensor:
     """Keys or values as the KV cache holds them: the first S rows of a [Hkv, cap, d] buffer."""
     return torch.randn(Hkv, cap, d, generator=g)[:, :S]
-
-
-@pytest.mark.parametrize(("H", "Hkv", "S", "dk", "dv"), [(32, 4, 41, 128, 128), (8, 8, 1, 64, 32), (6, 2, 300, 48, 48)])
-def test_attend1_matches_the_grouped_torch_form_and_float64(H, Hkv, S, dk, dv):
-    g = torch.Generator().manual_seed(S)
-    q = torch.randn(1, H, dk, generator=g)
-    k, v = _cache(Hkv, S, dk, S + 7, g), _cache(Hkv, S, dv, S + 3, g)
-    scale = dk**-0.5
-    got = cpu.attend1(q, k, v, scale)
-    ref = layers._attention_grouped(q, k, v, S - 1, scale, None)
-    G = H // Hkv
-    qd, kd, vd = q.double()[0], k.double().repeat_interleave(G, 0), v.double().repeat_interleave(G, 0)
-    p = torch.softmax(torch.einsum("hc,hsc->hs", qd, kd) * scale, -1)
-    exact = torch.einsum("hs,hsc->hc", p, vd)[None]
-    bound = 2e-6 * torch.einsum("hs,hsc->hc", p, vd.abs())[None] + 1e-7
-    assert got.shape == (1, H, dv)
-    assert ((got.double() - exact).abs() <= bound).all()
-    assert ((ref.double() - exact).abs() <= bound).all()
-
-
-def test_attend1_is_the_same_at_any_thread_count_and_refuses_what_it_does_not_cover():
-    g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(1, 32, 128, generator=g), _cache(4, 700, 128, 900, g), _cache(4, 700, 128, 900, g)
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        a = cpu.attend1(q, k, v, 0.1)
-        torch.set_num_threads(1)
-        b = cpu.attend1(q, k, v, 0.1)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(a, b)
-    assert cpu.attend1(q.bfloat16(), k, v, 0.1) is None  # another dtype: the torch form
-    assert cpu.attend1(torch.randn(2, 32, 128), k, v, 0.1) is None  # more than one query
-    assert cpu.attend1(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.1) is None  # rows not contiguous
 
 
 def _exact_rows(q, k, v, pos, scale, window, sinks):
@@ -81,7 +46,8 @@ def _exact_rows(q, k, v, pos, scale, window, sinks):
 ROWS_CASES = [  # T, pos, H, Hkv, dk, dv, window, sinks: key blocks cut short, odd head groups, windows, sinks
     (37, 0, 8, 2, 64, 64, None, False), (100, 21, 6, 3, 40, 24, None, True), (130, 0, 4, 4, 128, 128, 33, False),
     (5, 70, 16, 2, 128, 128, None, False), (200, 300, 8, 1, 96, 80, 64, True), (1, 9, 4, 2, 16, 16, None, True),
-    (64, 64, 2, 2, 8, 8, 1, False), (70, 0, 3, 1, 20, 70, None, False)]
+    (64, 64, 2, 2, 8, 8, 1, False), (70, 0, 3, 1, 20, 70, None, False), (1, 40, 32, 4, 128, 128, None, False),
+    (1, 0, 8, 8, 64, 32, None, False), (1, 299, 6, 2, 48, 48, None, False), (1, 699, 32, 4, 128, 128, 100, False)]
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
@@ -142,12 +108,12 @@ def test_rms_rows_and_rope1_match_their_torch_forms():
 
 
 def test_the_model_layers_take_them_on_the_fast_path_only(monkeypatch):
-    """Attention, norms and rotations dispatch to the compiled calls on the CPU's fast path at one token; the
-    exact path (the reference) and prompts keep the torch forms."""
+    """Attention, norms and rotations dispatch to the compiled calls on the CPU's fast path (attention at one token
+    and in a prompt); the exact path (the reference) keeps the torch forms."""
     from deltafin.models import base
 
     calls: list[str] = []
-    for name in ("attend1", "rms_rows", "rope1"):
+    for name in ("attend_rows", "rms_rows", "rope1"):
         real = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _n=name, _f=real, **k: (calls.append(_n), _f(*a, **k))[1])
     x, w = torch.randn(1, 64), torch.rand(64)
@@ -155,18 +121,12 @@ def test_the_model_layers_take_them_on_the_fast_path_only(monkeypatch):
     q1, kk, vv = torch.randn(1, 8, 64), torch.randn(2, 9, 64), torch.randn(2, 9, 64)
     with kernels.fast(False):
         base.rms_norm(x, w, 1e-6), rope.apply_rope(h, cs, sn), layers.attention(q1, kk, vv, 8, 0.125)
+        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)
     assert calls == []  # the reference path: torch only
     with kernels.fast(True):
         base.rms_norm(x, w, 1e-6), rope.apply_rope(h, cs, sn), layers.attention(q1, kk, vv, 8, 0.125)
-    assert calls == ["rms_rows", "rope1", "attend1"]
-    monkeypatch.undo()
-    calls.clear()
-    monkeypatch.setattr(cpu, "attend_rows", lambda *a, _f=cpu.attend_rows, **k: (calls.append("rows"), _f(*a, **k))[1])
-    with kernels.fast(True):
-        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)  # a prompt of 3 tokens: the compiled prompt call
-    with kernels.fast(False):
-        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)
-    assert calls == ["rows"]
+        layers.attention(torch.randn(3, 8, 64), kk, vv, 6, 0.125)  # a prompt of 3 tokens
+    assert calls == ["rms_rows", "rope1", "attend_rows", "attend_rows"]
     monkeypatch.undo()
     g = torch.Generator().manual_seed(7)
     q, k, v = torch.randn(1, 8, 64, generator=g), _cache(2, 9, 64, 16, g), _cache(2, 9, 64, 16, g)
@@ -175,7 +135,7 @@ def test_the_model_layers_take_them_on_the_fast_path_only(monkeypatch):
     with kernels.fast(True):
         fast = layers.attention(q, k, v, 8, 0.125)
         windowed = layers.attention(q, k, v, 8, 0.125, window=4)
-    assert torch.equal(fast, cpu.attend1(q, k, v, 0.125)) and torch.allclose(fast, ref, atol=1e-6)
-    assert torch.equal(windowed, cpu.attend1(q, k[:, 5:], v[:, 5:], 0.125))  # keys 5..8 only
+    assert torch.equal(fast, cpu.attend_rows(q, k, v, 8, 0.125)) and torch.allclose(fast, ref, atol=1e-6)
+    assert torch.equal(windowed, cpu.attend_rows(q, k, v, 8, 0.125, 4))  # keys 5..8 only
     with kernels.fast(False):
         assert torch.allclose(windowed, layers.attention(q, k, v, 8, 0.125, window=4), atol=1e-6)

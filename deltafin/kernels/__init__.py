@@ -118,16 +118,9 @@ def _cpu_fast(x: torch.Tensor) -> ModuleType | None:
     return backend("cpu")
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """One query token's attention over keys it all sees in one compiled call (``cpu.attend1``), or None: the
-    caller's torch form runs (the exact path, other devices and dtypes)."""
-    be = _cpu_fast(q)
-    return None if be is None else be.attend1(q, k, v, scale)
-
-
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float, window: int | None,
                 sinks: torch.Tensor | None) -> torch.Tensor | None:
-    """Many queries' causal attention in one compiled call (``cpu.attend_rows``), or None: the caller's torch form
+    """One or many queries' causal attention in one compiled call (``cpu.attend_rows``), or None: the caller's torch form
     runs (the exact path, other devices and dtypes)."""
     be = _cpu_fast(q)
     return None if be is None else be.attend_rows(q, k, v, pos, scale, window, sinks)

@@ -251,27 +251,6 @@ def _f32_rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
 
 
-def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lib=None) -> torch.Tensor | None:
-    """One query token's attention over keys it all sees (``df_attend1``): q [1, H, dk], k [Hkv, S, dk],
-    v [Hkv, S, dv] float32 -> [1, H, dv]; None where the layout does not fit (the caller's torch form runs)."""
-    lib = lib or native.library()
-    if q.shape[0] != 1 or q.dtype != torch.float32 or not (_f32_rows(k) and _f32_rows(v)):
-        return None
-    _, H, dk = q.shape
-    Hkv, S, dv = v.shape
-    if H % Hkv or k.shape[:2] != (Hkv, S) or S == 0:
-        return None
-    q = q.contiguous()
-    out, work = torch.empty(1, H, dv), torch.empty(H * S)
-    # heads split over the threads (each head's sums on one thread: the same at any count) once the scores take
-    # some 64K products; below that the parallel region's wake-up costs more than it saves
-    threads = torch.get_num_threads() if H * S * dk >= 1 << 16 else 1
-    lib.df_attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), work.data_ptr(), H, Hkv, S, dk, dv,
-                   k.stride(0), v.stride(0), scale, threads)
-    USED.add("attend1")
-    return out
-
-
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float, window: int | None = None,
                 sinks: torch.Tensor | None = None, lib=None) -> torch.Tensor | None:
     """Causal attention of T queries at positions pos.. (``df_attend_rows``, flash-style, only the keys each query
@@ -291,9 +270,12 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, sca
         sinks = sinks.to(torch.float32).contiguous()
     q = q.contiguous()
     out = torch.empty(T, H, dv)
+    # the queries' blocks split over the threads (a row's sums on one thread: the same at any count) once the scores
+    # take some 64K products; below that the parallel region's wake-up costs more than it saves
+    threads = torch.get_num_threads() if T * H * min(S, window or S) * dk >= 1 << 16 else 1
     rc = lib.df_attend_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if sinks is None else sinks.data_ptr(),
                             out.data_ptr(), H, Hkv, T, pos, dk, dv, k.stride(0), v.stride(0), window or 0, scale,
-                            torch.get_num_threads())
+                            threads)
     if rc:
         return None
     USED.add("attend_rows")

@@ -2325,40 +2325,7 @@ double df_gw_peak(int nthreads, int64_t n) {
  * in one fixed order (vectorised by `omp simd`, fixed at build time), so a result never depends on the thread
  * count or the batch. */
 
-/* q [H, dk] of one token; keys [Hkv, S, dk] and values [Hkv, S, dv] (rows contiguous, heads kstride / vstride
- * elements apart), every key visible; query head h reads kv head h / (H / Hkv). out [H, dv]: softmax(q k^T *
- * scale) v, the softmax in float32 with its maximum taken off. work: H * S floats of scratch. */
-void df_attend1(const float *q, const float *k, const float *v, float *out, float *work, int64_t H, int64_t Hkv,
-                int64_t S, int64_t dk, int64_t dv, int64_t kstride, int64_t vstride, float scale, int nthreads) {
-    const int64_t G = H / Hkv;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        const float *qh = q + h * dk, *kh = k + (h / G) * kstride, *vh = v + (h / G) * vstride;
-        float *s = work + h * S, *o = out + h * dv, mx = -INFINITY;
-        for (int64_t j = 0; j < S; j++) {
-            const float *kr = kh + j * dk;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t c = 0; c < dk; c++) acc += qh[c] * kr[c];
-            s[j] = acc * scale;
-            mx = s[j] > mx ? s[j] : mx;
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < S; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t c = 0; c < dv; c++) o[c] = 0.0f;
-        for (int64_t j = 0; j < S; j++) {
-            const float p = s[j] * inv, *vr = vh + j * dv;
-#pragma omp simd
-            for (int64_t c = 0; c < dv; c++) o[c] += p * vr[c];
-        }
-    }
-}
-
-/* ---- Causal grouped-query attention of many queries (prefill), float32, flash-style ----
+/* ---- Causal grouped-query attention of one or many queries, float32, flash-style ----
  * q [T, H, dk] at positions pos .. pos+T-1; keys / values of kv head j at k + j kstride, v + j vstride, one row of
  * dk / dv floats per position from 0; out [T, H, dv]. Query i sees key s iff s <= i and (window <= 0 or
  * i - s < window). sinks [H] or NULL: a per-head logit that joins the softmax (gpt-oss).
@@ -2370,6 +2337,43 @@ void df_attend1(const float *q, const float *k, const float *v, float *out, floa
 #define AT_BK 64
 #define AT_BQ 16
 
+
+/* kt[c][i] = k[i][c] for the block's nk keys (rows of dk floats), 0 for keys nk..AT_BK-1 */
+static void at_transpose(const float *k, int64_t dk, int nk, float *kt) {
+    int64_t c0 = 0;
+#ifdef __AVX512F__
+    for (; c0 + 16 <= dk; c0 += 16)
+        for (int i0 = 0; i0 + 16 <= nk; i0 += 16) { /* a 16 x 16 tile in registers */
+            __m512 r[16], t[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(k + (i0 + i) * dk + c0);
+            for (int i = 0; i < 8; i++) { /* pairs of rows interleaved in each 128-bit lane */
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            for (int m = 0; m < 4; m++) { /* r[4m + c]: lane L holds column 4L + c of rows 4m..4m+3 */
+                r[4 * m] = _mm512_shuffle_ps(t[4 * m], t[4 * m + 2], 0x44);
+                r[4 * m + 1] = _mm512_shuffle_ps(t[4 * m], t[4 * m + 2], 0xEE);
+                r[4 * m + 2] = _mm512_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0x44);
+                r[4 * m + 3] = _mm512_shuffle_ps(t[4 * m + 1], t[4 * m + 3], 0xEE);
+            }
+            for (int c = 0; c < 4; c++) { /* lane L of r[c], r[4+c], r[8+c], r[12+c] -> column 4L + c */
+                const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+                const __m512 w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+                const __m512 w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+                float *o = kt + (c0 + c) * AT_BK + i0;
+                _mm512_storeu_ps(o, _mm512_shuffle_f32x4(v0, w0, 0x88));
+                _mm512_storeu_ps(o + 4 * AT_BK, _mm512_shuffle_f32x4(v0, w0, 0xDD));
+                _mm512_storeu_ps(o + 8 * AT_BK, _mm512_shuffle_f32x4(v1, w1, 0x88));
+                _mm512_storeu_ps(o + 12 * AT_BK, _mm512_shuffle_f32x4(v1, w1, 0xDD));
+            }
+        }
+    const int whole = nk / 16 * 16; /* the tiles above covered keys below this in channels below c0 */
+    for (int64_t c = 0; c < c0; c++)
+        for (int i = whole; i < AT_BK; i++) kt[c * AT_BK + i] = i < nk ? k[i * dk + c] : 0.0f;
+#endif
+    for (int64_t c = c0; c < dk; c++)
+        for (int i = 0; i < AT_BK; i++) kt[c * AT_BK + i] = i < nk ? k[i * dk + c] : 0.0f;
+}
 
 /* s0 / s1 [AT_BK] = q0 / q1 [dk] . kt[c][AT_BK] over c in order */
 static void at_scores2(const float *q0, const float *q1, const float *kt, int64_t dk, float *s0, float *s1) {
@@ -2522,8 +2526,7 @@ int df_attend_rows(const float *q, const float *k, const float *v, const float *
                 const int64_t first = window > 0 ? pos + t0 - window + 1 : 0;
                 for (int64_t kb = (first > 0 ? first : 0) / AT_BK * AT_BK; kb < pos + t1; kb += AT_BK) {
                     const int nk = (int)(pos + t1 - kb < AT_BK ? pos + t1 - kb : AT_BK);
-                    for (int64_t c = 0; c < dk; c++)
-                        for (int i = 0; i < AT_BK; i++) kt[c * AT_BK + i] = i < nk ? kh[(kb + i) * dk + c] : 0.0f;
+                    at_transpose(kh + kb * dk, dk, nk, kt);
                     for (int64_t r = 0; r < nr; r += 2) {
                         const int64_t r1 = r + 1 < nr ? r + 1 : nr; /* the last odd row pairs with a spare */
                         int lo[2], hi[2];
@@ -2597,7 +2600,7 @@ void df_rope1(float *x, const float *cs, const float *sn, int64_t n, int64_t d, 
 
 /* ---- One decode token's whole GQA attention block in one call (float32) ----
  * out = x + o_proj(attend(rope(norm(q)), rope(norm(k)), v)) for q, k, v = int8 rows of rms(x, ln1) (+ biases): the
- * steps, kernels and order of the separate calls (df_rms_rows, df_i8a16_multi, df_rope1, df_attend1, df_i8a16_mm
+ * steps, kernels and order of the separate calls (df_rms_rows, df_i8a16_multi, df_rope1, df_attend_rows, df_i8a16_mm
  * and the adds between them), so the result is theirs bit for bit; what goes is a dozen host round trips a layer.
  * L: the layer's table (DF_GQA_* below, pointers and sizes as int64, 0 for an absent bias or norm). k and v of the
  * token are written at position pos of the head-major caches kc / vc (heads kstride / vstride floats apart); the
@@ -2612,9 +2615,9 @@ int df_gqa1(const int64_t *L, const float *x, float *out, float eps, float scale
             int nt_attn, int nt_o) {
 #define P_(i, type) ((type)(intptr_t)L[i])
     const int64_t D = L[DF_GQA_D], H = L[DF_GQA_H], Hkv = L[DF_GQA_HKV], d = L[DF_GQA_HD], r = L[DF_GQA_R];
-    const int64_t nq = H * d, nkv = Hkv * d, S = pos + 1 - k0;
+    const int64_t nq = H * d, nkv = Hkv * d;
     float *h = malloc(D * sizeof(float)), *qkv = malloc((nq + 2 * nkv) * sizeof(float));
-    float *att = malloc(nq * sizeof(float)), *work = malloc(H * S * sizeof(float));
+    float *att = malloc(nq * sizeof(float));
     i8a16_t a = {0}, b = {0};
     a.NB = (D + A16B - 1) / A16B;
     b.NB = (nq + A16B - 1) / A16B;
@@ -2623,7 +2626,7 @@ int df_gqa1(const int64_t *L, const float *x, float *out, float eps, float scale
     b.q = malloc(b.NB * A16B * sizeof(int16_t));
     b.d = malloc(b.NB * sizeof(float));
     int rc = -1;
-    if (h && qkv && att && work && a.q && a.d && b.q && b.d) {
+    if (h && qkv && att && a.q && a.d && b.q && b.d) {
         df_rms_rows(x, P_(DF_GQA_LN, const float *), h, 1, D, eps);
         a16_quantize(h, 1, D, &a);
         const int8_t *w[3] = {P_(DF_GQA_WQ, const int8_t *), P_(DF_GQA_WK, const int8_t *), P_(DF_GQA_WV, const int8_t *)};
@@ -2650,7 +2653,10 @@ int df_gqa1(const int64_t *L, const float *x, float *out, float eps, float scale
             memcpy(kc + j * kstride + pos * d, k + j * d, d * sizeof(float));
             memcpy(vc + j * vstride + pos * d, v + j * d, d * sizeof(float));
         }
-        df_attend1(q, kc + k0 * d, vc + k0 * d, att, work, H, Hkv, S, d, d, kstride, vstride, scale, nt_attn);
+        /* keys k0 .. pos: a window of pos + 1 - k0 where k0 > 0 (the keys' blocks stay aligned to positions) */
+        if (df_attend_rows(q, kc, vc, NULL, att, H, Hkv, 1, pos, d, d, kstride, vstride, k0 > 0 ? pos + 1 - k0 : 0,
+                           scale, nt_attn))
+            goto done;
         a16_quantize(att, 1, nq, &b);
         float *o = h; /* h is spent: o [D] takes its place */
         const float *so = P_(DF_GQA_SO, const float *), *bo = P_(DF_GQA_BO, const float *);
@@ -2662,11 +2668,11 @@ int df_gqa1(const int64_t *L, const float *x, float *out, float eps, float scale
         for (int64_t i = 0; i < D; i++) out[i] = x[i] + (bo ? o[i] + bo[i] : o[i]);
         rc = 0;
     }
+done:
 #undef P_
     free(h);
     free(qkv);
     free(att);
-    free(work);
     free(a.q);
     free(a.d);
     free(b.q);

@@ -67,7 +67,6 @@ _SIGNATURES = {
     "df_gw_peak": [_INT, _I64],
     "df_gw_merge": [_INT, _P, _I64, _I64, _I64, _I64, _I64],
     "df_openmp": [],
-    "df_attend1": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _INT],
     "df_attend_rows": [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F, _INT],
     "df_rms_rows": [_P, _P, _P, _I64, _I64, _F],
     "df_rope1": [_P, _P, _P, _I64, _I64, _I64],
@@ -217,7 +216,7 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
                 lib.df_simd_width.restype = lib.df_isa.restype = lib.df_q8_terms.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = lib.df_gw_merge.restype = _INT
                 lib.df_i8a16_multi.restype = lib.df_i8a16_heads.restype = lib.df_q4gw_glu.restype = lib.df_q4q8_glu_many.restype = _INT
-                lib.df_glu_act.restype = lib.df_attend1.restype = lib.df_rms_rows.restype = lib.df_rope1.restype = None
+                lib.df_glu_act.restype = lib.df_rms_rows.restype = lib.df_rope1.restype = None
                 lib.df_openmp.restype = lib.df_attend_rows.restype = _INT
                 if not lib.df_openmp():
                     log.warning("CPU kernels built without OpenMP: they run on one thread; install OpenMP for %s "

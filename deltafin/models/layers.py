@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltafin.kernels import attend_one, attend_rows
+from deltafin.kernels import attend_rows
 from deltafin.models.rope import Rope, apply_rope
 
 INITIAL_ROWS = 64
@@ -197,18 +197,13 @@ def attention(
     q [T, H, dk] holds positions pos..pos+T-1; k [Hkv, S, dk] and v [Hkv, S, dv] positions 0..S-1 with
     S = pos + T. Query i sees key j iff j <= i (and i - j < window). sinks [H]: per-head logits that join
     the softmax (gpt-oss). Returns [T, H, dv]. On CUDA without sinks this is torch's fused attention; on the
-    CPU's fast path a compiled call (one token: ``attend_one``; more: ``attend_rows``); elsewhere (the exact
+    CPU's fast path one compiled call (``attend_rows``, also within ``gqa_one``); elsewhere (the exact
     path) a grouped matmul form.
     """
     T, H, _ = q.shape
     Hkv, S, _ = k.shape
     assert S == pos + T and H % Hkv == 0
-    if T == 1 and sinks is None and q.device.type == "cpu":  # the CPU's fast path: one compiled call
-        k0 = 0 if window is None else max(0, pos - window + 1)
-        o = attend_one(q, k[:, k0:], v[:, k0:], scale)
-        if o is not None:
-            return o
-    elif q.device.type == "cpu":  # prefill on the CPU's fast path: flash-style, only the keys a query sees
+    if q.device.type == "cpu":  # the CPU's fast path: one compiled call, flash-style, only the keys a query sees
         o = attend_rows(q, k, v, pos, scale, window, sinks)
         if o is not None:
             return o
