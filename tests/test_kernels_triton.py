@@ -68,6 +68,25 @@ def test_linear_matches_reference(fmt, dtype):
         _check_linear(fmt, T, N, Kd, dtype, seed=i)
 
 
+def test_a_bf16_prompt_takes_int8_weights_on_the_int8_tensor_cores_each_token_on_its_own():
+    """Past X2_TOKENS tokens a bf16 int8 linear runs as two int8 terms per token (x = s (h + l / 254) within s / 508)
+    with exact int32 sums: within the bf16 bound of the float64 product, and a token's row the same bits whatever
+    other tokens share the call."""
+    g = torch.Generator().manual_seed(21)
+    w = _record("int8", 33, 160, g).to(DEV)
+    x = (torch.randn(K.X2_TOKENS + 6, 160, generator=g) * torch.rand(K.X2_TOKENS + 6, 1, generator=g) * 5).to(
+        DEV, torch.bfloat16)
+    assert K.use_int8_x2(x.shape[0], 160, torch.bfloat16) and not K.use_int8_x2(K.X2_TOKENS, 160, torch.bfloat16)
+    h, lo, sx = K.x2_rows(x)
+    back = sx.double()[:, None] * (h.double() + lo.double() / 254)
+    # s / 508 at a tie of the second rounding, plus float32's rounding of x / s (~127 ulps of 1, well under 5%)
+    assert ((back - x.double()).abs() <= sx.double()[:, None] / 508 * 1.05).all()
+    y = K.int8_linear(x, w.data, w.scale)
+    assert y.dtype == torch.bfloat16 and _rel(y, x.double() @ dequantize(w).double().T) < 8e-3
+    fewer = K.int8_linear(x[3:], w.data, w.scale)  # other tokens beside each row: the same bits for it
+    assert torch.equal(fewer, y[3:])
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "int8"])
 def test_linear_split_k_adds_its_partials_in_the_kernel(fmt):
     """Three splits of k in one launch: the last split of a tile to land adds the float32 partials in split
