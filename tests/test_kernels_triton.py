@@ -73,10 +73,12 @@ def test_a_bf16_prompt_takes_int8_weights_on_the_int8_tensor_cores_each_token_on
     with exact int32 sums: within the bf16 bound of the float64 product, and a token's row the same bits whatever
     other tokens share the call."""
     g = torch.Generator().manual_seed(21)
-    w = _record("int8", 33, 160, g).to(DEV)
-    x = (torch.randn(K.X2_TOKENS + 6, 160, generator=g) * torch.rand(K.X2_TOKENS + 6, 1, generator=g) * 5).to(
+    C = K.X2_MIN_K + 32  # rows of 8 whole k-steps of 128 and a part
+    w = _record("int8", 33, C, g).to(DEV)
+    x = (torch.randn(K.X2_TOKENS + 6, C, generator=g) * torch.rand(K.X2_TOKENS + 6, 1, generator=g) * 5).to(
         DEV, torch.bfloat16)
-    assert K.use_int8_x2(x.shape[0], 160, torch.bfloat16) and not K.use_int8_x2(K.X2_TOKENS, 160, torch.bfloat16)
+    assert K.use_int8_x2(x.shape[0], C, torch.bfloat16) and not K.use_int8_x2(K.X2_TOKENS, C, torch.bfloat16)
+    assert not K.use_int8_x2(x.shape[0], K.X2_MIN_K - 1, torch.bfloat16)
     h, lo, sx = K.x2_rows(x)
     back = sx.double()[:, None] * (h.double() + lo.double() / 254)
     # s / 508 at a tie of the second rounding, plus float32's rounding of x / s (~127 ulps of 1, well under 5%)

@@ -232,12 +232,14 @@ def _int8_x2_kernel(h_ptr, l_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, T, N, K, BT: tl.
 
 X2_TOKENS = 64  # from this many tokens a bf16 int8 linear takes the two-term int8 GEMM
 X2_MAX_K = 1 << 17  # |sum h w| <= 127 * 127 * K must stay in int32
+X2_MIN_K = 1024  # shorter rows stay on the bf16 route (H200, K = 512: 310 against 348 TFLOP/s)
 
 
 def use_int8_x2(T: int, K: int, dtype: torch.dtype) -> bool:
     """The two-term int8 GEMM for this call: bf16 activations, a prefill's token count, not batch-invariant (that
     mode keeps one tile shape at every count)."""
-    return dtype == torch.bfloat16 and T > X2_TOKENS and K <= X2_MAX_K and not invariance.ENABLED.get()
+    return (dtype == torch.bfloat16 and T > X2_TOKENS and X2_MIN_K <= K <= X2_MAX_K
+            and not invariance.ENABLED.get())
 
 
 def x2_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -254,8 +256,8 @@ def x2_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def int8_x2_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [T, in] bf16 (rows contiguous) @ (q [out, in] int8 times s [out]) ^T in bf16: x as two int8 terms per
     token (``x2_rows``), both products exact int32 sums on the int8 tensor cores. A token's result depends on its
-    own row only. H200, 4,096 tokens at K3's trunk shapes: 466-576 TFLOP/s of the bf16-equivalent work against
-    387-455 for the bf16 route (``_linear_kernel``), the output error the same (bf16's final rounding)."""
+    own row only. H200, 4,096 tokens at K3's trunk shapes (K >= 1,536): 466-576 TFLOP/s of the bf16-equivalent work
+    against 387-455 for the bf16 route (``_linear_kernel``), the output error the same (bf16's final rounding)."""
     T, K = x.shape
     N = q.shape[0]
     h, lo, sx = x2_rows(x)
