@@ -2375,21 +2375,36 @@ static void at_transpose(const float *k, int64_t dk, int nk, float *kt) {
         for (int i = 0; i < AT_BK; i++) kt[c * AT_BK + i] = i < nk ? k[i * dk + c] : 0.0f;
 }
 
+#ifdef __AVX512F__
+/* o0 / o1 [64] = (zero ? 0 : f0 o0 / f1 o1) + sum over j < n, in order, of x0[j] / x1[j] times rows + j stride [64]:
+ * the scores' and the weighted values' shared step, two rows' 64 lanes in registers */
+static inline void at_rank1x2(const float *x0, const float *x1, const float *rows, int64_t stride, int64_t n,
+                              float *o0, float *o1, float f0, float f1, int zero) {
+    __m512 u[4], w[4];
+    for (int i = 0; i < 4; i++) {
+        u[i] = zero ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_set1_ps(f0), _mm512_loadu_ps(o0 + 16 * i));
+        w[i] = zero ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_set1_ps(f1), _mm512_loadu_ps(o1 + 16 * i));
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const float *r = rows + j * stride;
+        const __m512 y0 = _mm512_set1_ps(x0[j]), y1 = _mm512_set1_ps(x1[j]);
+        for (int i = 0; i < 4; i++) {
+            const __m512 rv = _mm512_loadu_ps(r + 16 * i);
+            u[i] = _mm512_fmadd_ps(y0, rv, u[i]);
+            w[i] = _mm512_fmadd_ps(y1, rv, w[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm512_storeu_ps(o0 + 16 * i, u[i]);
+        _mm512_storeu_ps(o1 + 16 * i, w[i]);
+    }
+}
+#endif
+
 /* s0 / s1 [AT_BK] = q0 / q1 [dk] . kt[c][AT_BK] over c in order */
 static void at_scores2(const float *q0, const float *q1, const float *kt, int64_t dk, float *s0, float *s1) {
 #ifdef __AVX512F__
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t c = 0; c < dk; c++) {
-        const float *kr = kt + c * AT_BK;
-        const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-                     k3 = _mm512_loadu_ps(kr + 48), x = _mm512_set1_ps(q0[c]), y = _mm512_set1_ps(q1[c]);
-        a0 = _mm512_fmadd_ps(x, k0, a0); a1 = _mm512_fmadd_ps(x, k1, a1);
-        a2 = _mm512_fmadd_ps(x, k2, a2); a3 = _mm512_fmadd_ps(x, k3, a3);
-        b0 = _mm512_fmadd_ps(y, k0, b0); b1 = _mm512_fmadd_ps(y, k1, b1);
-        b2 = _mm512_fmadd_ps(y, k2, b2); b3 = _mm512_fmadd_ps(y, k3, b3);
-    }
-    _mm512_storeu_ps(s0, a0); _mm512_storeu_ps(s0 + 16, a1); _mm512_storeu_ps(s0 + 32, a2); _mm512_storeu_ps(s0 + 48, a3);
-    _mm512_storeu_ps(s1, b0); _mm512_storeu_ps(s1 + 16, b1); _mm512_storeu_ps(s1 + 32, b2); _mm512_storeu_ps(s1 + 48, b3);
+    at_rank1x2(q0, q1, kt, AT_BK, dk, s0, s1, 0.0f, 0.0f, 1);
 #else
     float a[AT_BK], b[AT_BK];
     for (int j = 0; j < AT_BK; j++) a[j] = b[j] = 0.0f;
@@ -2443,26 +2458,7 @@ static void at_pv2(const float *p0, const float *p1, float a0, float a1, const f
                    float *o0, float *o1) {
     int64_t c = 0;
 #ifdef __AVX512F__
-    for (; c + 64 <= dv; c += 64) {
-        const __m512 x0 = _mm512_set1_ps(a0), x1 = _mm512_set1_ps(a1);
-        __m512 u0 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c)), u1 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c + 16));
-        __m512 u2 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c + 32)), u3 = _mm512_mul_ps(x0, _mm512_loadu_ps(o0 + c + 48));
-        __m512 w0 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c)), w1 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c + 16));
-        __m512 w2 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c + 32)), w3 = _mm512_mul_ps(x1, _mm512_loadu_ps(o1 + c + 48));
-        for (int j = 0; j < nk; j++) {
-            const float *vr = v + j * dv + c;
-            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
-                         v3 = _mm512_loadu_ps(vr + 48), y0 = _mm512_set1_ps(p0[j]), y1 = _mm512_set1_ps(p1[j]);
-            u0 = _mm512_fmadd_ps(y0, v0, u0); u1 = _mm512_fmadd_ps(y0, v1, u1);
-            u2 = _mm512_fmadd_ps(y0, v2, u2); u3 = _mm512_fmadd_ps(y0, v3, u3);
-            w0 = _mm512_fmadd_ps(y1, v0, w0); w1 = _mm512_fmadd_ps(y1, v1, w1);
-            w2 = _mm512_fmadd_ps(y1, v2, w2); w3 = _mm512_fmadd_ps(y1, v3, w3);
-        }
-        _mm512_storeu_ps(o0 + c, u0); _mm512_storeu_ps(o0 + c + 16, u1);
-        _mm512_storeu_ps(o0 + c + 32, u2); _mm512_storeu_ps(o0 + c + 48, u3);
-        _mm512_storeu_ps(o1 + c, w0); _mm512_storeu_ps(o1 + c + 16, w1);
-        _mm512_storeu_ps(o1 + c + 32, w2); _mm512_storeu_ps(o1 + c + 48, w3);
-    }
+    for (; c + 64 <= dv; c += 64) at_rank1x2(p0, p1, v + c, dv, nk, o0 + c, o1 + c, a0, a1, 0);
     for (; c < dv; c += 16) {
         const __mmask16 mk = dv - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - c)) - 1);
         __m512 u = _mm512_mul_ps(_mm512_set1_ps(a0), _mm512_maskz_loadu_ps(mk, o0 + c));
@@ -2509,56 +2505,57 @@ int df_attend_rows(const float *q, const float *k, const float *v, const float *
         float *kt = malloc(dk * AT_BK * sizeof(float)), *acc = malloc((R + 1) * dv * sizeof(float));
         float *ms = malloc((R + 1) * sizeof(float)), *ls = malloc((R + 1) * sizeof(float));
         float *sc = malloc(2 * AT_BK * sizeof(float));
-        if (!kt || !acc || !ms || !ls || !sc) {
+        const int ok = kt && acc && ms && ls && sc;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
-        } else {
+        }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < ntask; task++) {
-                const int64_t qb = nqb - 1 - task / Hkv, j = task % Hkv; /* the longest rows first */
-                const int64_t t0 = qb * AT_BQ, t1 = t0 + AT_BQ < T ? t0 + AT_BQ : T, nr = (t1 - t0) * G;
-                const float *kh = k + j * kstride, *vh = v + j * vstride;
-                for (int64_t r = 0; r < nr; r++) { /* row r: position t0 + r / G, head j G + r % G */
-                    ms[r] = sinks ? sinks[j * G + r % G] : -INFINITY;
-                    ls[r] = sinks ? 1.0f : 0.0f;
-                    memset(acc + r * dv, 0, dv * sizeof(float));
-                }
-                const int64_t first = window > 0 ? pos + t0 - window + 1 : 0;
-                for (int64_t kb = (first > 0 ? first : 0) / AT_BK * AT_BK; kb < pos + t1; kb += AT_BK) {
-                    const int nk = (int)(pos + t1 - kb < AT_BK ? pos + t1 - kb : AT_BK);
-                    at_transpose(kh + kb * dk, dk, nk, kt);
-                    for (int64_t r = 0; r < nr; r += 2) {
-                        const int64_t r1 = r + 1 < nr ? r + 1 : nr; /* the last odd row pairs with a spare */
-                        int lo[2], hi[2];
-                        for (int e = 0; e < 2; e++) {
-                            const int64_t ip = pos + t0 + (e ? r1 : r) / G; /* the row's position */
-                            const int64_t a = window > 0 ? ip - window + 1 - kb : -kb, b = ip + 1 - kb;
-                            lo[e] = (int)(a < 0 ? 0 : a > AT_BK ? AT_BK : a);
-                            hi[e] = (int)(b < 0 ? 0 : b > nk ? nk : b);
-                        }
-                        if (lo[0] >= hi[0] && (r1 == nr || lo[1] >= hi[1])) continue;
-                        const int64_t h0 = j * G + r % G, h1 = j * G + r1 % G;
-                        const float *q0 = q + ((t0 + r / G) * H + h0) * dk;
-                        const float *q1 = r1 < nr ? q + ((t0 + r1 / G) * H + h1) * dk : q0;
-                        float *s0 = sc, *s1 = sc + AT_BK, al[2] = {1.0f, 1.0f};
-                        at_scores2(q0, q1, kt, dk, s0, s1);
-                        for (int e = 0; e < 2; e++) {
-                            float *s = e ? s1 : s0;
-                            const int64_t row = e ? r1 : r;
-                            if (lo[e] < hi[e] && row < nr)
-                                al[e] = at_softmax(s, lo[e], hi[e], scale, ms + row, ls + row);
-                            else
-                                memset(s, 0, AT_BK * sizeof(float)); /* nothing seen here: the row is left as is */
-                        }
-                        const int nkb = hi[0] > hi[1] ? hi[0] : hi[1];
-                        at_pv2(s0, s1, al[0], al[1], vh + kb * dv, nkb, dv, acc + r * dv, acc + r1 * dv);
+        for (int64_t task = 0; task < ntask; task++) {
+            if (!ok) continue; /* every thread meets the loop; the call fails as a whole */
+            const int64_t qb = nqb - 1 - task / Hkv, j = task % Hkv; /* the longest rows first */
+            const int64_t t0 = qb * AT_BQ, t1 = t0 + AT_BQ < T ? t0 + AT_BQ : T, nr = (t1 - t0) * G;
+            const float *kh = k + j * kstride, *vh = v + j * vstride;
+            for (int64_t r = 0; r < nr; r++) { /* row r: position t0 + r / G, head j G + r % G */
+                ms[r] = sinks ? sinks[j * G + r % G] : -INFINITY;
+                ls[r] = sinks ? 1.0f : 0.0f;
+                memset(acc + r * dv, 0, dv * sizeof(float));
+            }
+            const int64_t first = window > 0 ? pos + t0 - window + 1 : 0;
+            for (int64_t kb = (first > 0 ? first : 0) / AT_BK * AT_BK; kb < pos + t1; kb += AT_BK) {
+                const int nk = (int)(pos + t1 - kb < AT_BK ? pos + t1 - kb : AT_BK);
+                at_transpose(kh + kb * dk, dk, nk, kt);
+                for (int64_t r = 0; r < nr; r += 2) {
+                    const int64_t r1 = r + 1 < nr ? r + 1 : nr; /* the last odd row pairs with a spare */
+                    int lo[2], hi[2];
+                    for (int e = 0; e < 2; e++) {
+                        const int64_t ip = pos + t0 + (e ? r1 : r) / G; /* the row's position */
+                        const int64_t a = window > 0 ? ip - window + 1 - kb : -kb, b = ip + 1 - kb;
+                        lo[e] = (int)(a < 0 ? 0 : a > AT_BK ? AT_BK : a);
+                        hi[e] = (int)(b < 0 ? 0 : b > nk ? nk : b);
                     }
+                    if (lo[0] >= hi[0] && (r1 == nr || lo[1] >= hi[1])) continue;
+                    const int64_t h0 = j * G + r % G, h1 = j * G + r1 % G;
+                    const float *q0 = q + ((t0 + r / G) * H + h0) * dk;
+                    const float *q1 = r1 < nr ? q + ((t0 + r1 / G) * H + h1) * dk : q0;
+                    float *s0 = sc, *s1 = sc + AT_BK, al[2] = {1.0f, 1.0f};
+                    at_scores2(q0, q1, kt, dk, s0, s1);
+                    for (int e = 0; e < 2; e++) {
+                        float *s = e ? s1 : s0;
+                        const int64_t row = e ? r1 : r;
+                        if (lo[e] < hi[e] && row < nr)
+                            al[e] = at_softmax(s, lo[e], hi[e], scale, ms + row, ls + row);
+                        else
+                            memset(s, 0, AT_BK * sizeof(float)); /* nothing seen here: the row is left as is */
+                    }
+                    const int nkb = hi[0] > hi[1] ? hi[0] : hi[1];
+                    at_pv2(s0, s1, al[0], al[1], vh + kb * dv, nkb, dv, acc + r * dv, acc + r1 * dv);
                 }
-                for (int64_t r = 0; r < nr; r++) {
-                    const float inv = 1.0f / ls[r], *a = acc + r * dv;
-                    float *o = out + ((t0 + r / G) * H + j * G + r % G) * dv;
-                    for (int64_t c = 0; c < dv; c++) o[c] = a[c] * inv;
-                }
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                const float inv = 1.0f / ls[r], *a = acc + r * dv;
+                float *o = out + ((t0 + r / G) * H + j * G + r % G) * dv;
+                for (int64_t c = 0; c < dv; c++) o[c] = a[c] * inv;
             }
         }
         free(kt);
