@@ -36,6 +36,7 @@ import torch
 from deltafin.bench.decode import routes
 from deltafin.bench.ingest_cli import K3_MOE_LAYERS, K3_TOPK
 from deltafin.bench.synthetic import K3_ACT, K3_LATENT, write_synthetic
+from deltafin.io.mapped import memory_fs
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Pass:
     guessed: int = 0  # experts read ahead on a guess (``guess``), of them asked for
     guess_used: int = 0
     compute_threads: int = 0  # the CPU's expert math: the faster of all threads and half (0: not on the CPU)
+    mapped: bool = False  # the files' pages were mapped, not copied (``io.mapped``: a drive in memory)
 
     @property
     def gbps(self) -> float:
@@ -153,6 +155,22 @@ def h2d_gbps(nbytes: int, copies: int = 16) -> float:
     return copies * nbytes / best / 1e9
 
 
+def map_ms(paths: list[str], device: str) -> float:
+    """Milliseconds to map a file in memory (``io.mapped``), page-locked for CUDA on ``device`` cuda: what a file's
+    first read costs where it was not mapped at open (``StreamingExperts.premap``)."""
+    from deltafin.io.mapped import FileMaps
+
+    maps = FileMaps("probe")
+    maps.cuda = device == "cuda"
+    t0 = time.perf_counter()
+    try:
+        for p in paths:
+            maps.view(p, 1)
+        return (time.perf_counter() - t0) * 1e3 / max(len(paths), 1)
+    finally:
+        maps.close()
+
+
 def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
     """The expert math of one token's layers with every expert already in memory (the math's limit): on CUDA
     the grouped kernels over a slab, as decode runs them; on the CPU the fused expert one by one."""
@@ -190,18 +208,19 @@ def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
 
 
 def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, verify: bool, math: bool,
-                readers=None, verify_on: str = "auto", guess: float | None = None) -> Pass:
+                readers=None, verify_on: str = "auto", guess: float | None = None, map_files: bool | None = None
+                ) -> Pass:
     """``_decode_pass``; with the expert math on the CPU, at all compute threads and at half of them, the faster
     kept, as the engine's decode steps pick their thread count by measurement (``runtime.threads``): where the
     same cores also copy and check the reads, fewer compute threads can be faster (the H200 host's 16 cores,
     files in memory: full decode 10.8-13.0 GB/s on 16 threads, 16.9-17.6 on 8)."""
     if device != "cpu" or not math:
-        return _decode_pass(pm, rts, threads, device, verify, math, readers, verify_on, guess)
+        return _decode_pass(pm, rts, threads, device, verify, math, readers, verify_on, guess, map_files)
     most, best = torch.get_num_threads(), None
     for n in sorted({most, max(1, most // 2)}, reverse=True):
         torch.set_num_threads(n)
         try:
-            p = _decode_pass(pm, rts, threads, device, verify, math, readers, verify_on, guess)
+            p = _decode_pass(pm, rts, threads, device, verify, math, readers, verify_on, guess, map_files)
         finally:
             torch.set_num_threads(most)
         p.compute_threads = n
@@ -210,15 +229,18 @@ def decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, 
 
 
 def _decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str, verify: bool, math: bool,
-                 readers=None, verify_on: str = "auto", guess: float | None = None) -> Pass:
+                 readers=None, verify_on: str = "auto", guess: float | None = None, map_files: bool | None = None
+                 ) -> Pass:
     """Decode ``rts`` cold through a fresh source (read buffers mapped at open, outside the timing); reads checked
     where ``verify_on`` says (``StreamingExperts``: auto is the GPU on CUDA). ``guess``: each next layer of a token
     is guessed (``StreamingExperts.guess``) before a layer runs, that share of its experts right
-    (``guessed_routes``), as decode's ``--guess-next`` does with the router's guess."""
+    (``guessed_routes``), as decode's ``--guess-next`` does with the router's guess. ``map_files``: False reads a
+    drive in memory as any other (the source's default maps its files, ``io.mapped``)."""
     from deltafin.runtime.source import StreamingExperts
 
     src = StreamingExperts(pm, cache_bytes=0, threads=threads, device=device, verify=verify, readers=readers,
-                           verify_on=verify_on)
+                           verify_on=verify_on, map_files=map_files)
+    src.premap()  # files in memory: mapped (page-locked on CUDA) outside the timing, as read buffers are at open
     layer = _layer_fn(device, math)
     marks: list[tuple[float, float, float]] = []
     guesses = None if guess is None else guessed_routes(rts, guess, pm.num_experts)
@@ -239,7 +261,7 @@ def _decode_pass(pm, rts: list[dict[int, list[int]]], threads: int, device: str,
         whole = sorted((b - a) * 1e3 for a, _, b in marks)
         return Pass(wall, st.bytes_read, check, st.expert_math_s, st.io_wait_s, first[len(first) // 2],
                     whole[len(whole) // 2], src.checks_where, st.gpu_check_s, st.gpu_check_wait_s, st.guessed,
-                    st.guess_used)
+                    st.guess_used, mapped=bool(src.mapped) and all(r.maps.off is None for r in src.mapped))
     finally:
         src.close()
 
@@ -387,11 +409,14 @@ def _run(args) -> dict:
         paths = [pm.expert_path(L, e) for L in pm.moe_layers for e in range(pm.num_experts)]
         pm = _with_drive_rate(root, raw_read_gbps(paths, nbytes, max(args.threads_list)))
         rec["expert_file_bytes"] = nbytes
+        rec["files_in_memory"] = memory_fs(work)
         lim = rec["limits"] = {
             "memcpy_GBps": memcpy_gbps(cores), "xxh3_1core_GBps": xxh3_gbps_threads(1, nbytes),
             f"xxh3_{cores}cores_GBps": xxh3_gbps_threads(cores, nbytes),
             "math_s_per_token": layer_math_s(pm, rts[0], args.device),
         }
+        if rec["files_in_memory"]:
+            lim["map_ms_per_file"] = map_ms(paths[: 4 * args.k], args.device)
         if args.device == "cuda":
             lim["h2d_pinned_GBps"] = h2d_gbps(nbytes)
             lim["xxh3_gpu_GBps"], lim["d2d_copy_GBps"] = xxh3_gpu_gbps(nbytes, args.k)
@@ -406,8 +431,11 @@ def _run(args) -> dict:
                 passes.append(("full_host_checks", True, True, "host", None))
             if getattr(args, "guess", None) is not None:  # the next layer's reads started a layer early, on a guess this often right
                 passes += [("io_guess", True, False, "auto", args.guess), ("full_guess", True, True, "auto", args.guess)]
-            for name, verify, math, where, guess in passes:
-                p = decode_pass(pm, rts, t, args.device, verify, math, verify_on=where, guess=guess)
+            if rec["files_in_memory"]:  # the files mapped (the default there) and, beside them, copied by reads
+                passes += [("io_copied", True, False, "auto", None, False), ("full_copied", True, True, "auto", None, False)]
+            for name, verify, math, where, guess, *mapping in passes:
+                p = decode_pass(pm, rts, t, args.device, verify, math, verify_on=where, guess=guess,
+                                map_files=mapping[0] if mapping else None)
                 row[name] = _pass_doc(p)
             row["raw_GBps_after"] = raw_read_gbps(paths, nbytes, t)
             row["raw_GBps"] = max(raw, row["raw_GBps_after"])  # the stricter of the two probes
@@ -449,7 +477,7 @@ def _pass_doc(p: Pass) -> dict:
             "check_cores": p.check_s / p.seconds, "io_wait_s": p.io_wait_s, "first_ms": p.first_ms,
             "layer_ms": p.layer_ms, "checks": p.checks, "gpu_check_s": p.gpu_check_s,
             "gpu_check_wait_s": p.gpu_check_wait_s, "guessed": p.guessed, "guess_used": p.guess_used,
-            "compute_threads": p.compute_threads}
+            "compute_threads": p.compute_threads, "mapped": p.mapped}
 
 
 def _rate_ratios(row: dict, rec: dict, device: str) -> None:
@@ -461,9 +489,14 @@ def _rate_ratios(row: dict, rec: dict, device: str) -> None:
     # files in memory (tmpfs, page cache): every byte decoded is copied by the kernel (read + write), hashed (read)
     # and then copied to the device (CUDA) or read by the expert math (CPU): the host's memory traffic bounds the
     # path too, at a quarter of the copy's traffic; with the checks on the GPU the hash's read is gone: a third
-    touches = 3 if row["full"].get("checks") == "gpu" else 4
-    row["memory_bound_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / touches
-    row["memory_bound_host_checks_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / 4
+    # mapped (``io.mapped``), the kernel's copy is gone: the DMA alone (checks on the GPU), or the hash and the DMA or
+    # the CPU's math
+    row["memory_bound_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / _touches(row["full"])
+    row["memory_bound_host_checks_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / (2 if row["full"].get("mapped") else 4)
+    if "full_copied" in row:
+        row["memory_bound_copied_GBps"] = 2 * rec["limits"]["memcpy_GBps"] / _touches(row["full_copied"])
+        row["full_copied_over_limit"] = row["full_copied"]["GBps"] / limit
+        row["io_copied_over_raw"] = row["io_copied"]["GBps"] / raw
     if "full_host_checks" in row:
         row["full_host_checks_over_limit"] = row["full_host_checks"]["GBps"] / limit
     row["full_limit_GBps"] = limit
@@ -475,6 +508,14 @@ def _rate_ratios(row: dict, rec: dict, device: str) -> None:
         row["io_guess_over_raw"] = row["io_guess"]["GBps"] / raw
         row["full_guess_over_limit"] = row["full_guess"]["GBps"] / limit
         row["step_guess_over_bound"] = row["full_guess"]["seconds"] / max(io_s, math_s)
+
+
+def _touches(p: dict) -> int:
+    """Times host memory is touched per byte decoded from files in memory, by the pass ``p``."""
+    gpu = p.get("checks") == "gpu"
+    if p.get("mapped"):
+        return 1 if gpu else 2
+    return 3 if gpu else 4
 
 
 def offered_curve(pm, rts, offered: list[float], threads: int, device: str, guess: float | None = None
@@ -577,6 +618,9 @@ def _print_limits(rec: dict) -> None:
             f"{lim['math_s_per_token'] * 1e3:.2f} ms a token ({rec['layers']} layers x {rec['k']})")
     if "h2d_pinned_GBps" in lim:
         line += f"; page-locked host->device {lim['h2d_pinned_GBps']:.1f} GB/s"
+    if "map_ms_per_file" in lim:
+        line += (f"; files in memory ({rec['files_in_memory']}): mapping one"
+                 f"{' and page-locking it' if rec['device'] == 'cuda' else ''} {lim['map_ms_per_file']:.2f} ms")
     if lim.get("xxh3_gpu_GBps"):
         line += (f"; xxh3 on the GPU {lim['xxh3_gpu_GBps']:.0f} GB/s beside the device's own copy "
                  f"{lim['d2d_copy_GBps']:.0f} GB/s ({lim['xxh3_gpu_GBps'] / lim['d2d_copy_GBps']:.2f})")
@@ -595,6 +639,13 @@ def _print_row(row: dict, device: str) -> None:
           + (f"; the CPU's math on {f['compute_threads']} threads (the faster of all and half)"
              if f.get("compute_threads") else "")
           + _checks_note(row), flush=True)
+    if "full_copied" in row:
+        c = row["full_copied"]
+        print(f"  files {'mapped' if f.get('mapped') else 'NOT mapped'} above; copied by reads (DELTAFIN_MAP_FILES=0): "
+              f"reads alone {row['io_copied']['GBps']:.2f} GB/s = {row['io_copied_over_raw']:.2f} of raw; full decode "
+              f"{c['GBps']:.2f} GB/s = {row['full_copied_over_limit']:.2f} of {row['full_limit_GBps']:.2f} (memory "
+              f"traffic allows {row['memory_bound_copied_GBps']:.1f}); mapped / copied "
+              f"{f['GBps'] / c['GBps']:.2f}x", flush=True)
     if "full_guess" in row:
         g = row["full_guess"]
         print(f"  next layer guessed ({row['guess']:.0%} right): reads alone {row['io_guess']['GBps']:.2f} GB/s = "

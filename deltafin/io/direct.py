@@ -77,8 +77,11 @@ class FileDriveReader:
     """Reads files of one drive with direct I/O where the filesystem allows it.
 
     Falls back to buffered reads (and says so through ``direct = False``) on filesystems that refuse
-    O_DIRECT, such as tmpfs.
+    O_DIRECT, such as tmpfs. ``maps`` (``io.mapped.FileMaps``, set by the expert source on a drive in memory):
+    the reader pool takes a file's mapped pages in place of reading it.
     """
+
+    maps = None
 
     def __new__(cls, *args, **kwargs):
         if cls is FileDriveReader and sys.platform == "darwin":  # F_NOCACHE + pread, any alignment

@@ -64,6 +64,8 @@ class BufferPool:
         return need
 
     def put(self, buf: memoryview) -> None:
+        if buf.readonly:  # a file's mapped pages (``io.mapped``), not a pool buffer
+            return
         with self._lock:
             if self._retired.pop(id(buf), None) is not None:
                 return  # a late read may still write into it: never hand it out again
@@ -75,6 +77,8 @@ class BufferPool:
         The reference held here keeps ``id(buf)`` unique until ``put``; after that, the late read's own
         view keeps the memory alive until it finishes.
         """
+        if buf.readonly:
+            return
         with self._lock:
             self._retired[id(buf)] = buf
 
@@ -323,8 +327,12 @@ class ReaderPool:
                 self._since[drive] = t0
         err = None
         try:
-            buf = job.buffer(lambda: self._buffer(reader.label, job.path, job.nbytes), t0)
-            if job.error is None:  # a part failed already: the read has failed, the rest is not read
+            maps = getattr(reader, "maps", None)
+            buf = job.buffer(lambda: (maps is not None and maps.view(job.path, job.nbytes))
+                             or self._buffer(reader.label, job.path, job.nbytes), t0)
+            if buf.readonly:  # the file's own pages, mapped (``io.mapped``): its bytes are there, nothing to read
+                pass
+            elif job.error is None:  # a part failed already: the read has failed, the rest is not read
                 got = reader.read_into(job.path, lo, buf[lo : lo + align_up(hi - lo)])
                 if got < hi - lo:
                     raise ReadError(f"drive {reader.label}: short read of {job.path}: {lo + got} of {job.nbytes} "

@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 from deltafin.errors import ExpertFileError, UsageError
+from deltafin.io import mapped as io_mapped
 from deltafin.io.direct import DriveReader, FileDriveReader, align_up
 from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
@@ -109,6 +110,7 @@ class StreamingExperts:
         reserve: bool = True,
         verify_on: str = "auto",
         guess_next: bool = True,
+        map_files: bool | None = None,
     ):
         self.model = model
         self.guess_next = guess_next  # read a layer's likely experts ahead (``guess``) while misses are seen
@@ -117,6 +119,8 @@ class StreamingExperts:
         self.device = torch.device(device)
         self.readers = readers or [FileDriveReader(d.label, d.path) for d in model.drives]
         assert len(self.readers) == len(model.drives), "one reader per model drive"
+        mapping = io_mapped.MAP_FILES if map_files is None else map_files  # drives in memory: files mapped
+        self.mapped = _map_in_memory(self.readers, torch.device(device)) if mapping else []
         # what the scheduler knows of each drive: the emulated model when there is one, else the manifest
         models = [getattr(r, "model", None) for r in self.readers]
         self._rates = [m.gbps if m is not None else d.gbps for m, d in zip(models, model.drives, strict=True)]
@@ -190,7 +194,7 @@ class StreamingExperts:
         seconds)."""
         m = self.model
         layers = m.moe_layers
-        if not layers or not self.read_ahead:
+        if not layers or not self.read_ahead or len(self.mapped) == len(self.readers):  # mapped: no read buffers
             return self.reserved
         sizes = Counter(m.file_bytes(L) for L in layers)
         nbytes = max(sizes, key=lambda n: (sizes[n], n))  # the common size (every layer's, in the usual model)
@@ -204,6 +208,22 @@ class StreamingExperts:
         added = self.pool.buffers.reserve(nbytes, count)
         self.reserved = (added, added * align_up(nbytes), time.perf_counter() - t0)
         return self.reserved
+
+    def premap(self) -> tuple[int, float]:
+        """Map (and on CUDA page-lock) now every expert file on the drives in memory, up to each drive's mapping
+        limit, rather than at each file's first read: load time, as ``reserve_buffers`` is for read buffers.
+        Returns (files mapped, seconds)."""
+        t0, n = time.perf_counter(), 0
+        by_drive = {self.readers.index(r): r.maps for r in self.mapped}
+        for L in self.model.moe_layers:
+            if self.model.stripe(L) is not None:
+                continue
+            for e in range(self.model.num_experts):
+                for d in self.model.locations(L, e):
+                    maps = by_drive.get(d)
+                    if maps is not None and maps.view(self.model.expert_path(L, e, d), 1) is not None:
+                        n += 1
+        return n, time.perf_counter() - t0
 
     @property
     def direct(self) -> bool:
@@ -502,7 +522,7 @@ class StreamingExperts:
                 if (layer, e) in self._slot_of:
                     self.cache.evict((layer, e))  # never served from the cache with bytes that failed their check
                 raise
-            self.slab.write_file(slot, torch.frombuffer(buf[:n], dtype=torch.uint8, count=n))
+            self.slab.write_file(slot, ef.byte_tensor(buf[:n], n))
             self._release_after_copy(buf)
 
     @property
@@ -555,7 +575,7 @@ class StreamingExperts:
         if slot is None:  # every slot is in use by this layer: a plain device copy
             return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
         # the whole file in one copy, stream-ordered after any launch that read the slot before
-        self.slab.write_file(slot, torch.frombuffer(data, dtype=torch.uint8, count=nbytes))
+        self.slab.write_file(slot, ef.byte_tensor(data, nbytes))
         views = self.slab.views(slot)
         self._busy.add(slot)
         if cached:
@@ -622,6 +642,21 @@ class StreamingExperts:
         self._stale.clear()
         self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
         self.cache.clear()
+        for r in self.mapped:
+            r.maps.close()
+
+
+def _map_in_memory(readers: list, device: torch.device) -> list:
+    """The file readers whose drive is memory (tmpfs, ramfs), each given its ``io.mapped.FileMaps`` (page-locked for
+    CUDA when ``device`` is): the reader pool then takes their files' pages in place of copies."""
+    out = []
+    for r in readers:
+        if isinstance(r, FileDriveReader) and (r.maps is not None or io_mapped.memory_fs(r.root)):
+            if r.maps is None:
+                r.maps = io_mapped.FileMaps(r.label)
+            r.maps.cuda = r.maps.cuda or device.type == "cuda"
+            out.append(r)
+    return out
 
 
 VERIFY_ON = ("auto", "host", "gpu")

@@ -19,6 +19,7 @@ import os
 import re
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,6 +237,16 @@ class Expert(dict):
     (``kernels.cpu``'s pointer table of a 4-bit expert) stays with them for as long as they are in memory."""
 
 
+def byte_tensor(buf: memoryview | bytes, count: int) -> torch.Tensor:
+    """uint8 [count] over ``buf``'s bytes, no copy. A read-only buffer (a mapped file, ``io.mapped``) is taken as it
+    is, without torch's warning: nothing writes into landed experts."""
+    if isinstance(buf, memoryview) and buf.readonly:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(buf, dtype=torch.uint8, count=count)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=count)
+
+
 def decode(buf: memoryview | bytes, layout: ExpertLayout | None = None, where: str = "expert file") -> dict[str, QTensor]:
     """Zero-copy views of an expert's tensors over ``buf`` (the whole file), as an ``Expert``."""
     if layout is None:
@@ -243,7 +254,7 @@ def decode(buf: memoryview | bytes, layout: ExpertLayout | None = None, where: s
     if len(buf) < layout.file_bytes:
         raise ExpertFileError(f"{where}: truncated ({len(buf)} of {layout.file_bytes} bytes); repack this expert")
     out: dict[str, QTensor] = Expert()
-    whole = torch.frombuffer(buf, dtype=torch.uint8, count=layout.file_bytes)
+    whole = byte_tensor(buf, layout.file_bytes)
     for t in layout.tensors:
         parts = []
         for s in t.sections:
