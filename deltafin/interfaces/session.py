@@ -139,11 +139,20 @@ def start_line(eng, args) -> str:
             f"{fmt.size(eng.packed.doc['trunk']['bytes'])} resident; expert cache up to {fmt.size(eng.cache_bytes)}"
             f"{cache}; context {eng.opts.max_len:,} tokens ({eng.context_reason}); {torch.get_num_threads()} compute "
             f"threads{_adapting(eng)}, {args.io_threads} reader threads x {len(eng.packed.drives)} drive(s), "
-            f"{'direct' if eng.source.direct else 'buffered'} I/O"
+            f"{_io_kind(eng.source)}"
             + (f", read buffers {fmt.size(eng.source.reserved[1])}" if eng.source.reserved[1] else "")
             + _checks_where(eng) + f"; math: {eng.math_name}"
             + (f"; {eng.offload.describe()}" if eng.offload is not None else "")
             + (f"; kernels warmed in {fmt.duration(eng.warm_s)}" if getattr(eng, "warm_s", None) else ""))
+
+
+def _io_kind(src) -> str:
+    """How expert files come in: direct or buffered reads, and drives in memory mapped (``io.mapped``)."""
+    mapped = getattr(src, "mapped", [])
+    kind = "direct" if src.direct else "buffered"
+    if mapped and len(mapped) == len(src.readers):
+        return "files mapped (drives in memory)"
+    return f"{kind} I/O" + (f", {len(mapped)} drive(s) in memory mapped" if mapped else "")
 
 
 def _checks_where(eng) -> str:

@@ -668,7 +668,8 @@ class Engine:
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text delta); fills ``self.last_stats``. ``state`` continues a conversation."""
         stats = self.last_stats = RunStats(prompt_tokens=len(prompt), device=self.device_label,
-                                           cache_bytes=self.cache_bytes, direct_io=self.source.direct)
+                                           cache_bytes=self.cache_bytes, direct_io=self.source.direct,
+                                           mapped_drives=len(getattr(self.source, "mapped", [])))
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         state = state if state is not None else self.new_state()
         sampler = Sampler(sampling, prompt)

@@ -31,6 +31,7 @@ class RunStats:
     prefill_bytes_read: int = 0
     union_per_layer: dict = field(default_factory=dict)  # layer -> distinct experts the prompt touched
     direct_io: bool = True
+    mapped_drives: int = 0  # drives in memory whose files were mapped, not read (``io.mapped``)
     device: str = "cpu"
     stop_reason: str = ""
     kernels: list = field(default_factory=list)  # fast-path kernels used so far ("triton:int8_linear", ...)
@@ -54,6 +55,8 @@ class RunStats:
         from deltafin import fmt
 
         io = "direct I/O" if self.direct_io else "buffered I/O (the filesystem refused direct I/O)"
+        if self.mapped_drives:
+            io = f"files mapped on {self.mapped_drives} drive(s) in memory"
         total = max(self.io_wait_s + self.expert_math_s + self.trunk_math_s, 1e-9)
         lines = [
             f"{len(self.tokens)} tokens at {self.decode_tok_s:.2f} tok/s; time to first token {fmt.duration(self.ttft_s)} "
