@@ -126,7 +126,8 @@ def _register(mv: memoryview) -> tuple[int | None, str]:
     ptr = int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
     try:
         rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(ptr, len(mv), _HOST_REGISTER_READ_ONLY)
+        size = -(-len(mv) // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping's whole pages (it starts on one)
+        err = rt.cudaHostRegister(ptr, size, _HOST_REGISTER_READ_ONLY)
     except (AttributeError, RuntimeError, AssertionError) as e:
         return None, str(e)
     if int(err) != 0:
