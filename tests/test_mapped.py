@@ -75,10 +75,10 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @needs_tmpfs
-def test_memory_fs_names_tmpfs_and_not_a_disk(tmp_path):
+def test_memory_fs_names_tmpfs_and_nothing_else(tmp_path):
     assert mapped.memory_fs(SHM) == "tmpfs"
-    if mapped.memory_fs(str(tmp_path)) is None:  # tmp_path may itself be on tmpfs on some machines
-        assert mapped.memory_fs(str(tmp_path)) is None
+    assert mapped.memory_fs("/proc") is None  # procfs: in memory, but not a drive of files
+    assert mapped.memory_fs(str(tmp_path / "no-such-folder")) is None
 
 
 @needs_tmpfs
@@ -163,6 +163,13 @@ def test_pool_takes_mapped_pages_and_never_recycles_them(tmp_path):
     w = aligned_buffer(4096)
     pool.buffers.put(w)
     assert pool.buffers.get(4096) is w
+    # a file replaced since it was mapped (a repack's rename over it) is mapped again; old views keep their bytes
+    old = r.maps.view(str(tmp_path / "f"), len(data))
+    fresh = os.urandom(len(data))
+    (tmp_path / "f.tmp").write_bytes(fresh)
+    os.replace(tmp_path / "f.tmp", tmp_path / "f")
+    assert bytes(r.maps.view(str(tmp_path / "f"), len(data))) == fresh and bytes(old) == data
+    assert r.maps.mapped == 1
     # past the mapping limit, or for a file shorter than asked, the drive reads as usual
     r.maps.limit = 1
     (tmp_path / "g").write_bytes(data)

@@ -50,14 +50,25 @@ class FileMaps:
         self.label, self.limit = label, limit
         self.cuda = False
         self.off: str | None = None  # why mapping stopped (the drive reads from then on)
-        self._maps: dict[str, tuple[mmap.mmap, memoryview, int | None]] = {}
+        # path -> (mapping, its view, page-locked address or None, the file's identity when mapped)
+        self._maps: dict[str, tuple[mmap.mmap, memoryview, int | None, tuple]] = {}
+        self._replaced: list[int | None] = []  # page-locked addresses of mappings of files since replaced
         self._lock = threading.Lock()
 
     def view(self, path: str, nbytes: int) -> memoryview | None:
         """The first ``nbytes`` of ``path`` as a read-only view of its pages, or None (read it instead: the file is
-        shorter, the mapping limit is reached, mapping is off)."""
+        shorter, the mapping limit is reached, mapping is off). A file replaced since it was mapped (a repack writes
+        a new file and renames it over the old) is mapped again: a stat a read, against the inode, size and
+        modification time the mapping was made from."""
+        try:
+            ident = _identity(os.stat(path))
+        except OSError:
+            return None  # the read names the error
         with self._lock:
             got = self._maps.get(path)
+            if got is not None and got[3] != ident:
+                self._replaced.append(self._maps.pop(path)[2])  # its views (cached tensors) keep the old pages
+                got = None
             if got is None and (self.off is not None or len(self._maps) >= self.limit):
                 return None
         if got is None:
@@ -72,10 +83,10 @@ class FileMaps:
         except OSError:
             return None  # the read names the error
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
+            st = os.fstat(fd)
+            if st.st_size == 0:
                 return None
-            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except OSError:
             return None
         finally:
@@ -93,7 +104,7 @@ class FileMaps:
             if path in self._maps:  # another thread mapped it meanwhile: keep theirs
                 kept = self._maps[path]
             else:
-                self._maps[path] = kept = (m, mv, ptr)
+                self._maps[path] = kept = (m, mv, ptr, _identity(st))
                 return kept
         _unregister(ptr)
         mv.release()
@@ -104,7 +115,9 @@ class FileMaps:
         with self._lock:
             if self.off is None:
                 self.off = why
-                log.warning("drive %s: files in memory are read, not mapped: %s", self.label, why)
+                log.warning("drive %s: files in memory are read, not mapped: %s; raise the memory-lock limit "
+                            "(ulimit -l) to map them, or set DELTAFIN_MAP_FILES=0 to read them without trying",
+                            self.label, why)
 
     @property
     def mapped(self) -> int:
@@ -114,8 +127,13 @@ class FileMaps:
         """Unpin every mapping; each is unmapped once the last view of it (a cached expert's tensors) is gone."""
         with self._lock:
             maps, self._maps = self._maps, {}
-        for _, _, ptr in maps.values():
+            replaced, self._replaced = self._replaced, []
+        for ptr in [m[2] for m in maps.values()] + replaced:
             _unregister(ptr)
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _register(mv: memoryview) -> tuple[int | None, str]:

@@ -327,9 +327,8 @@ class ReaderPool:
                 self._since[drive] = t0
         err = None
         try:
-            maps = getattr(reader, "maps", None)
-            buf = job.buffer(lambda: (maps is not None and maps.view(job.path, job.nbytes))
-                             or self._buffer(reader.label, job.path, job.nbytes), t0)
+            buf = job.buffer(lambda: self._mapped(reader, job) or self._buffer(reader.label, job.path, job.nbytes),
+                             t0)
             if buf.readonly:  # the file's own pages, mapped (``io.mapped``): its bytes are there, nothing to read
                 pass
             elif job.error is None:  # a part failed already: the read has failed, the rest is not read
@@ -400,6 +399,12 @@ class ReaderPool:
             job.done.put(Completion(job.tag, job.drive, job.path, None, job.nbytes, dt, job.error))
             return
         job.done.put(Completion(job.tag, job.drive, job.path, job.buf, job.nbytes, dt))
+
+    @staticmethod
+    def _mapped(reader, job: _Parts) -> memoryview | None:
+        """The file's mapped pages where its drive is in memory (``io.mapped``), else None: read into a buffer."""
+        maps = getattr(reader, "maps", None)
+        return None if maps is None or job.nbytes == 0 else maps.view(job.path, job.nbytes)
 
     def _buffer(self, label: str, path: str, nbytes: int) -> memoryview:
         try:
