@@ -89,6 +89,7 @@ def test_mapped_logits_are_the_read_logits_bit_for_bit(shm_models, family, cache
     got, src = _logits(model, cache_gb=cache_gb)
     assert src.mapped and all(r.maps is not None for r in src.mapped), "tmpfs drives are mapped"
     assert src.stats.reads > 0 and src.pool.buffers.allocated == 0, "mapped reads take no read buffers"
+    assert src.stats.checked_later > 0, "mapped files were checked while the math read them"
     monkeypatch.setattr(mapped, "MAP_FILES", False)
     want, src2 = _logits(model, cache_gb=cache_gb)
     assert not src2.mapped and src2.pool.buffers.allocated > 0, "the read path ran"
@@ -96,8 +97,13 @@ def test_mapped_logits_are_the_read_logits_bit_for_bit(shm_models, family, cache
 
 
 def _corrupt(path: str) -> None:
+    """Flip a byte in the middle of the file's first weight section: its math changes, not only its checksum."""
+    from deltafin.store import expert_file as ef
+
+    data = Path(path).read_bytes()
+    sec = ef.parse_header(memoryview(data), path)[0].tensors[0].sections[0]
     with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 100)
+        f.seek(sec.offset + sec.nbytes // 2)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -123,18 +129,39 @@ def test_a_corrupt_mapped_expert_is_named(shm_models):
 
 
 @needs_tmpfs
-def test_a_corrupt_mapped_expert_fails_over_to_its_replica(shm_models):
-    model, _ = shm_models("qwen3_moe", replicas=True)
-    want, _ = _logits(model)
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+@pytest.mark.parametrize("cache_gb", [0.0, 1.0])
+def test_a_corrupt_mapped_expert_fails_over_to_its_replica(shm_models, family, cache_gb):
+    """Checked while the math reads them (``LaterChecked``): a copy that fails is read from its replica and its
+    expert computed again, before any result is used; the cache never keeps the bad copy."""
+    model, _ = shm_models(family, replicas=True)
+    want, _ = _logits(model, cache_gb=cache_gb)
     pm = PackedModel.open(model)
     paths = [pm.expert_path(L, e, 0) for L in pm.moe_layers for e in range(pm.num_experts)]
-    saved = {p: Path(p).read_bytes() for p in paths[:6]}
+    saved = {p: Path(p).read_bytes() for p in paths[: 2 * pm.num_experts]}  # every expert of the first two layers
     try:
         for p in saved:
             _corrupt(p)
-        got, src = _logits(model)
-        assert src.stats.failed_reads > 0, "the corrupted copies were caught"
+        got, src = _logits(model, cache_gb=cache_gb)
+        assert src.stats.failed_reads > 0 and src.stats.checked_later > 0, "the corrupted copies were caught"
         assert _bitwise(got, want)
+    finally:
+        for p, b in saved.items():
+            Path(p).write_bytes(b)
+
+
+@needs_tmpfs
+def test_a_corrupt_mapped_expert_with_no_replica_stops_the_step_naming_it(shm_models):
+    """Through the engine's step (the math runs before the check ends): the mismatch's error, naming the file."""
+    model, _ = shm_models("qwen3_moe")
+    pm = PackedModel.open(model)
+    paths = [pm.expert_path(pm.moe_layers[0], e) for e in range(pm.num_experts)]
+    saved = {p: Path(p).read_bytes() for p in paths}
+    try:
+        for p in saved:
+            _corrupt(p)
+        with pytest.raises(ExpertFileError, match="checksum"):
+            _logits(model)
     finally:
         for p, b in saved.items():
             Path(p).write_bytes(b)

@@ -195,12 +195,18 @@ def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * len(step)
     from deltafin.bench.decode import situ_glu_expert
+    from deltafin.kernels import glu_many
 
     x = torch.randn(1, K3_LATENT)
-    situ_glu_expert(x, experts[0])
+
+    def layer() -> None:  # in one call where the kernels take them, as the engine's cached experts run
+        if glu_many(x, [None] * len(experts), experts, K3_ACT) is None:
+            for t in experts:
+                situ_glu_expert(x, t)
+
+    layer()
     t0 = time.perf_counter()
-    for t in experts:
-        situ_glu_expert(x, t)
+    layer()
     return (time.perf_counter() - t0) * len(step)
 
 
@@ -289,9 +295,15 @@ class _Marked:
         self.src, self.marks, self.slab = src, marks, src.slab
 
     def fetch(self, L, ids):
+        return self._marked(self.src.fetch(L, ids))
+
+    def fetch_groups(self, L, ids):
+        return self._marked(self.src.fetch_groups(L, ids, checks_later=True))
+
+    def _marked(self, items):
         t0 = time.perf_counter()
         first = None
-        for item in self.src.fetch(L, ids):
+        for item in items:
             first = first or time.perf_counter()
             yield item
         self.slab = self.src.slab
@@ -300,8 +312,9 @@ class _Marked:
 
 def _layer_fn(device: str, math: bool):
     """One MoE layer of decode as the engine runs it: on CUDA every expert lands in the slab, then the grouped
-    kernels run once (one synchronisation a layer, the routing's); on the CPU each expert's fused math runs as
-    it lands."""
+    kernels run once (one synchronisation a layer, the routing's); on the CPU each group the source hands over
+    runs in one call (an expert read from a drive as it lands; files mapped from memory all at once, checked while
+    the math reads them)."""
     if not math:
         def io_only(src, L, ids):
             for _ in src.fetch(L, ids):
@@ -318,12 +331,19 @@ def _layer_fn(device: str, math: bool):
             kc.grouped_moe(x, torch.tensor([ids], dtype=torch.int64), w, got, K3_ACT, src.slab)
         return cuda_layer
     from deltafin.bench.decode import situ_glu_expert
+    from deltafin.kernels import glu_many
 
     xc = torch.randn(1, K3_LATENT)
 
     def cpu_layer(src, L, ids):
-        for _, t in src.fetch(L, ids):
-            situ_glu_expert(xc, t)
+        for group in src.fetch_groups(L, ids):  # as the engine's one-token MoE step takes them (models.base)
+            ys = glu_many(xc, [None] * len(group), [t for _, t in group], K3_ACT) if len(group) > 1 else None
+            for i, (_, t) in enumerate(group):
+                if ys is None or ys[i] is None:
+                    situ_glu_expert(xc, t)
+            settle = getattr(group, "settle", None)
+            for _, t in settle() if settle is not None else ():
+                situ_glu_expert(xc, t)
     return cpu_layer
 
 

@@ -400,6 +400,20 @@ class ReaderPool:
             return
         job.done.put(Completion(job.tag, job.drive, job.path, job.buf, job.nbytes, dt))
 
+    def mapped_now(self, drive: int, path: str, nbytes: int, count: bool = True) -> memoryview | None:
+        """The first ``nbytes`` of ``path`` as its mapped pages, taken in the calling thread, where ``drive`` is in
+        memory (``io.mapped``) and the file maps; None: submit a read. For reads that nothing checks on the host (the
+        GPU checks them, or checks are off, or they are hashed later): such a read has nothing to do, and a hand-off
+        to a reader thread and back only costs the consumer time and the interpreter lock. ``count``: add it to the
+        drive's counters (a read hashed later by ``submit(into=view)`` is counted there)."""
+        maps = getattr(self.readers[drive], "maps", None)
+        view = None if maps is None or nbytes == 0 else maps.view(path, nbytes)
+        if view is not None and count:
+            with self._lock:
+                self.counters[drive].reads += 1
+                self.counters[drive].bytes += nbytes
+        return view
+
     @staticmethod
     def _mapped(reader, job: _Parts) -> memoryview | None:
         """The file's mapped pages where its drive is in memory (``io.mapped``), else None: read into a buffer."""

@@ -227,7 +227,9 @@ def moe_dispatch(
     # Elsewhere on the CPU the experts a source holds in memory come as one group, whose experts on few tokens run
     # in one call (glu_many)
     grouped = not kernel_path and glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
-    groups = experts.fetch_groups(layer, wanted) if grouped else None
+    later = grouped and getattr(experts, "checks_later_ok", False)  # mapped files computed while they are checked
+    groups = (experts.fetch_groups(layer, wanted, checks_later=True) if later else experts.fetch_groups(layer, wanted)
+              if grouped else None)
     fetched = None if grouped else experts.fetch(layer, wanted)
     if kernel_path:
         got = list(fetched)
@@ -248,6 +250,8 @@ def moe_dispatch(
             for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
                 by_slot[slot_of[eid]] = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
                 seen += 1
+            for eid, tensors in _settle(group):  # a copy failed its check: a good copy's result
+                by_slot[slot_of[eid]] = expert_fn(x, tensors)
         out = _weighted_slots(by_slot, weights[0], x)  # [1, k, D]
     else:
         # Many tokens: every expert's (token, slot) places from one stable sort of the ids (token order within an
@@ -272,11 +276,22 @@ def moe_dispatch(
                 y = expert_fn(x[toks[i]], tensors) if ys is None or ys[i] is None else ys[i]  # [n, D]
                 out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
                 seen += 1
+            for eid, tensors in _settle(group):  # a copy failed its check: a good copy's result
+                place = order[slice(*span[eid])]
+                y = expert_fn(x[tok_of[slice(*span[eid])]], tensors)
+                out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
         out = out.view(T, k, D)
     assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {layer}"
     if hasattr(experts, "combine"):
         out = experts.combine(layer, out, ids)
     return out.sum(1)
+
+
+def _settle(group) -> list:
+    """(expert id, tensors) to compute again: a group handed over before its check (``runtime.source.LaterChecked``)
+    waits for it here, after its math; any other group has none."""
+    settle = getattr(group, "settle", None)
+    return settle() if settle is not None else []
 
 
 def _weighted_slots(by_slot: list[torch.Tensor | None], w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

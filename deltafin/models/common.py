@@ -423,19 +423,29 @@ class GQADecoder(DecoderLM):
         wanted = sorted(slot_of)
         if hasattr(experts, "local"):
             wanted = experts.local(i, wanted)
-        groups = (experts.fetch_groups(i, wanted) if hasattr(experts, "fetch_groups")
-                  else ([item] for item in experts.fetch(i, wanted)))
+        if getattr(experts, "checks_later_ok", False):  # mapped files computed while they are checked
+            groups = experts.fetch_groups(i, wanted, checks_later=True)
+        elif hasattr(experts, "fetch_groups"):
+            groups = experts.fetch_groups(i, wanted)
+        else:
+            groups = ([item] for item in experts.fetch(i, wanted))
         seen = 0
         for group in groups:
-            slots = [slot_of[e] for e, _ in group]
-            if not glu_into(h, [t for _, t in group], slots, y, self._glu):
-                for (_, tensors), s in zip(group, slots, strict=True):
-                    y[s] = self._expert(h, tensors)[0]
+            self._glu_slots(h, group, [slot_of[e] for e, _ in group], y)
+            settle = getattr(group, "settle", None)
+            for e, tensors in settle() if settle is not None else ():  # a copy failed its check: a good one's result
+                self._glu_slots(h, [(e, tensors)], [slot_of[e]], y)
             seen += len(group)
         assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {i}"
         if split:
             y = experts.combine(i, y[None], torch.tensor([ids]))[0]
         return moe_sum_one(x, y, w)
+
+    def _glu_slots(self, h: torch.Tensor, group: list, slots: list[int], y: torch.Tensor) -> None:
+        """y[slots[j]] = group[j]'s expert on h, in one call where ``glu_into`` takes them."""
+        if not glu_into(h, [t for _, t in group], slots, y, self._glu):
+            for (_, tensors), s in zip(group, slots, strict=True):
+                y[s] = self._expert(h, tensors)[0]
 
     def _route_spec(self, i: int) -> tuple | None:
         r = self._router_one(i) if self._is_moe(i) and self.device.type == "cpu" and self.dtype == torch.float32 else None

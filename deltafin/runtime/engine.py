@@ -676,7 +676,7 @@ class Engine:
         self._settle_clock()
         src = self.source.stats
         base = (src.io_wait_s, src.expert_math_s, src.bytes_read, src.reads, src.hits, src.misses,
-                self.source.per_drive(), getattr(src, "gpu_check_s", 0.0), _guesses(src))
+                self.source.per_drive(), getattr(src, "gpu_check_s", 0.0), _guesses(src), getattr(src, "checked_later", 0))
         t0 = time.perf_counter()
         (logits,), pre = self.prefill([prompt], [state])
         stats.prefill_read_amplification = pre.read_amplification
@@ -752,6 +752,7 @@ class Engine:
         stats.checks = getattr(self.source, "checks_where", "host")
         stats.check_s = sum(d["check_s"] for d in stats.per_drive.values())
         stats.gpu_check_s = getattr(src, "gpu_check_s", 0.0) - base[7]
+        stats.checked_later = getattr(src, "checked_later", 0) - base[9]
         stats.guessed, stats.guess_used, stats.guess_cancelled = (a - b for a, b in zip(_guesses(src), base[8],
                                                                                           strict=True))
         stats.guess_note = getattr(self.source, "guess_note", "")

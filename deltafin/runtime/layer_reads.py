@@ -59,8 +59,12 @@ class LayerReads:
     """The misses of one ``fetch(layer, ids)`` on ``src`` (a StreamingExperts); ``next()`` returns each
     expert as it lands: (expert, buffer, bytes, name)."""
 
-    def __init__(self, src, layer: int, misses: list[int]):
+    def __init__(self, src, layer: int, misses: list[int], checks_later: bool = False):
         self.src, self.layer = src, layer
+        # files mapped from drives in memory land unchecked (``unchecked``), for the consumer to have checked later
+        # (``runtime.source.LaterChecked``); every other read is checked in the reader threads as before
+        self.checks_later = checks_later
+        self.unchecked: set[int] = set()
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.left = set(misses)
         self.live: dict[int, _Attempt] = {}  # attempt id -> read in flight
@@ -143,6 +147,16 @@ class LayerReads:
             into = self.striped[e].buf[piece.offset : piece.offset + piece.nbytes]
         aid = next(self._ids)
         now = time.monotonic()
+        later = check is not None and self.checks_later
+        view = (src.pool.mapped_now(drive, path, nbytes, count=not later)
+                if piece is None and (check is None or later) else None)
+        if view is not None:  # a file in memory, checked later or not at all: landed now, in this thread
+            if later:
+                self.unchecked.add(e)
+            self.live[aid] = _Attempt(e, drive, path, nbytes, now, now + src.deadline.seconds(nbytes, 1.0), piece)
+            self.done.put(Completion(aid, drive, path, view, nbytes, 0.0))
+            return
+        self.unchecked.discard(e)
         ahead = src.pool.submit(drive, path, nbytes, aid, self.done, into, check)
         rate = deadline_rate(src._rates[drive], src.pool.counters[drive])
         due = now + src.deadline.seconds(ahead + nbytes, rate, src._latency[drive])

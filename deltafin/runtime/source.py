@@ -18,6 +18,7 @@ reads are retried or served by a replica (``deltafin.runtime.layer_reads``).
 from __future__ import annotations
 
 import contextlib
+import queue
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,7 @@ import xxhash
 from deltafin.errors import ExpertFileError, UsageError
 from deltafin.io import mapped as io_mapped
 from deltafin.io.direct import DriveReader, FileDriveReader, align_up
-from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
+from deltafin.io.pool import PART_BYTES, BufferPool, Checksum, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
 from deltafin.runtime import host_memory
 from deltafin.runtime.cache import ExpertCache
@@ -53,6 +54,7 @@ class SourceStats:
     guessed: int = 0  # misses read ahead on a guess of their layer's routing (``guess``)
     guess_used: int = 0  # of those, experts the layer's fetch asked for
     guess_cancelled: int = 0  # of the rest, reads cancelled before a reader thread started them
+    checked_later: int = 0  # mapped reads checked while the CPU's math read them (``LaterChecked``)
     gpu_checked: int = 0  # reads checked on the GPU (``verify_on``), after they landed in their slab slots
     gpu_check_s: float = 0.0  # GPU time of those checks' launches (CUDA events)
     gpu_check_wait_s: float = 0.0  # host time from their launch to the digests in hand (the layer's copies included)
@@ -232,11 +234,22 @@ class StreamingExperts:
     def fetch(self, layer: int, expert_ids: Sequence[int]) -> Iterator[tuple[int, ExpertTensors]]:
         return self._fetch(layer, expert_ids, False)
 
-    def fetch_groups(self, layer: int, expert_ids: Sequence[int]) -> Iterator[list[tuple[int, ExpertTensors]]]:
+    def fetch_groups(self, layer: int, expert_ids: Sequence[int], checks_later: bool = False
+                     ) -> Iterator[list[tuple[int, ExpertTensors]]]:
         """``fetch`` in groups (see ``models.base.ExpertSource``): the cached experts first, as one list (the cache
         keeps them: nothing is put in it, and so nothing evicted, before the next list is asked for), then each
-        expert read from a drive alone (its buffer goes back to the reads once the next list is asked for)."""
-        return self._fetch(layer, expert_ids, True)
+        expert read from a drive alone (its buffer goes back to the reads once the next list is asked for).
+        ``checks_later`` (where ``checks_later_ok``): the files mapped from drives in memory come as one more list,
+        not yet checked, a ``LaterChecked``: the consumer computes them while the reader threads hash them, then
+        calls its ``settle()`` before using the results, and computes again the experts it returns."""
+        return self._fetch(layer, expert_ids, True, checks_later and self.checks_later_ok)
+
+    @property
+    def checks_later_ok(self) -> bool:
+        """Whether ``fetch_groups(..., checks_later=True)`` can hand over unchecked mapped files: on the CPU, reads
+        checked on the host, some drive in memory. There a read is only its check (nothing is copied), and checking
+        it while the math reads it overlaps the two passes over the bytes that otherwise run one after the other."""
+        return self.device.type == "cpu" and self.verify and bool(self.mapped)
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         """Start reading now the misses among ``expert_ids`` of a layer whose routing is known before it runs
@@ -363,7 +376,7 @@ class StreamingExperts:
             self._log_guess(len(misses), len(early))
         return early, reads
 
-    def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool) -> Iterator:
+    def _fetch(self, layer: int, expert_ids: Sequence[int], grouped: bool, later: bool = False) -> Iterator:
         for log in (self.record, self.routes):
             if log is not None:
                 log.append((layer, list(expert_ids)))
@@ -380,7 +393,7 @@ class StreamingExperts:
         self._note_misses(len(misses) + len(early))
         if misses and not early and self._last_landed is not None and not any(self.pool.pending_bytes()):
             self._gaps.append(time.perf_counter() - self._last_landed)  # the drives idle since the last read landed
-        reads = LayerReads(self, layer, misses) if misses else None
+        reads = LayerReads(self, layer, misses, checks_later=later) if misses else None
         if self._guess is not None:
             self._start_guess()  # behind this layer's own reads on every drive
         if self.slab is not None:
@@ -394,7 +407,7 @@ class StreamingExperts:
                 yield from self._timed(e, tensors)
         # GPU checks: the layer's landed experts are held until one pair of launches has checked them all in their slots
         checks = [] if self.gpu_checks and self.model.stripe(layer) is None else None
-        held = []
+        held, unchecked = [], []
         for source, n in ((early_reads, len(early)), (reads, len(misses))):
             for _ in range(n):
                 t0, ev = time.perf_counter(), self.clock and self.clock.mark()
@@ -407,8 +420,18 @@ class StreamingExperts:
                 if checks is not None:
                     held.append((landed[0], self._place(layer, *landed, source, checks)))
                     continue
+                if source is reads and landed[0] in reads.unchecked:
+                    unchecked.append(landed)
+                    continue
                 for item in self._deliver(layer, *landed):
                     yield [item] if grouped else item
+        if unchecked:
+            group = LaterChecked(self, layer, unchecked, reads)
+            t0 = time.perf_counter()
+            yield group
+            assert group.settled, "a LaterChecked group was used without settle()"
+            self.stats.expert_math_s += time.perf_counter() - t0 - group.wait_s  # the wait is I/O's (settle)
+            group.release()
         if early_reads is not None and early_reads.in_flight:
             self._stale.append(early_reads)  # unwanted experts still being read: polled at the next fetches
         if checks:
@@ -644,6 +667,65 @@ class StreamingExperts:
         self.cache.clear()
         for r in self.mapped:
             r.maps.close()
+
+
+class LaterChecked(list):
+    """Experts of one layer mapped from drives in memory and handed over before their check (``fetch_groups``'s
+    ``checks_later``): a list of (expert id, tensors) whose bytes the reader threads are hashing meanwhile. The
+    consumer may compute with them but uses no result before ``settle()``, which waits for the checks and returns
+    (expert id, tensors) of a good copy for each expert whose bytes failed theirs (read from a replica and
+    checked, or the mismatch's error raised as a checked read's would be): the consumer computes those again.
+    Only checked experts go into the cache."""
+
+    def __init__(self, src: StreamingExperts, layer: int, landed: list, reads: LayerReads):
+        self.src, self.layer, self.reads = src, layer, reads
+        self.settled = False
+        self.wait_s = 0.0  # time settle() waited for checks still running
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list = []  # buffers of good copies read after a mismatch, given back at ``release``
+        self._mapped: dict[int, tuple] = {}  # expert -> (view, bytes, tensors)
+        items = []
+        for e, buf, nbytes, where in landed:
+            drive = reads.came_from[e]
+            expected = src.model.checksum(layer, e)
+            check = Checksum(expected, lambda got, w=where, x=expected: ef.checksum_error(w, x, got, src.repair_fix))
+            src.pool.submit(drive, where, nbytes, e, self._done, into=buf, check=check)
+            src.stats.bytes_read += nbytes
+            src.stats.reads += 1
+            src.stats.checked_later += 1
+            data = buf[:nbytes]
+            layout, _, _ = ef.parse_header(data, where)
+            tensors = ef.decode(data, layout, where)
+            self._mapped[e] = (buf, nbytes, tensors)
+            items.append((e, tensors))
+        super().__init__(items)
+
+    def settle(self) -> list[tuple[int, ExpertTensors]]:
+        """Wait for every expert's check; returns (expert, tensors of a checked copy) for those that failed."""
+        if self.settled:
+            return []
+        redo, src = [], self.src
+        for _ in range(len(self._mapped)):
+            t0 = time.perf_counter()
+            c = self._done.get()
+            self.wait_s += time.perf_counter() - t0
+            buf, nbytes, tensors = self._mapped[c.tag]
+            if c.error is not None:
+                self.src.stats.failed_reads += 1
+                buf, nbytes, where = self.reads.reread(c.tag, c.error)
+                tensors = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where)
+                redo.append((c.tag, tensors))
+            if not src.cache.put((self.layer, c.tag), tensors, nbytes, lambda b=buf: src.pool.buffers.put(b)):
+                self._held.append(buf)
+        self.settled = True
+        src.stats.io_wait_s += self.wait_s
+        return redo
+
+    def release(self) -> None:
+        """The consumer is done with the group: read buffers of uncached experts go back to the reads."""
+        for b in self._held:
+            self.src.pool.buffers.put(b)
+        self._held = []
 
 
 def _map_in_memory(readers: list, device: torch.device) -> list:

@@ -37,6 +37,7 @@ class RunStats:
     kernels: list = field(default_factory=list)  # fast-path kernels used so far ("triton:int8_linear", ...)
     checks: str = "host"  # where expert reads were checked: "host" (reader threads), "gpu" (slab slots), "off"
     check_s: float = 0.0  # host time checking reads, summed over the reader threads
+    checked_later: int = 0  # of the reads, mapped files checked while the CPU's math read them
     gpu_check_s: float = 0.0  # GPU time of the checks' launches
     clock: str = "host"  # "host" (CPU, MLX), "gpu" (CUDA events), "gpu+graphs" (decode steps replayed as graphs)
     guessed: int = 0  # expert reads started on a guess of the next layer's routing (--guess-next)
@@ -108,4 +109,5 @@ def _checks(st: RunStats) -> str:
     host = f"{fmt.duration(st.check_s)} on the host (summed over the reader threads)"
     if st.checks == "gpu":
         return f"reads checked on the GPU: {fmt.duration(st.gpu_check_s)} of GPU time; " + host
-    return "reads checked on the host: " + host
+    later = f"; {st.checked_later:,} of them mapped files checked while the math read them" if st.checked_later else ""
+    return "reads checked on the host: " + host + later
