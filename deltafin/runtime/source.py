@@ -18,10 +18,11 @@ reads are retried or served by a replica (``deltafin.runtime.layer_reads``).
 from __future__ import annotations
 
 import contextlib
-import queue
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ import xxhash
 from deltafin.errors import ExpertFileError, UsageError
 from deltafin.io import mapped as io_mapped
 from deltafin.io.direct import DriveReader, FileDriveReader, align_up
-from deltafin.io.pool import PART_BYTES, BufferPool, Checksum, ReadDeadline, ReaderPool
+from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
 from deltafin.runtime import host_memory
 from deltafin.runtime.cache import ExpertCache
@@ -163,6 +164,7 @@ class StreamingExperts:
         self._gaps: deque[float] = deque(maxlen=self._miss_log.maxlen)  # drives idle before a layer's own reads, s
         self._last_landed: float | None = None  # when the last fetch's last read landed
         self._starts = 0  # guesses started while their reads pay (one in GUESS_PROBE is scored unread)
+        self._hashers: ThreadPoolExecutor | None = None  # ``check_threads``, made at the first LaterChecked group
         if reserve:
             self.reserve_buffers()
 
@@ -240,9 +242,19 @@ class StreamingExperts:
         keeps them: nothing is put in it, and so nothing evicted, before the next list is asked for), then each
         expert read from a drive alone (its buffer goes back to the reads once the next list is asked for).
         ``checks_later`` (where ``checks_later_ok``): the files mapped from drives in memory come as one more list,
-        not yet checked, a ``LaterChecked``: the consumer computes them while the reader threads hash them, then
+        not yet checked, a ``LaterChecked``: the consumer computes them while ``check_threads`` hash them, then
         calls its ``settle()`` before using the results, and computes again the experts it returns."""
         return self._fetch(layer, expert_ids, True, checks_later and self.checks_later_ok)
+
+    def check_threads(self) -> ThreadPoolExecutor:
+        """The threads that hash mapped files beside the CPU's math (``LaterChecked``): as many as reads in flight,
+        at most half the cores. On the H200 host (16 cores, K3-size files in memory, `bench ingest --device cpu`)
+        full decode ran 0.96 / 1.04 of raw with 4 / 8 reads in flight hashing beside the math, 0.67 with 16: past
+        half the cores the hashing threads and the math's take turns on the same cores."""
+        if self._hashers is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+            self._hashers = ThreadPoolExecutor(max(1, min(self.pool.threads, cores // 2)), "check")
+        return self._hashers
 
     @property
     def checks_later_ok(self) -> bool:
@@ -664,6 +676,9 @@ class StreamingExperts:
         self._scored.clear()
         self._stale.clear()
         self.pool.close(wait=not self.stats.late_reads)  # a read that missed its deadline may never return
+        if self._hashers is not None:
+            self._hashers.shutdown(wait=True)
+            self._hashers = None
         self.cache.clear()
         for r in self.mapped:
             r.maps.close()
@@ -671,7 +686,7 @@ class StreamingExperts:
 
 class LaterChecked(list):
     """Experts of one layer mapped from drives in memory and handed over before their check (``fetch_groups``'s
-    ``checks_later``): a list of (expert id, tensors) whose bytes the reader threads are hashing meanwhile. The
+    ``checks_later``): a list of (expert id, tensors) whose bytes ``check_threads`` are hashing meanwhile. The
     consumer may compute with them but uses no result before ``settle()``, which waits for the checks and returns
     (expert id, tensors) of a good copy for each expert whose bytes failed theirs (read from a replica and
     checked, or the mismatch's error raised as a checked read's would be): the consumer computes those again.
@@ -681,22 +696,19 @@ class LaterChecked(list):
         self.src, self.layer, self.reads = src, layer, reads
         self.settled = False
         self.wait_s = 0.0  # time settle() waited for checks still running
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list = []  # buffers of good copies read after a mismatch, given back at ``release``
-        self._mapped: dict[int, tuple] = {}  # expert -> (view, bytes, tensors)
+        self._mapped: dict[int, tuple] = {}  # expert -> (view, bytes, tensors, name, its check's future)
         items = []
+        hashers = src.check_threads()
         for e, buf, nbytes, where in landed:
-            drive = reads.came_from[e]
-            expected = src.model.checksum(layer, e)
-            check = Checksum(expected, lambda got, w=where, x=expected: ef.checksum_error(w, x, got, src.repair_fix))
-            src.pool.submit(drive, where, nbytes, e, self._done, into=buf, check=check)
+            hashed = hashers.submit(src.pool.hash_mapped, reads.came_from[e], buf, nbytes)
             src.stats.bytes_read += nbytes
             src.stats.reads += 1
             src.stats.checked_later += 1
             data = buf[:nbytes]
             layout, _, _ = ef.parse_header(data, where)
             tensors = ef.decode(data, layout, where)
-            self._mapped[e] = (buf, nbytes, tensors)
+            self._mapped[e] = (buf, nbytes, tensors, where, hashed)
             items.append((e, tensors))
         super().__init__(items)
 
@@ -705,17 +717,18 @@ class LaterChecked(list):
         if self.settled:
             return []
         redo, src = [], self.src
-        for _ in range(len(self._mapped)):
+        for e, (buf, nbytes, tensors, where, hashed) in self._mapped.items():
             t0 = time.perf_counter()
-            c = self._done.get()
+            got = hashed.result()
             self.wait_s += time.perf_counter() - t0
-            buf, nbytes, tensors = self._mapped[c.tag]
-            if c.error is not None:
-                self.src.stats.failed_reads += 1
-                buf, nbytes, where = self.reads.reread(c.tag, c.error)
+            expected = src.model.checksum(self.layer, e)
+            if got != expected:
+                src.stats.failed_reads += 1
+                err = ef.checksum_error(where, expected, got, src.repair_fix)
+                buf, nbytes, where = self.reads.reread(e, err)
                 tensors = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where)
-                redo.append((c.tag, tensors))
-            if not src.cache.put((self.layer, c.tag), tensors, nbytes, lambda b=buf: src.pool.buffers.put(b)):
+                redo.append((e, tensors))
+            if not src.cache.put((self.layer, e), tensors, nbytes, lambda b=buf: src.pool.buffers.put(b)):
                 self._held.append(buf)
         self.settled = True
         src.stats.io_wait_s += self.wait_s
