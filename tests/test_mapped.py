@@ -54,9 +54,12 @@ def shm_models(tmp_path_factory):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _logits(model: str, **kw) -> tuple[torch.Tensor, object]:
+def _logits(model: str, premap: bool = False, **kw) -> tuple[torch.Tensor, object]:
+    """``premap``: every file mapped before the first step (else each at its first read, by a reader thread)."""
     eng = tf.engine(model, exact=False, **kw)
     try:
+        if premap:
+            eng.source.premap()
         st = eng.new_state()
         with torch.inference_mode():
             out = [eng.step([(torch.tensor(tf.prompt(9)), st)], all_logits=True)[0].float()]
@@ -89,7 +92,9 @@ def test_mapped_logits_are_the_read_logits_bit_for_bit(shm_models, family, cache
     got, src = _logits(model, cache_gb=cache_gb)
     assert src.mapped and all(r.maps is not None for r in src.mapped), "tmpfs drives are mapped"
     assert src.stats.reads > 0 and src.pool.buffers.allocated == 0, "mapped reads take no read buffers"
-    assert src.stats.checked_later > 0, "mapped files were checked while the math read them"
+    premapped, src1 = _logits(model, premap=True, cache_gb=cache_gb)
+    assert src1.stats.checked_later > 0, "files mapped already were checked while the math read them"
+    assert _bitwise(premapped, got)
     monkeypatch.setattr(mapped, "MAP_FILES", False)
     want, src2 = _logits(model, cache_gb=cache_gb)
     assert not src2.mapped and src2.pool.buffers.allocated > 0, "the read path ran"
@@ -142,7 +147,7 @@ def test_a_corrupt_mapped_expert_fails_over_to_its_replica(shm_models, family, c
     try:
         for p in saved:
             _corrupt(p)
-        got, src = _logits(model, cache_gb=cache_gb)
+        got, src = _logits(model, premap=True, cache_gb=cache_gb)
         assert src.stats.failed_reads > 0 and src.stats.checked_later > 0, "the corrupted copies were caught"
         assert _bitwise(got, want)
     finally:
@@ -161,7 +166,7 @@ def test_a_corrupt_mapped_expert_with_no_replica_stops_the_step_naming_it(shm_mo
         for p in saved:
             _corrupt(p)
         with pytest.raises(ExpertFileError, match="checksum"):
-            _logits(model)
+            _logits(model, premap=True)
     finally:
         for p, b in saved.items():
             Path(p).write_bytes(b)

@@ -56,11 +56,11 @@ class FileMaps:
         self._replaced: list[int | None] = []  # page-locked addresses of mappings of files since replaced
         self._lock = threading.Lock()
 
-    def view(self, path: str, nbytes: int) -> memoryview | None:
+    def view(self, path: str, nbytes: int, new: bool = True) -> memoryview | None:
         """The first ``nbytes`` of ``path`` as a read-only view of its pages, or None (read it instead: the file is
         shorter, the mapping limit is reached, mapping is off). A file replaced since it was mapped (a repack writes
         a new file and renames it over the old) is mapped again: a stat a read, against the inode, size and
-        modification time the mapping was made from."""
+        modification time the mapping was made from. ``new=False``: None where the file is not mapped yet."""
         try:
             ident = _identity(os.stat(path))
         except OSError:
@@ -70,7 +70,7 @@ class FileMaps:
             if got is not None and got[3] != ident:
                 self._replaced.append(self._maps.pop(path)[2])  # its views (cached tensors) keep the old pages
                 got = None
-            if got is None and (self.off is not None or len(self._maps) >= self.limit):
+            if got is None and (not new or self.off is not None or len(self._maps) >= self.limit):
                 return None
         if got is None:
             got = self._map(path)

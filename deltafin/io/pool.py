@@ -404,10 +404,11 @@ class ReaderPool:
         """The first ``nbytes`` of ``path`` as its mapped pages, taken in the calling thread, where ``drive`` is in
         memory (``io.mapped``) and the file maps; None: submit a read. For reads that nothing checks on the host (the
         GPU checks them, or checks are off, or they are hashed later): such a read has nothing to do, and a hand-off
-        to a reader thread and back only costs the consumer time and the interpreter lock. ``count``: add it to the
-        drive's counters (a read hashed later by ``submit(into=view)`` is counted there)."""
+        to a reader thread and back only costs the consumer time and the interpreter lock. Only files mapped already:
+        a new mapping (populating its page tables, page-locking it: 1-2 ms a K3 expert) is made by the reader
+        threads, in parallel. ``count``: add it to the drive's counters (``hash_mapped`` counts it otherwise)."""
         maps = getattr(self.readers[drive], "maps", None)
-        view = None if maps is None or nbytes == 0 else maps.view(path, nbytes)
+        view = None if maps is None or nbytes == 0 else maps.view(path, nbytes, new=False)
         if view is not None and count:
             with self._lock:
                 self.counters[drive].reads += 1
