@@ -224,25 +224,3 @@ def test_mapped_logits_on_cuda_are_the_read_logits_bit_for_bit(shm_models, famil
     monkeypatch.setattr(mapped, "MAP_FILES", False)
     want, _ = _logits(model, device="cuda")
     assert _bitwise(got.cpu(), want.cpu())
-
-
-@needs_tmpfs
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
-@pytest.mark.parametrize("map_files", [True, False])
-def test_slab_copies_on_their_own_stream_give_the_same_logits(shm_models, family, map_files, monkeypatch):
-    """Slab copies on a side stream (``runtime.slab_copies``), with a scratch ring small enough that a layer's
-    slots were read by the layer just before: the same logits bit for bit as copies on the consumer's stream."""
-    from deltafin.runtime import slab_copies
-    from deltafin.runtime.source import StreamingExperts
-
-    model, _ = shm_models(family)
-    monkeypatch.setattr(mapped, "MAP_FILES", map_files)
-    monkeypatch.setattr(StreamingExperts, "SCRATCH_SLOTS", 12)
-    got, src = _logits(model, device="cuda")
-    assert src._copies is not None and src._copies.fetch > 0, "the copies ran on their own stream"
-    monkeypatch.setattr(slab_copies, "ENABLED", False)
-    want, src2 = _logits(model, device="cuda")
-    assert src2._copies is None
-    assert _bitwise(got.cpu(), want.cpu())

@@ -33,11 +33,10 @@ from deltafin.io import mapped as io_mapped
 from deltafin.io.direct import DriveReader, FileDriveReader, align_up
 from deltafin.io.pool import PART_BYTES, BufferPool, ReadDeadline, ReaderPool
 from deltafin.models.base import ExpertTensors
-from deltafin.runtime import host_memory, slab_copies
+from deltafin.runtime import host_memory
 from deltafin.runtime.cache import ExpertCache
 from deltafin.runtime.gpu_clock import GpuClock
 from deltafin.runtime.layer_reads import LayerReads
-from deltafin.runtime.slab_copies import SlabCopies
 from deltafin.store import expert_file as ef
 from deltafin.store.model_dir import PackedModel
 
@@ -166,7 +165,6 @@ class StreamingExperts:
         self._last_landed: float | None = None  # when the last fetch's last read landed
         self._starts = 0  # guesses started while their reads pay (one in GUESS_PROBE is scored unread)
         self._hashers: ThreadPoolExecutor | None = None  # ``check_threads``, made at the first LaterChecked group
-        self._copies: SlabCopies | None = None  # CUDA: slab copies on their own stream (``runtime.slab_copies``)
         if reserve:
             self.reserve_buffers()
 
@@ -395,8 +393,6 @@ class StreamingExperts:
             if log is not None:
                 log.append((layer, list(expert_ids)))
         self._busy = set()
-        if self._copies is not None:
-            self._copies.begin()
         early, early_reads = self._take_ahead(layer, expert_ids)
         hits, misses = [], []
         for e in expert_ids:
@@ -414,9 +410,6 @@ class StreamingExperts:
             self._start_guess()  # behind this layer's own reads on every drive
         if self.slab is not None:
             self._busy.update(self._slot_of[(layer, e)] for e, _ in hits if (layer, e) in self._slot_of)
-            if self._copies is not None:
-                for slot in self._busy:
-                    self._copies.used(slot)
         if grouped and hits:  # cached experts are computed while the misses are read
             t0, span = time.perf_counter(), self.clock and self.clock.start()
             yield hits
@@ -616,13 +609,8 @@ class StreamingExperts:
         slot, cached = self._take_slot() if taken is None else taken
         if slot is None:  # every slot is in use by this layer: a plain device copy
             return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-        # the whole file in one copy, ordered after any launch that read the slot before
-        if self._copies is None and slab_copies.ENABLED:
-            self._copies = SlabCopies(self.device)
-        if self._copies is not None:
-            self._copies.write(self.slab, slot, ef.byte_tensor(data, nbytes))
-        else:
-            self.slab.write_file(slot, ef.byte_tensor(data, nbytes))
+        # the whole file in one copy, stream-ordered after any launch that read the slot before
+        self.slab.write_file(slot, ef.byte_tensor(data, nbytes))
         views = self.slab.views(slot)
         self._busy.add(slot)
         if cached:
