@@ -101,14 +101,15 @@ def test_mapped_logits_are_the_read_logits_bit_for_bit(shm_models, family, cache
     assert _bitwise(got, want)
 
 
-def _corrupt(path: str) -> None:
-    """Flip a byte in the middle of the file's first weight section: its math changes, not only its checksum."""
+def _corrupt(path: str, header: bool = False) -> None:
+    """Flip a byte in the middle of the file's first weight section (its math changes, not only its checksum), or
+    with ``header`` the first byte of its magic (the header no longer parses)."""
     from deltafin.store import expert_file as ef
 
     data = Path(path).read_bytes()
     sec = ef.parse_header(memoryview(data), path)[0].tensors[0].sections[0]
     with open(path, "r+b") as f:
-        f.seek(sec.offset + sec.nbytes // 2)
+        f.seek(0 if header else sec.offset + sec.nbytes // 2)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
@@ -134,9 +135,10 @@ def test_a_corrupt_mapped_expert_is_named(shm_models):
 
 
 @needs_tmpfs
-@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
-@pytest.mark.parametrize("cache_gb", [0.0, 1.0])
-def test_a_corrupt_mapped_expert_fails_over_to_its_replica(shm_models, family, cache_gb):
+@pytest.mark.parametrize(("family", "cache_gb", "header"), [("qwen3_moe", 0.0, False), ("qwen3_moe", 1.0, False),
+                                                          ("kimi_k3", 0.0, False), ("kimi_k3", 1.0, False),
+                                                          ("qwen3_moe", 0.0, True)])
+def test_a_corrupt_mapped_expert_fails_over_to_its_replica(shm_models, family, cache_gb, header):
     """Checked while the math reads them (``LaterChecked``): a copy that fails is read from its replica and its
     expert computed again, before any result is used; the cache never keeps the bad copy."""
     model, _ = shm_models(family, replicas=True)
@@ -146,7 +148,7 @@ def test_a_corrupt_mapped_expert_fails_over_to_its_replica(shm_models, family, c
     saved = {p: Path(p).read_bytes() for p in paths[: 2 * pm.num_experts]}  # every expert of the first two layers
     try:
         for p in saved:
-            _corrupt(p)
+            _corrupt(p, header)
         got, src = _logits(model, premap=True, cache_gb=cache_gb)
         assert src.stats.failed_reads > 0 and src.stats.checked_later > 0, "the corrupted copies were caught"
         assert _bitwise(got, want)

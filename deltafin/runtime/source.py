@@ -249,8 +249,8 @@ class StreamingExperts:
     def check_threads(self) -> ThreadPoolExecutor:
         """The threads that hash mapped files beside the CPU's math (``LaterChecked``): as many as reads in flight,
         at most half the cores. On the H200 host (16 cores, K3-size files in memory, `bench ingest --device cpu`)
-        full decode ran 0.96 / 1.04 of raw with 4 / 8 reads in flight hashing beside the math, 0.67 with 16: past
-        half the cores the hashing threads and the math's take turns on the same cores."""
+        full decode ran 0.96 / 1.04 of raw with 4 / 8 threads hashing beside the math, 0.67 with 16 (past half the
+        cores the hashing threads and the math's take turns on the same cores); capped at 8, 0.76 at 16 in flight."""
         if self._hashers is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
             self._hashers = ThreadPoolExecutor(max(1, min(self.pool.threads, cores // 2)), "check")
@@ -697,7 +697,7 @@ class LaterChecked(list):
         self.settled = False
         self.wait_s = 0.0  # time settle() waited for checks still running
         self._held: list = []  # buffers of good copies read after a mismatch, given back at ``release``
-        self._mapped: dict[int, tuple] = {}  # expert -> (view, bytes, tensors, name, its check's future)
+        self._mapped: dict[int, tuple] = {}  # expert -> (view, bytes, tensors, name, its check's future or None)
         items = []
         hashers = src.check_threads()
         for e, buf, nbytes, where in landed:
@@ -705,12 +705,25 @@ class LaterChecked(list):
             src.stats.bytes_read += nbytes
             src.stats.reads += 1
             src.stats.checked_later += 1
-            data = buf[:nbytes]
-            layout, _, _ = ef.parse_header(data, where)
-            tensors = ef.decode(data, layout, where)
+            try:
+                tensors = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where)
+            except ExpertFileError as bad:  # a header that does not parse: its check says whether the copy is bad
+                buf, nbytes, where = self._good_copy(e, hashed.result(), where, bad)
+                tensors, hashed = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where), None
             self._mapped[e] = (buf, nbytes, tensors, where, hashed)
             items.append((e, tensors))
         super().__init__(items)
+
+    def _good_copy(self, e: int, got: str, where: str, bad: Exception | None = None) -> tuple[memoryview, int, str]:
+        """(buffer, bytes, name) of a checked copy of expert ``e``, whose mapped copy hashed to ``got``: read from
+        its replica where that copy fails its checksum (``LayerReads.reread``: the mismatch's error with none left).
+        ``bad``: the copy's header did not parse; raised as it is if the copy matches its checksum after all."""
+        src = self.src
+        expected = src.model.checksum(self.layer, e)
+        if got == expected and bad is not None:
+            raise bad
+        src.stats.failed_reads += 1
+        return self.reads.reread(e, ef.checksum_error(where, expected, got, src.repair_fix))
 
     def settle(self) -> list[tuple[int, ExpertTensors]]:
         """Wait for every expert's check; returns (expert, tensors of a checked copy) for those that failed."""
@@ -719,13 +732,10 @@ class LaterChecked(list):
         redo, src = [], self.src
         for e, (buf, nbytes, tensors, where, hashed) in self._mapped.items():
             t0 = time.perf_counter()
-            got = hashed.result()
+            got = hashed.result() if hashed is not None else None  # None: a checked copy already
             self.wait_s += time.perf_counter() - t0
-            expected = src.model.checksum(self.layer, e)
-            if got != expected:
-                src.stats.failed_reads += 1
-                err = ef.checksum_error(where, expected, got, src.repair_fix)
-                buf, nbytes, where = self.reads.reread(e, err)
+            if got is not None and got != src.model.checksum(self.layer, e):
+                buf, nbytes, where = self._good_copy(e, got, where)
                 tensors = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where)
                 redo.append((e, tensors))
             if not src.cache.put((self.layer, e), tensors, nbytes, lambda b=buf: src.pool.buffers.put(b)):
