@@ -226,3 +226,25 @@ def test_mapped_logits_on_cuda_are_the_read_logits_bit_for_bit(shm_models, famil
     monkeypatch.setattr(mapped, "MAP_FILES", False)
     want, _ = _logits(model, device="cuda")
     assert _bitwise(got.cpu(), want.cpu())
+
+
+def test_the_stats_line_counts_reads_checked_beside_the_math():
+    from deltafin.runtime.stats import RunStats
+
+    assert "3 of them mapped files checked while the math read them" in RunStats(checked_later=3).summary()
+    assert "while the math read them" not in RunStats().summary()
+    assert "while the math read them" not in RunStats(checked_later=3, checks="gpu").summary()
+
+
+@needs_tmpfs
+def test_a_run_reports_its_reads_checked_beside_the_math(shm_models):
+    model, _ = shm_models("qwen3_moe")
+    eng = tf.engine(model, exact=False)
+    try:
+        eng.source.premap()
+        list(eng.generate(tf.prompt(9), 3))
+        st = eng.last_stats
+        assert 0 < st.checked_later <= st.reads and st.mapped_drives == 2
+        assert f"{st.checked_later:,} of them mapped files checked while the math read them" in st.summary()
+    finally:
+        eng.close()
