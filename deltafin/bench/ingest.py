@@ -332,6 +332,7 @@ def _layer_fn(device: str, math: bool):
         return cuda_layer
     from deltafin.bench.decode import situ_glu_expert
     from deltafin.kernels import glu_many
+    from deltafin.models.base import settle
 
     xc = torch.randn(1, K3_LATENT)
 
@@ -341,8 +342,7 @@ def _layer_fn(device: str, math: bool):
             for i, (_, t) in enumerate(group):
                 if ys is None or ys[i] is None:
                     situ_glu_expert(xc, t)
-            settle = getattr(group, "settle", None)
-            for _, t in settle() if settle is not None else ():
+            for _, t in settle(group):
                 situ_glu_expert(xc, t)
     return cpu_layer
 

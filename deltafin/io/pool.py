@@ -245,6 +245,13 @@ class _Parts:
             return True
 
 
+def _mapped_view(reader, path: str, nbytes: int, new: bool = True) -> memoryview | None:
+    """The file's mapped pages where the reader's drive is in memory (``io.mapped``; ``new=False``: only a file
+    mapped already), else None: read into a buffer."""
+    maps = getattr(reader, "maps", None)
+    return None if maps is None or nbytes == 0 else maps.view(path, nbytes, new=new)
+
+
 @dataclass
 class ReaderPool:
     """``threads`` reader threads per drive; each read fills a pooled buffer and posts a Completion."""
@@ -327,8 +334,8 @@ class ReaderPool:
                 self._since[drive] = t0
         err = None
         try:
-            buf = job.buffer(lambda: self._mapped(reader, job) or self._buffer(reader.label, job.path, job.nbytes),
-                             t0)
+            buf = job.buffer(lambda: _mapped_view(reader, job.path, job.nbytes)
+                             or self._buffer(reader.label, job.path, job.nbytes), t0)
             if buf.readonly:  # the file's own pages, mapped (``io.mapped``): its bytes are there, nothing to read
                 pass
             elif job.error is None:  # a part failed already: the read has failed, the rest is not read
@@ -384,15 +391,10 @@ class ReaderPool:
     def _post(self, job: _Parts, now: float) -> None:
         dt = now - (job.t0 or now)
         with self._lock:
-            c = self.counters[job.drive]
             if job.error is None:
-                c.reads += 1
-                c.bytes += job.nbytes
-                if isinstance(job.check, Checksum):
-                    self._hashed[0] += job.nbytes
-                    self._hashed[1] = sum(x.check_seconds for x in self.counters)
+                self._count(job.drive, job.nbytes, isinstance(job.check, Checksum))
             else:
-                c.errors += 1
+                self.counters[job.drive].errors += 1
         if job.error is not None:
             if job.pooled and job.buf is not None:
                 self.buffers.put(job.buf)
@@ -407,12 +409,10 @@ class ReaderPool:
         to a reader thread and back only costs the consumer time and the interpreter lock. Only files mapped already:
         a new mapping (populating its page tables, page-locking it: 1-2 ms a K3 expert) is made by the reader
         threads, in parallel. ``count``: add it to the drive's counters (``hash_mapped`` counts it otherwise)."""
-        maps = getattr(self.readers[drive], "maps", None)
-        view = None if maps is None or nbytes == 0 else maps.view(path, nbytes, new=False)
+        view = _mapped_view(self.readers[drive], path, nbytes, new=False)
         if view is not None and count:
             with self._lock:
-                self.counters[drive].reads += 1
-                self.counters[drive].bytes += nbytes
+                self._count(drive, nbytes, False)
         return view
 
     def hash_mapped(self, drive: int, view: memoryview, nbytes: int) -> str:
@@ -422,19 +422,19 @@ class ReaderPool:
         got = xxhash.xxh3_64_hexdigest(view[:nbytes])
         dt = time.perf_counter() - t0
         with self._lock:
-            c = self.counters[drive]
-            c.reads += 1
-            c.bytes += nbytes
-            c.check_seconds += dt
-            self._hashed[0] += nbytes
-            self._hashed[1] = sum(x.check_seconds for x in self.counters)
+            self.counters[drive].check_seconds += dt
+            self._count(drive, nbytes, True)
         return got
 
-    @staticmethod
-    def _mapped(reader, job: _Parts) -> memoryview | None:
-        """The file's mapped pages where its drive is in memory (``io.mapped``), else None: read into a buffer."""
-        maps = getattr(reader, "maps", None)
-        return None if maps is None or job.nbytes == 0 else maps.view(job.path, job.nbytes)
+    def _count(self, drive: int, nbytes: int, hashed: bool) -> None:
+        """A read of ``drive`` landed (called under the lock); ``hashed``: checked by the pool, which times its hash."""
+        c = self.counters[drive]
+        c.reads += 1
+        c.bytes += nbytes
+        if hashed:
+            self._hashed[0] += nbytes
+            self._hashed[1] = sum(x.check_seconds for x in self.counters)
+
 
     def _buffer(self, label: str, path: str, nbytes: int) -> memoryview:
         try:

@@ -227,9 +227,7 @@ def moe_dispatch(
     # Elsewhere on the CPU the experts a source holds in memory come as one group, whose experts on few tokens run
     # in one call (glu_many)
     grouped = not kernel_path and glu is not None and x.device.type == "cpu" and hasattr(experts, "fetch_groups")
-    later = grouped and getattr(experts, "checks_later_ok", False)  # mapped files computed while they are checked
-    groups = (experts.fetch_groups(layer, wanted, checks_later=True) if later else experts.fetch_groups(layer, wanted)
-              if grouped else None)
+    groups = expert_groups(experts, layer, wanted) if grouped else None
     fetched = None if grouped else experts.fetch(layer, wanted)
     if kernel_path:
         got = list(fetched)
@@ -250,7 +248,7 @@ def moe_dispatch(
             for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
                 by_slot[slot_of[eid]] = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
                 seen += 1
-            for eid, tensors in _settle(group):  # a copy failed its check: a good copy's result
+            for eid, tensors in settle(group):  # a copy failed its check: a good copy's result
                 by_slot[slot_of[eid]] = expert_fn(x, tensors)
         out = _weighted_slots(by_slot, weights[0], x)  # [1, k, D]
     else:
@@ -276,7 +274,7 @@ def moe_dispatch(
                 y = expert_fn(x[toks[i]], tensors) if ys is None or ys[i] is None else ys[i]  # [n, D]
                 out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
                 seen += 1
-            for eid, tensors in _settle(group):  # a copy failed its check: a good copy's result
+            for eid, tensors in settle(group):  # a copy failed its check: a good copy's result
                 place = order[slice(*span[eid])]
                 y = expert_fn(x[tok_of[slice(*span[eid])]], tensors)
                 out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
@@ -287,11 +285,19 @@ def moe_dispatch(
     return out.sum(1)
 
 
-def _settle(group) -> list:
+def expert_groups(experts, layer: int, wanted: Sequence[int]) -> Iterator[list[tuple[int, ExpertTensors]]]:
+    """``experts.fetch_groups(layer, wanted)``, with the files it can check beside the math handed over before
+    their checks where it offers that (``checks_later_ok``): the consumer then calls ``settle`` on each group."""
+    if getattr(experts, "checks_later_ok", False):
+        return experts.fetch_groups(layer, wanted, checks_later=True)
+    return experts.fetch_groups(layer, wanted)
+
+
+def settle(group) -> list[tuple[int, ExpertTensors]]:
     """(expert id, tensors) to compute again: a group handed over before its check (``runtime.source.LaterChecked``)
     waits for it here, after its math; any other group has none."""
-    settle = getattr(group, "settle", None)
-    return settle() if settle is not None else []
+    done = getattr(group, "settle", None)
+    return done() if done is not None else []
 
 
 def _weighted_slots(by_slot: list[torch.Tensor | None], w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

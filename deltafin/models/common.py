@@ -36,6 +36,7 @@ from deltafin.models.base import (
     Weights,
     dense,
     embed_rows,
+    expert_groups,
     forward_parts,
     ids_to_host_during,
     linear,
@@ -43,6 +44,7 @@ from deltafin.models.base import (
     moe_dispatch,
     rms_norm,
     rowwise,
+    settle,
     unique_ids,
 )
 from deltafin.models.layers import KVCache, self_attention
@@ -423,17 +425,12 @@ class GQADecoder(DecoderLM):
         wanted = sorted(slot_of)
         if hasattr(experts, "local"):
             wanted = experts.local(i, wanted)
-        if getattr(experts, "checks_later_ok", False):  # mapped files computed while they are checked
-            groups = experts.fetch_groups(i, wanted, checks_later=True)
-        elif hasattr(experts, "fetch_groups"):
-            groups = experts.fetch_groups(i, wanted)
-        else:
-            groups = ([item] for item in experts.fetch(i, wanted))
+        groups = (expert_groups(experts, i, wanted) if hasattr(experts, "fetch_groups")
+                  else ([item] for item in experts.fetch(i, wanted)))
         seen = 0
         for group in groups:
             self._glu_slots(h, group, [slot_of[e] for e, _ in group], y)
-            settle = getattr(group, "settle", None)
-            for e, tensors in settle() if settle is not None else ():  # a copy failed its check: a good one's result
+            for e, tensors in settle(group):  # a copy failed its check: a good copy's result
                 self._glu_slots(h, [(e, tensors)], [slot_of[e]], y)
             seen += len(group)
         assert seen == len(wanted), f"expert source returned {seen} of {len(wanted)} experts for layer {i}"

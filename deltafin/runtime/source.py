@@ -706,10 +706,10 @@ class LaterChecked(list):
             src.stats.reads += 1
             src.stats.checked_later += 1
             try:
-                tensors = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where)
+                tensors = ef.decode(buf[:nbytes], where=where)
             except ExpertFileError as bad:  # a header that does not parse: its check says whether the copy is bad
                 buf, nbytes, where = self._good_copy(e, hashed.result(), where, bad)
-                tensors, hashed = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where), None
+                tensors, hashed = ef.decode(buf[:nbytes], where=where), None
             self._mapped[e] = (buf, nbytes, tensors, where, hashed)
             items.append((e, tensors))
         super().__init__(items)
@@ -736,7 +736,7 @@ class LaterChecked(list):
             self.wait_s += time.perf_counter() - t0
             if got is not None and got != src.model.checksum(self.layer, e):
                 buf, nbytes, where = self._good_copy(e, got, where)
-                tensors = ef.decode(buf[:nbytes], ef.parse_header(buf[:nbytes], where)[0], where)
+                tensors = ef.decode(buf[:nbytes], where=where)
                 redo.append((e, tensors))
             if not src.cache.put((self.layer, e), tensors, nbytes, lambda b=buf: src.pool.buffers.put(b)):
                 self._held.append(buf)
