@@ -56,7 +56,7 @@ def shm_models(tmp_path_factory):
 
 def _logits(model: str, premap: bool = False, **kw) -> tuple[torch.Tensor, object]:
     """``premap``: every file mapped before the first step (else each at its first read, by a reader thread)."""
-    eng = tf.engine(model, exact=False, **kw)
+    eng = tf.engine(model, **{"exact": False, **kw})
     try:
         if premap:
             eng.source.premap()
@@ -248,3 +248,16 @@ def test_a_run_reports_its_reads_checked_beside_the_math(shm_models):
         assert f"{st.checked_later:,} of them mapped files checked while the math read them" in st.summary()
     finally:
         eng.close()
+
+
+@needs_tmpfs
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+def test_the_exact_path_on_mapped_files_checked_beside_the_math_is_the_read_path_bit_for_bit(shm_models, family,
+                                                                                             monkeypatch):
+    """``--exact`` (the float32 torch path) over files checked beside the math gives the read path's logits."""
+    model, _ = shm_models(family)
+    got, src = _logits(model, premap=True, exact=True)
+    assert src.stats.checked_later > 0
+    monkeypatch.setattr(mapped, "MAP_FILES", False)
+    want, _ = _logits(model, exact=True)
+    assert _bitwise(got, want)

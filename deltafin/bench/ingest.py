@@ -173,7 +173,8 @@ def map_ms(paths: list[str], device: str) -> float:
 
 def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
     """The expert math of one token's layers with every expert already in memory (the math's limit): on CUDA
-    the grouped kernels over a slab, as decode runs them; on the CPU the fused expert one by one."""
+    the grouped kernels over a slab, as decode runs them; on the CPU the layer's experts in one call (``glu_many``),
+    as the engine runs a cached group."""
     L0, ids = next(iter(step.items()))
     experts = [pm.read_expert(L0, e, verify=False) for e in ids]
     if device == "cuda":
