@@ -215,6 +215,31 @@ def test_builds_without_avx512_match_reference(isa):
             _check_fmt("int8", cpu.int8_linear(x, q, sc, lib=lib), x, int8.dequantize(q, sc), fused=True, lib=lib)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx2-novnni"])
+def test_avx2_one_row_loops_equal_the_four_row_loops(isa):
+    """The AVX2 builds' one-token loops that read one row start to end (4-bit Q8 rows, int8 rows with int16
+    activations) give the four-row loop's result (the build with -DQ8_NO_ROWS1) bit for bit, the gated expert too,
+    at widths where they run (whole groups of 4 blocks, whole blocks of 128) and where they do not."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 builds are x86's")
+    one, four = native.library(native.ISA_FLAGS[isa]), native.library((*native.ISA_FLAGS[isa], "-DQ8_NO_ROWS1"))
+    if one is None or four is None or one.df_isa() not in (2, 3):
+        pytest.skip("no AVX2 build here")
+    assert (one.df_one_row_loops(), four.df_one_row_loops()) == (3, 0)
+    for R, C in ((77, 128), (40, 2048), (9, 640), (33, 96)):
+        x = torch.randn(1, C) * 3
+        for fmt, rec in _records(R, C, seed=R * C).items():
+            f = cpu.int8_linear if fmt == "int8" else getattr(cpu, f"{fmt}_linear")
+            a, b = f(x, rec.data, rec.scale, lib=one), f(x, rec.data, rec.scale, lib=four)
+            assert torch.equal(a, b), (fmt, R, C)
+    g = torch.Generator().manual_seed(5)
+    recs = [QTensor("mxfp4", s, torch.randint(0, 256, (s[0], s[1] // 2), dtype=torch.uint8, generator=g),
+                    torch.randint(118, 130, (s[0], s[1] // 32), dtype=torch.uint8, generator=g))
+            for s in ((96, 256), (96, 256), (256, 96))]
+    x = torch.randn(1, 256)
+    assert torch.equal(cpu.glu_expert(x, *recs, lib=one), cpu.glu_expert(x, *recs, lib=four))
+
+
 def test_avx2_builds_keep_4bit_matmuls_on_the_q8_loop_longer():
     """On an AVX2 build 4-bit matmuls take the Q8 loop up to GEMM_TOKENS_AVX2 tokens (it is faster there), int8 rows
     the GEMM past GEMM_TOKENS_INT8_AVX2 (sooner than on AVX-512); the matmuls take the kernels that say."""

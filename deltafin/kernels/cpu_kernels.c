@@ -781,6 +781,57 @@ static int64_t q8_rows1_vnni(int kind, const uint8_t *packed, const void *scales
 }
 #endif
 
+#if !defined(Q8_VNNI) && defined(__AVX2__) && Q8_TERMS == 1
+/* The AVX2 form of that loop (x86 without AVX-512): one row at a time, start to end, a group as two 256-bit
+ * halves of two blocks, the same operations in the same order as q8_unit_fma (the same sums, bit for bit). The
+ * four-row loop below keeps 4 accumulators, 4 scale vectors and 4 units live in 16 ymm registers and spills
+ * them. Returns r1. */
+#ifndef Q8_PFD
+#define Q8_PFD 1024 /* bytes ahead in the row stream to prefetch (0: none) */
+#endif
+static int64_t q8_rows1_avx2(int kind, const uint8_t *packed, const void *scales, const float *e8m0,
+                             const q8k_t *k, const q8x_t *q, float *out, int64_t r0, int64_t r1, int64_t H,
+                             int64_t nb, int64_t G) {
+    const int64_t GR = Q8_RUN / QG;
+    const __m256i tab = k->tab, m15 = _mm256_set1_epi8(15);
+#ifndef __AVXVNNI__
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *w = packed + r * H;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g0 = 0; g0 < G; g0 += GR) {
+            const int nbr = nb - g0 * QG < Q8_RUN ? (int)(nb - g0 * QG) : Q8_RUN;
+            const __m256 sc = _mm256_mul_ps(q8_wscale_run(kind, scales, e8m0, r * nb + g0 * QG, nbr),
+                                            _mm256_loadu_ps(q->xs + g0 * QG));
+            const int64_t g1 = g0 + GR < G ? g0 + GR : G;
+            for (int64_t g = g0; g < g1; g++) {
+                if (Q8_PFD) _mm_prefetch((const char *)(w + g * 64 + Q8_PFD), _MM_HINT_T0); /* never faults */
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32 * h));
+                    const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(v, m15));
+                    const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(v, 4), m15));
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(q->corr + g * 16 + 8 * h));
+                    const __m256i e = _mm256_loadu_si256((const __m256i *)(q->xe + g * Q8GB + 32 * h));
+                    const __m256i o = _mm256_loadu_si256((const __m256i *)(q->xo + g * Q8GB + 32 * h));
+#ifdef __AVXVNNI__
+                    const __m256i sum = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(c, lo, e), hi, o);
+#else
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o));
+                    const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p, ones), c);
+#endif
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                          _mm256_permutevar8x32_ps(sc, k->spread[2 * (g - g0) + h]), acc);
+                }
+            }
+        }
+        out[r] = q8f_sum(acc);
+    }
+    return r1;
+}
+#define Q8_ROWS1_AVX2 1
+#endif
+
 static void q8_rows(int kind, const uint8_t *packed, const void *scales, const uint8_t *tab8, int K,
                     const float *e8m0, const q8x_t *q, float *out, int64_t r0, int64_t r1, int64_t R, int64_t C,
                     int64_t T) {
@@ -794,6 +845,9 @@ static void q8_rows(int kind, const uint8_t *packed, const void *scales, const u
 #if defined(Q8_VNNI) && Q8_TERMS == 2
     if (T == 1 && nb % QG == 0)
         r = q8_rows1_vnni(kind, packed, scales, e8m0, &k, q, out, r0, r1, H, nb, G);
+#elif defined(Q8_ROWS1_AVX2) && !defined(Q8_NO_ROWS1)
+    if (T == 1 && nb % QG == 0)
+        r = q8_rows1_avx2(kind, packed, scales, e8m0, &k, q, out, r0, r1, H, nb, G);
 #endif
     if (T == 1) /* four rows at a time share the activation loads; the same sums as below */
         for (; r + 4 <= r1; r += 4) {
@@ -1017,6 +1071,49 @@ static int64_t i8a16_rows1(const int8_t *w, const float *s, const i8a16_t *a, fl
 }
 #endif
 
+#if defined(A16_VEC) && !defined(Q8_VNNI) && defined(__AVX2__) && !defined(Q8_NO_ROWS1)
+/* The AVX2 form of that loop (x86 without AVX-512): one row at a time, a block's 8 steps of 16 columns summed in
+ * two int32 chains (exact, so the same integer as a16_fma's one chain), then a16_fma's float step: the generic
+ * loop's result bit for bit. Returns r1. */
+#ifndef A16_PFD
+#define A16_PFD 1024
+#endif
+static int64_t i8a16_rows1_avx2(const int8_t *w, const float *s, const i8a16_t *a, float *out, int64_t r0,
+                                int64_t r1, int64_t C) {
+    const int64_t NB = a->NB;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *row = w + r * C;
+        __m256 f = _mm256_setzero_ps();
+        for (int64_t b = 0; b < NB; b++) {
+            const int16_t *xq = a->q + b * A16B;
+            const int8_t *p = row + b * A16B;
+            if (A16_PFD) { /* never faults */
+                _mm_prefetch((const char *)(p + A16_PFD), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + A16_PFD + 64), _MM_HINT_T0);
+            }
+            __m256i u = _mm256_setzero_si256(), v = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * j)));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * j + 16)));
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 16 * j));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 16 * j + 16));
+#ifdef __AVXVNNI__
+                u = _mm256_dpwssd_avx_epi32(u, w0, x0);
+                v = _mm256_dpwssd_avx_epi32(v, w1, x1);
+#else
+                u = _mm256_add_epi32(u, _mm256_madd_epi16(w0, x0));
+                v = _mm256_add_epi32(v, _mm256_madd_epi16(w1, x1));
+#endif
+            }
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(u, v)), _mm256_set1_ps(a->d[b]), f);
+        }
+        out[r] = q8f_sum(f) * s[r];
+    }
+    return r1;
+}
+#define A16_ROWS1_AVX2 1
+#endif
+
 static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float *out, int64_t r0, int64_t r1,
                        int64_t R, int64_t C, int64_t T) {
     const int64_t NB = a->NB;
@@ -1024,6 +1121,8 @@ static void i8a16_rows(const int8_t *w, const float *s, const i8a16_t *a, float 
     int64_t r = r0;
 #if defined(Q8_VNNI) && defined(__AVX512VL__)
     if (T == 1 && C % A16B == 0) r = i8a16_rows1(w, s, a, out, r0, r1, C);
+#elif defined(A16_ROWS1_AVX2)
+    if (T == 1 && C % A16B == 0) r = i8a16_rows1_avx2(w, s, a, out, r0, r1, C);
 #endif
     if (T == 1) /* four rows at a time share the activation loads; the same sums as below */
         for (; r + 4 <= r1; r += 4) {
@@ -1364,6 +1463,19 @@ int df_q8_vnni(void) {
 #else
     return 0;
 #endif
+}
+
+/* Which one-token loops read one row start to end in this build (1: 4-bit Q8 rows, 2: int8 rows with int16
+ * activations), for tests that hold them to the four-row loops. */
+int df_one_row_loops(void) {
+    int m = 0;
+#if (defined(Q8_VNNI) && Q8_TERMS == 2) || (defined(Q8_ROWS1_AVX2) && !defined(Q8_NO_ROWS1))
+    m |= 1;
+#endif
+#if (defined(Q8_VNNI) && defined(__AVX512VL__)) || defined(A16_ROWS1_AVX2)
+    m |= 2;
+#endif
+    return m;
 }
 
 /* The vector code of the one-token paths in this build, for reports: 4 AVX-512 (VNNI where the CPU has it), 3 AVX2

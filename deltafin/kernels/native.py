@@ -60,6 +60,7 @@ _SIGNATURES = {
     "df_simd_width": [],
     "df_isa": [],
     "df_q8_terms": [],
+    "df_one_row_loops": [],
     "df_ftz": [_INT, _INT],
     "df_i8gw_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4gw_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
@@ -213,7 +214,7 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
                     getattr(lib, name).argtypes = args
                 lib.df_q4gw_mm.restype = lib.df_q4gw_vnni.restype = lib.df_i8gw_mm.restype = _INT
                 lib.df_gw_peak.restype = ctypes.c_double
-                lib.df_simd_width.restype = lib.df_isa.restype = lib.df_q8_terms.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
+                lib.df_simd_width.restype = lib.df_isa.restype = lib.df_one_row_loops.restype = lib.df_q8_terms.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = lib.df_gw_merge.restype = _INT
                 lib.df_i8a16_multi.restype = lib.df_i8a16_heads.restype = lib.df_q4gw_glu.restype = lib.df_q4q8_glu_many.restype = _INT
                 lib.df_glu_act.restype = lib.df_rms_rows.restype = lib.df_rope1.restype = None
