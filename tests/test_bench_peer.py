@@ -56,12 +56,29 @@ def test_finds_tools_in_a_build_tree(tmp_path, monkeypatch):
         _exe(src / "build" / "bin" / name, "exit 0\n")
     with pytest.raises(peer_tools.LlamaCppMissing, match="--converter"):
         peer_tools.find_llama_cpp(str(src), None)
+    # a GGUF kept with --reuse needs no converter
+    assert peer_tools.find_llama_cpp(str(src), None, need_converter=False).converter == ""
     (src / "convert_hf_to_gguf.py").write_text("")
     for where in (str(src), str(src / "build" / "bin")):
         t = peer_tools.find_llama_cpp(where, None)
         assert t.bench.endswith("build/bin/llama-bench") and t.converter == str(src / "convert_hf_to_gguf.py")
     with pytest.raises(peer_tools.UsageError, match="--converter /no/such.py"):
         peer_tools.find_llama_cpp(str(src), "/no/such.py")
+
+
+def test_reuse_needs_the_converter_only_where_something_is_left_to_convert(tmp_path):
+    from types import SimpleNamespace
+
+    from deltafin.bench import peer
+
+    args = SimpleNamespace(reuse=True)
+    assert not peer._reusable(args, str(tmp_path))
+    gguf, packed = peer._made(str(tmp_path))
+    open(gguf, "wb").close()
+    os.makedirs(packed)
+    assert not peer._reusable(args, str(tmp_path))  # a GGUF alone: the pack is still to be made
+    open(os.path.join(packed, "deltafin.json"), "w").close()
+    assert peer._reusable(args, str(tmp_path)) and not peer._reusable(SimpleNamespace(reuse=False), str(tmp_path))
 
 
 def test_reads_llama_bench_json(tmp_path):

@@ -110,15 +110,25 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})" if values else "-"
 
 
+def _made(work: str) -> tuple[str, str]:
+    """Where the GGUF and the pack go in the work folder."""
+    return os.path.join(work, "model-mxfp4-moe.gguf"), os.path.join(work, "deltafin")
+
+
+def _reusable(args, work: str) -> bool:
+    """--reuse with a GGUF and a pack already in the work folder: nothing is converted (no converter needed)."""
+    gguf, packed = _made(work)
+    return args.reuse and os.path.isfile(gguf) and os.path.isfile(os.path.join(packed, "deltafin.json"))
+
+
 def _prepare(args, work: str, tools) -> dict:
     """The checkpoint, the GGUF and the pack (each timed where made here); kept with --reuse."""
     ck = args.checkpoint or os.path.join(work, "checkpoint-" + ("small" if args.small else "issue"))
     if args.checkpoint is None:
         peer_tools.build_checkpoint(ck, "small" if args.small else "issue")
-    gguf, packed = os.path.join(work, "model-mxfp4-moe.gguf"), os.path.join(work, "deltafin")
+    gguf, packed = _made(work)
     out: dict = {"checkpoint": ck, "gguf": gguf, "packed": packed}
-    have = args.reuse and os.path.isfile(gguf) and os.path.isfile(os.path.join(packed, "deltafin.json"))
-    if have:
+    if _reusable(args, work):
         return out
     bf16 = os.path.join(work, "model-bf16.gguf")
     pack_cmd = [sys.executable, "-m", "deltafin", "pack", ck, packed, "--drive", os.path.join(work, "drive"),
@@ -244,8 +254,8 @@ def report(args, files: dict, pairs: list[dict], capped: dict, version: str) -> 
 
 def run(args) -> dict | None:
     check_args(args)
-    tools = peer_tools.find_llama_cpp(args.llama_cpp, args.converter)
     work = args.dir or os.path.join(os.getcwd(), "bench-peer")
+    tools = peer_tools.find_llama_cpp(args.llama_cpp, args.converter, need_converter=not _reusable(args, work))
     os.makedirs(work, exist_ok=True)
     files = _prepare(args, work, tools)
     version = tools.version()

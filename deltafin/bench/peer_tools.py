@@ -64,9 +64,10 @@ def _find(name: str, dirs: list[str]) -> str | None:
     return shutil.which(name) if not name.endswith(".py") else None
 
 
-def find_llama_cpp(where: str | None, converter: str | None) -> LlamaCpp:
+def find_llama_cpp(where: str | None, converter: str | None, need_converter: bool = True) -> LlamaCpp:
     """llama-bench and llama-quantize in DIR (or DIR/bin, DIR/build/bin) or on PATH; the converter beside them,
-    in a parent folder (a source tree holding its build), on PATH's folders, or given."""
+    in a parent folder (a source tree holding its build), on PATH's folders, or given. ``need_converter`` False
+    (a GGUF already made, kept with --reuse): one not found is '' rather than an error."""
     if where is not None and not os.path.isdir(where):
         raise UsageError(f"--llama-cpp {where}: not a folder; give the folder holding llama-bench")
     dirs = [where, os.path.join(where, "bin"), os.path.join(where, "build", "bin")] if where else []
@@ -83,6 +84,8 @@ def find_llama_cpp(where: str | None, converter: str | None) -> LlamaCpp:
         up = os.path.dirname(up)
     path_dirs = os.environ.get("PATH", "").split(os.pathsep)
     conv = _find("convert_hf_to_gguf.py", dirs + seen + path_dirs)
+    if conv is None and not need_converter:
+        return LlamaCpp(bench, quant, "")
     if conv is None:
         raise LlamaCppMissing(f"found {bench} but not llama.cpp's convert_hf_to_gguf.py near it; pass --converter "
                               "<llama.cpp source>/convert_hf_to_gguf.py")
