@@ -4,7 +4,9 @@ order in one (``df_moe_sum1``).
 
 Its logits are not the layer-by-layer calls' bit for bit (the router's sum and the softmax's exp are the compiled
 ones, not MKL's and torch's: a few ulps), so against those it is held to the same greedy tokens and logits within
-1e-4 of their scale; against itself it is bit for bit: with no cache (every expert read and computed alone, as it
+1e-4 of their scale (where the build rounds the experts' activations in one int8 term, as AVX2 builds do, a
+rounding 256 times coarser than two terms', the bound is 256 times wider: a few ulps in the router's input move
+some activations by a whole step); against itself it is bit for bit: with no cache (every expert read and computed alone, as it
 lands) and with every expert cached (one call a layer), and at 1 and 2 threads."""
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def test_fused_moe_step_keeps_the_layer_by_layer_tokens_and_logits(packed, monke
     plain, plain_toks, _ = _decode(model, monkeypatch, fused=False)
     assert ran == STEPS * layers  # every layer of every step (the prompt's tokens are not one-token steps)
     assert toks == plain_toks
-    assert (fused - plain).abs().max() <= 1e-4 * plain.abs().max()
+    coarse = 256.0 if native.library().df_q8_terms() == 1 else 1.0
+    assert (fused - plain).abs().max() <= 1e-4 * coarse * plain.abs().max()
 
 
 def test_fused_moe_step_is_the_same_whatever_was_cached_and_at_any_thread_count(packed, monkeypatch):

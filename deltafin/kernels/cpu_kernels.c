@@ -632,8 +632,15 @@ static inline q8f_t q8_wscale_run(int kind, const void *scales, const float *e8m
         for (int j = 0; j < n; j++) f[j] = scale_at(scales, kind, e8m0, i + j);
         return _mm256_loadu_ps(f);
     }
-    if (kind == 0)
-        return _mm256_i32gather_ps(e8m0, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)scales + i))), 4);
+    if (kind == 0) { /* E8M0 by its bits, as the AVX-512 code: e << 23 is 2^(e - 127) for e in 1..254; 0 and 255
+                      * patched in from the table. A gather from the table took longer than a short row's math
+                      * (three a row of 768 columns) */
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)scales + i)));
+        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+        f = _mm256_blendv_ps(f, _mm256_set1_ps(e8m0[0]), _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+        return _mm256_blendv_ps(f, _mm256_set1_ps(e8m0[255]),
+                                _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_set1_epi32(255))));
+    }
     if (kind == 2) return _mm256_loadu_ps((const float *)scales + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)scales + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
