@@ -196,14 +196,13 @@ def layer_math_s(pm, step: dict[int, list[int]], device: str) -> float:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * len(step)
     from deltafin.bench.decode import situ_glu_expert
-    from deltafin.kernels import glu_many
+    from deltafin.models.base import group_outputs
 
     x = torch.randn(1, K3_LATENT)
+    group = list(enumerate(experts))
 
     def layer() -> None:  # in one call where the kernels take them, as the engine's cached experts run
-        if glu_many(x, [None] * len(experts), experts, K3_ACT) is None:
-            for t in experts:
-                situ_glu_expert(x, t)
+        group_outputs(x, [None] * len(group), group, K3_ACT, situ_glu_expert)
 
     layer()
     t0 = time.perf_counter()
@@ -332,17 +331,13 @@ def _layer_fn(device: str, math: bool):
             kc.grouped_moe(x, torch.tensor([ids], dtype=torch.int64), w, got, K3_ACT, src.slab)
         return cuda_layer
     from deltafin.bench.decode import situ_glu_expert
-    from deltafin.kernels import glu_many
-    from deltafin.models.base import settle
+    from deltafin.models.base import group_outputs, settle
 
     xc = torch.randn(1, K3_LATENT)
 
     def cpu_layer(src, L, ids):
         for group in src.fetch_groups(L, ids):  # as the engine's one-token MoE step takes them (models.base)
-            ys = glu_many(xc, [None] * len(group), [t for _, t in group], K3_ACT) if len(group) > 1 else None
-            for i, (_, t) in enumerate(group):
-                if ys is None or ys[i] is None:
-                    situ_glu_expert(xc, t)
+            group_outputs(xc, [None] * len(group), group, K3_ACT, situ_glu_expert)
             for _, t in settle(group):
                 situ_glu_expert(xc, t)
     return cpu_layer

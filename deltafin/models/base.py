@@ -244,9 +244,8 @@ def moe_dispatch(
     if slot_of is not None:
         by_slot: list[torch.Tensor | None] = [None] * k
         for group in groups if grouped else ([item] for item in fetched):
-            ys = glu_many(x, [None] * len(group), [t for _, t in group], glu) if len(group) > 1 else None
-            for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
-                by_slot[slot_of[eid]] = expert_fn(x, tensors) if ys is None or ys[i] is None else ys[i]  # [1, D]
+            for (eid, _), y in zip(group, group_outputs(x, [None] * len(group), group, glu, expert_fn), strict=True):
+                by_slot[slot_of[eid]] = y  # [1, D]
                 seen += 1
             for eid, tensors in settle(group):  # a copy failed its check: a good copy's result
                 by_slot[slot_of[eid]] = expert_fn(x, tensors)
@@ -268,11 +267,9 @@ def moe_dispatch(
         out = _slot_buffer(T * k, D, x) if reuse else x.new_zeros(T * k, D)  # [T k, D], row t k + s
         for group in groups if grouped else ([item] for item in fetched):
             toks = [tok_of[slice(*span[eid])] for eid, _ in group]
-            ys = glu_many(x, toks, [t for _, t in group], glu) if len(group) > 1 else None
-            for i, (eid, tensors) in enumerate(group):  # glu_many's result, where it ran one, is expert_fn's
+            for (eid, _), y in zip(group, group_outputs(x, toks, group, glu, expert_fn), strict=True):
                 place = order[slice(*span[eid])]
-                y = expert_fn(x[toks[i]], tensors) if ys is None or ys[i] is None else ys[i]  # [n, D]
-                out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)
+                out[place] = y * w_flat[place].unsqueeze(-1).to(y.dtype)  # y [n, D]
                 seen += 1
             for eid, tensors in settle(group):  # a copy failed its check: a good copy's result
                 place = order[slice(*span[eid])]
@@ -283,6 +280,17 @@ def moe_dispatch(
     if hasattr(experts, "combine"):
         out = experts.combine(layer, out, ids)
     return out.sum(1)
+
+
+def group_outputs(x: torch.Tensor, toks: list[torch.Tensor | None], group: Sequence[tuple[int, ExpertTensors]],
+                  glu: tuple | None, expert_fn) -> list[torch.Tensor]:
+    """Each expert of a group (expert id, tensors) on its tokens (``toks[i]``: rows of x, or None for all of x):
+    in one call (``glu_many``) where the kernels take them, else ``expert_fn(x rows, tensors)`` each; glu_many's
+    result, where it ran one, is expert_fn's."""
+    tensors = [t for _, t in group]
+    ys = glu_many(x, toks, tensors, glu) if len(group) > 1 else None
+    return [ys[i] if ys is not None and ys[i] is not None else expert_fn(x if toks[i] is None else x[toks[i]], t)
+            for i, t in enumerate(tensors)]
 
 
 def expert_groups(experts, layer: int, wanted: Sequence[int]) -> Iterator[list[tuple[int, ExpertTensors]]]:
