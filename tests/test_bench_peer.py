@@ -213,3 +213,28 @@ def test_the_capped_side_reports_its_read_bound_from_the_bytes_its_timed_steps_r
     assert r["one_read_bound_tok_s"] == pytest.approx(r["one_read_GBps"] * 1e9 / r["bytes_read_per_token"])
     assert r["one_read_GBps"] > 0 and r["misses_per_token"] > 0
     assert r["decode_capped"] > 0 and 0 <= r["hit_rate"] < 1
+
+
+def test_the_timed_pack_starts_from_an_empty_folder(tmp_path, monkeypatch):
+    """A pack already in the work folder is removed first: a resumed pack writes nothing and would time ~0 s."""
+    from types import SimpleNamespace
+
+    from deltafin.tiny import build_tiny
+
+    ck = str(tmp_path / "ck")
+    build_tiny("qwen3_moe", ck)
+
+    def convert(tools, checkpoint, bf16, gguf, threads):  # llama.cpp's side stands in: files only
+        for f in (bf16, gguf):
+            open(f, "wb").close()
+        return 0.0, 0.0
+
+    monkeypatch.setattr(peer_tools, "convert", convert)
+    args = SimpleNamespace(checkpoint=ck, small=False, reuse=False, threads=1)
+    work = str(tmp_path / "work")
+    os.makedirs(work)
+    out = peer._prepare(args, work, None)
+    marker = os.path.join(out["packed"], "left-by-an-earlier-run")
+    open(marker, "w").close()
+    again = peer._prepare(args, work, None)
+    assert not os.path.exists(marker) and os.path.isfile(os.path.join(again["packed"], "deltafin.json"))

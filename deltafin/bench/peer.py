@@ -140,7 +140,9 @@ def _prepare(args, work: str, tools) -> dict:
             out["convert_s"], out["quantize_s"] = peer_tools.convert(tools, ck, bf16, gguf, args.threads)
             out["llama_convert_pressure"] = _pressure(*t)
             os.remove(bf16)
-        else:
+        else:  # a pack left in the folder would be resumed (nothing written): the timed one starts empty
+            for d in (packed, os.path.join(work, "drive")):
+                shutil.rmtree(d, ignore_errors=True)
             drop_cached([ck])
             t = cpu_pressure_total(), time.perf_counter()
             r = subprocess.run(pack_cmd, capture_output=True, text=True)
