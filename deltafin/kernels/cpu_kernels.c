@@ -18,6 +18,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h> /* MXCSR (df_ftz), in the portable build too */
 #define DF_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#ifndef DF_STREAM_HINT
+#define DF_STREAM_HINT _MM_HINT_T0 /* the one-token loops' prefetch ahead in a weight stream */
+#endif
 #else
 #define DF_PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 #endif
@@ -770,7 +773,7 @@ static int64_t q8_rows1_vnni(int kind, const uint8_t *packed, const void *scales
             const int64_t g1 = g0 + GR < G ? g0 + GR : G;
             for (int64_t g = g0; g < g1; g++) {
                 const int8_t *xe = q->xe + g * Q8GB, *xo = q->xo + g * Q8GB;
-                if (Q8_PFD) _mm_prefetch((const char *)(w + g * 64 + Q8_PFD), _MM_HINT_T0); /* never faults */
+                if (Q8_PFD) _mm_prefetch((const char *)(w + g * 64 + Q8_PFD), DF_STREAM_HINT); /* never faults */
                 const __m512i v = _mm512_loadu_si512(w + g * 64);
                 const __m512i lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, m15));
                 const __m512i hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
@@ -810,7 +813,7 @@ static inline __attribute__((always_inline)) __m256 q8_run_avx2(__m256 acc, cons
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     for (int g = 0; g < ng; g++) {
-        if (Q8_PFD) _mm_prefetch((const char *)(w + g * 64 + Q8_PFD), _MM_HINT_T0); /* never faults */
+        if (Q8_PFD) _mm_prefetch((const char *)(w + g * 64 + Q8_PFD), DF_STREAM_HINT); /* never faults */
         for (int h = 0; h < 2; h++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32 * h));
             const __m256i lo = _mm256_shuffle_epi8(k->tab, _mm256_and_si256(v, m15));
@@ -1126,8 +1129,8 @@ static int64_t i8a16_rows1_avx2(const int8_t *w, const float *s, const i8a16_t *
         for (int64_t b = 0; b < NB; b++) {
             const int8_t *p = row + b * A16B;
             if (A16_PFD) { /* never faults */
-                _mm_prefetch((const char *)(p + A16_PFD), _MM_HINT_T0);
-                _mm_prefetch((const char *)(p + A16_PFD + 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + A16_PFD), DF_STREAM_HINT);
+                _mm_prefetch((const char *)(p + A16_PFD + 64), DF_STREAM_HINT);
             }
             a16w_t W;
             a16_wload(&W, p, A16B);

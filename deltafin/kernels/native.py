@@ -93,15 +93,17 @@ def _cpu_id() -> str:
 
 
 def tuning_flags() -> tuple[str, ...]:
-    """Choices of the GEMM's code by CPU maker, measured: on AMD (Zen 5) the token's pair broadcast into a register
+    """Choices of the code by CPU maker, measured: on AMD (Zen 5) the GEMM's token pair broadcast into a register
     and then multiplied ran 5-10% faster than vpdpwssd's broadcast from memory, which Intel (Emerald Rapids) runs
-    5-9% faster; the build's default is Intel's."""
+    5-9% faster; the build's default is Intel's. On AMD (Zen 3) the one-token loops prefetch their weight streams
+    non-temporally: a warm decode step 2-7% faster, the host work between kernels no longer finding its code and data
+    evicted from L3 by ~400 MB of weights a token (docs/KERNELS.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             vendor = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
     except OSError:
         vendor = ""
-    return ("-DGW_EMB=0",) if vendor == "AuthenticAMD" else ()
+    return ("-DGW_EMB=0", "-DDF_STREAM_HINT=_MM_HINT_NTA") if vendor == "AuthenticAMD" else ()
 
 
 def _compiler() -> str | None:
