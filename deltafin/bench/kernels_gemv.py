@@ -15,12 +15,16 @@ import torch
 
 # ``moe_gemv_config`` arguments; the gate/up and down kernels may take their own tiles and warps. The H200 sweeps
 # over BN 8-64 x BK 256-1024 x 2-8 warps put BN 8-16 x BK 512 at 4 warps first (float32 decode 0.28 of copy at
-# T=1; packed fp16 decode 2 0.46-0.48); dependent launches gave ~2% (0.49); timed alone, gate/up ran best at
-# BK 256 with 2 warps (0.54 of copy) and down at BN 4 with 4 warps (0.48). These are the finalists.
-_OLD = dict(BK=512, num_warps=4, BN_down=8, BK_down=512, num_warps_down=4)  # the default before the split tiles
-MOE_CFGS = (dict(_OLD, BN=16, BN_down=16, decode=0, pdl=False), dict(_OLD, pdl=False), dict(_OLD), dict(),
-            dict(BN_down=8), dict(BK_down=256, num_warps_down=2), dict(prefetch=1),
-            dict(BK=512, num_warps=4), dict(BN=16, num_warps=4))
+# T=1; packed fp16 decode 2 0.46-0.48); dependent launches gave ~2% (0.49); timed alone, the tile gate/up ran best
+# at BK 256 with 2 warps (0.54 of copy) and down at BN 4 with 4 warps (0.48); the unrolled kernels at gate/up BN 8 x
+# BK 256, 2 warps (0.61) and down BN 4 x BK 128, 1 warp (0.52; 0.27-0.48 at 18 other tiles). These are the finalists.
+_OLD = dict(BK=512, num_warps=4, BN_down=8, BK_down=512, num_warps_down=4, unrolled=False, unrolled_down=False)
+_TILE = dict(unrolled=False, unrolled_down=False)  # the tile kernels' split tiles, the default before the unrolled
+MOE_CFGS = (dict(_OLD, BN=16, BN_down=16, decode=0, pdl=False), dict(_OLD, pdl=False), dict(_OLD), dict(_TILE),
+            dict(_TILE, BN_down=8), dict(_TILE, prefetch=1), dict(), dict(unrolled_down=False),
+            dict(BK=512, num_warps=4), dict(pf_rows_down=0), dict(BN_down=8, BK_down=256, num_warps_down=2))
+
+
 # (BN, BK, num_warps, num_stages, target programs for split-K, magic int8 conversion); an earlier sweep of
 # BN 8-32 x BK 256-1024 x 4-8 warps x 264-1056 programs with the conversion instruction left these.
 INT8_CFGS = ((8, 512, 4, 3, 528, False), (8, 512, 4, 3, 528, True), (16, 256, 4, 3, 1056, True),
@@ -118,9 +122,9 @@ def summary(res: dict, gbps: float) -> list[str]:
         for T in sorted({r["T"] for r in rows}):
             for r in (r for r in rows if r["T"] == T):
                 c = r["cfg"]
-                tag = (f"BN {c['BN']} BK {c['BK']} w {c['num_warps']} dec {c.get('decode', '-')}"
+                tag = (f"{'unrolled ' if c.get('unrolled') else ''}BN {c['BN']} BK {c['BK']} w {c['num_warps']} dec {c.get('decode', '-')}"
                        f" pf {c.get('prefetch', '-')} pdl {int(c['pdl']) if 'pdl' in c else '-'}"
-                       + (f" down {c['BN_down']}x{c['BK_down']} w {c['num_warps_down']}"
+                       + (f" down{' unrolled' if c.get('unrolled_down') else ''} {c['BN_down']}x{c['BK_down']} w {c['num_warps_down']}"
                           if "num_warps_down" in c else ""))
                 fig = (f"{r['s'] * 1e3:.3f} ms = {r['ratio']:.2f} of copy, err {r['rel_err']:.1e}"
                        + ("" if r["ok"] else " FAIL")) if "s" in r else r.get("error", "")

@@ -8,7 +8,8 @@ pairs for MXFP4 by default: see below):
 - ``grouped_glu_gemv``: a layer's routed MXFP4 experts for decode, one program per (pair, n-tile) with the
   pairs sorted by slab slot (pairs sharing an expert run side by side, so repeated reads hit L2). Gate and
   up with the GLU activation fused, then down times the routing weight. The grid depends on (T, k) only, so
-  the launch can be captured in a CUDA graph.
+  the launch can be captured in a CUDA graph. In the packed form the K loop is unrolled by default
+  (``_gemv_gate_up_rows_kernel``, ``_gemv_down_rows_kernel``: more loads in flight per thread).
 - ``int8_gemv``: int8 per-row weights (trunk linears) in one launch, split over the input dimension into
   float32 partial sums that the last split to finish adds in split order (a result never depends on
   arrival order).
@@ -42,6 +43,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from deltafin.kernels.triton_tiles import INTERPRET, e2m1_bits, e8m0_value, glu_act
 
 # Set from the H200 measurements of ``deltafin.bench.kernels_cuda --gemv`` (copy 4,273 GB/s in the run):
+# - MoE, 2026-12-04: the unrolled kernels (gate/up BN 8 x BK 256 in 2 warps, down BN 4 x BK 128 in 1) take the
+#   16-expert K3 step at one token from 0.127 to 0.113-0.120 ms = 0.55-0.58 of copy (4,274 GB/s; timed alone,
+#   gate/up 0.54 -> 0.61, down 0.47 -> 0.51); docs/BENCHMARKS.md has the sweep. Before them:
 # - MoE: the 16-expert K3 step at one token 0.128-0.131 ms = 0.50-0.51 of copy (4,275 GB/s) with the packed fp16
 #   form (decode 2), its launches dependent, gate/up in BN 8 x BK 256 tiles of 2 warps and down in BN 4 x BK 512
 #   of 4 (timed alone, gate/up 0.54 of copy, down 0.48; the pack and sum launches ~3.5 and ~4.5 us, mostly hidden
@@ -60,6 +64,8 @@ GEMV_MOE = True
 # and then waits (griddepcontrol) for the results it reads, so the weight stream goes on across the kernel
 # boundaries instead of draining and refilling at each.
 PDL = not INTERPRET and os.environ.get("DELTAFIN_CUDA_PDL", "1") != "0"  # 0: every launch waits for the one before
+# decode 2's gate/up and down through the unrolled kernels (0: the tile kernels): see moe_gemv_config
+UNROLLED = os.environ.get("DELTAFIN_GEMV_UNROLLED", "1") != "0"
 # (Adding each token's k rows in the down kernel, the last of them to finish, in place of the summing launch
 # measured level with it once the launches were dependent: 0.136 vs 0.134 ms. Not kept.)
 MAX_TOKENS = 4
@@ -322,16 +328,139 @@ def _gemv_down_kernel(h_ptr, hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds,
     tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * w, mask=offs_n < D)
 
 
+@triton.jit
+def _mx_scales(s_ptr, offs_n, k0, N, K: tl.constexpr, G: tl.constexpr, one):
+    """[BN, G] uint32: the E8M0 scales of W[offs_n, k0:k0+32G] (127, i.e. 1.0, past N or K). one: 1, passed
+    unspecialised, so that the loads are not merged into words (the words would then be split apart again
+    through shared memory: each thread holds one block of each of its rows)."""
+    offs_g = k0 // 32 + tl.arange(0, G)
+    m = (offs_n < N)[:, None] & (offs_g < K // 32)[None, :]
+    s = tl.load(s_ptr + offs_n[:, None] * (K // 32) + offs_g[None, :] * one, mask=m, other=127)
+    return s.to(tl.uint32)
+
+
+@triton.jit
+def _x_pairs(xp_ptr, xsc_ptr, k0, K: tl.constexpr, G: tl.constexpr):
+    """The token's packed activations for blocks k0/32 .. k0/32 + G: four [1, G, 4] pair words and the words'
+    scales (``pack_pairs`` layout; zero past K)."""
+    offs_g = k0 // 32 + tl.arange(0, G)
+    jw = tl.arange(0, 4)
+    m = (offs_g < K // 32)[None, :, None]
+    xq = xp_ptr + offs_g[None, :, None] * 16 + jw[None, None, :]
+    p0 = tl.load(xq, mask=m, other=0)
+    p1 = tl.load(xq + 4, mask=m, other=0)
+    p2 = tl.load(xq + 8, mask=m, other=0)
+    p3 = tl.load(xq + 12, mask=m, other=0)
+    xsc = tl.load(xsc_ptr + offs_g[None, :, None] * 4 + jw[None, None, :], mask=m, other=0.0)
+    return p0, p1, p2, p3, xsc
+
+
+@triton.jit
+def _rows_dot(w, s, p0, p1, p2, p3, xsc):
+    """[BN, G] block sums times their scales: words w [BN, G, 4], scales s [BN, G], one token's pairs."""
+    d = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=r,r,r,r,r,r", [w, p0, p1, p2, p3], dtype=tl.int32,
+                                  is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    return tl.sum(d * xsc, axis=2) * e8m0_value(s)
+
+
+@triton.jit(do_not_specialize=["one"])
+def _gemv_gate_up_rows_kernel(xp_ptr, xsc_ptr, rows_ptr, blk_ptr, gp, gs, upp, ups, hp_ptr, hsc_ptr, p_slot, s_slot,
+                              one,
+                              RS: tl.constexpr, TOPK: tl.constexpr, K: tl.constexpr, I: tl.constexpr,
+                              ACT: tl.constexpr, BETA: tl.constexpr, LBETA: tl.constexpr, BN: tl.constexpr,
+                              BK: tl.constexpr, PF: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """The gate/up kernel of decode 2 with its K loop unrolled, so that the compiler keeps several chunks' loads
+    in flight (the tile kernel's loop waits on each), each block's four word sums added in the thread before its
+    scale (a [BN, G] accumulator, not [BN, G, 4]) and each scale loaded by the thread that uses it. PF: the next
+    chunk requested before this one is used; the first is requested before waiting on PDL."""
+    if PDL:
+        gdc_launch_dependents()
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    pair = tl.load(rows_ptr + b * RS).to(tl.int64)
+    tok = pair // TOPK
+    G: tl.constexpr = BK // 32
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    off = tl.multiple_of(slot * p_slot, 16)  # a slot's bytes start 16-byte aligned: 128-bit loads
+    soff = tl.multiple_of(slot * s_slot, 16)
+    gw, uw, gsc, usc = gp + off, upp + off, gs + soff, ups + soff
+    wg, sg = _mx_words(gw, offs_n, 0, I, K, G), _mx_scales(gsc, offs_n, 0, I, K, G, one)
+    wu, su = _mx_words(uw, offs_n, 0, I, K, G), _mx_scales(usc, offs_n, 0, I, K, G, one)
+    if PDL:
+        gdc_wait()  # x packed by the kernel before
+    xq, xs = xp_ptr + tok * (K // 2), xsc_ptr + tok * (K // 8)
+    acc_g = tl.zeros((BN, G), dtype=tl.float32)
+    acc_u = tl.zeros((BN, G), dtype=tl.float32)
+    for c in tl.static_range(0, K, BK):
+        if PF:  # the next chunk in flight while this one is used (zero past K)
+            wg_n = _mx_words(gw, offs_n, c + BK, I, K, G)
+            sg_n = _mx_scales(gsc, offs_n, c + BK, I, K, G, one)
+            wu_n = _mx_words(uw, offs_n, c + BK, I, K, G)
+            su_n = _mx_scales(usc, offs_n, c + BK, I, K, G, one)
+        elif c > 0:
+            wg, sg = _mx_words(gw, offs_n, c, I, K, G), _mx_scales(gsc, offs_n, c, I, K, G, one)
+            wu, su = _mx_words(uw, offs_n, c, I, K, G), _mx_scales(usc, offs_n, c, I, K, G, one)
+        p0, p1, p2, p3, xsc = _x_pairs(xq, xs, c, K, G)
+        acc_g += _rows_dot(wg, sg, p0, p1, p2, p3, xsc)
+        acc_u += _rows_dot(wu, su, p0, p1, p2, p3, xsc)
+        if PF:
+            wg, sg, wu, su = wg_n, sg_n, wu_n, su_n
+    h = glu_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ACT, BETA, LBETA)
+    _store_pairs_vec(hp_ptr, hsc_ptr, pair, pid_n * (BN // 8), h, BN, I // 8)
+
+
+@triton.jit(do_not_specialize=["one"])
+def _gemv_down_rows_kernel(hp_ptr, hsc_ptr, rows_ptr, blk_ptr, rw_ptr, dp, ds, y_ptr, p_slot, s_slot, one,
+                           RS: tl.constexpr, I: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           PF: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """y[pair, n] = rw[pair] * (down h[pair])[n] in float32, laid out as ``_gemv_gate_up_rows_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+    b, pid_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(blk_ptr + b).to(tl.int64)
+    pair = tl.load(rows_ptr + b * RS).to(tl.int64)
+    G: tl.constexpr = BK // 32
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    dw = dp + tl.multiple_of(slot * p_slot, 16)
+    dsc = ds + tl.multiple_of(slot * s_slot, 16)
+    w, s = _mx_words(dw, offs_n, 0, D, I, G), _mx_scales(dsc, offs_n, 0, D, I, G, one)
+    if PDL:
+        gdc_wait()  # h packed by the gate/up kernel
+    xq, xs = hp_ptr + pair * (I // 2), hsc_ptr + pair * (I // 8)
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    for c in tl.static_range(0, I, BK):
+        if PF:
+            w_n = _mx_words(dw, offs_n, c + BK, D, I, G)
+            s_n = _mx_scales(dsc, offs_n, c + BK, D, I, G, one)
+        elif c > 0:
+            w, s = _mx_words(dw, offs_n, c, D, I, G), _mx_scales(dsc, offs_n, c, D, I, G, one)
+        p0, p1, p2, p3, xsc = _x_pairs(xq, xs, c, I, G)
+        acc += _rows_dot(w, s, p0, p1, p2, p3, xsc)
+        if PF:
+            w, s = w_n, s_n
+    tl.store(y_ptr + pair * D + offs_n, tl.sum(acc, axis=1) * tl.load(rw_ptr + pair), mask=offs_n < D)
+
+
 def moe_gemv_config(BN: int = 8, BK: int = 256, num_warps: int = 2, num_stages: int = 3, decode: int | None = None,
-                    BN_down: int = 4, BK_down: int = 512, prefetch: int = 0, pdl: bool | None = None,
-                    num_warps_down: int = 4) -> dict:
+                    BN_down: int | None = None, BK_down: int | None = None, prefetch: int = 0,
+                    pdl: bool | None = None, num_warps_down: int | None = None, unrolled: bool | None = None,
+                    unrolled_down: bool | None = None, pf_rows: int = 0, pf_rows_down: int = 1) -> dict:
     """A decode plan's config: one pair per block (BT 1). Defaults from the H200 sweep; the packed fp16 form
-    (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there)."""
+    (decode 2, inline PTX) on a GPU, the float32 decode under Triton's interpreter (no PTX there). unrolled /
+    unrolled_down: decode 2's gate/up / down through the unrolled kernels (``_gemv_gate_up_rows_kernel``; both by
+    default, ``UNROLLED``), pf_rows / pf_rows_down their next-chunk prefetch. The down tile defaults to each
+    form's own: unrolled BN 4 x BK 128 in 1 warp, the tile kernel BN 4 x BK 512 in 4."""
     if decode is None:
         decode = 0 if INTERPRET else 2
+    unrolled = UNROLLED if unrolled is None else unrolled
+    unrolled_down = UNROLLED if unrolled_down is None else unrolled_down
+    BN_down = 4 if BN_down is None else BN_down
+    BK_down = (128 if unrolled_down else 512) if BK_down is None else BK_down
+    num_warps_down = (1 if unrolled_down else 4) if num_warps_down is None else num_warps_down
     return {"gemv": True, "BT": 1, "BN": BN, "BK": BK, "num_warps": num_warps, "num_stages": num_stages,
             "decode": decode, "BN_down": BN_down, "BK_down": BK_down, "prefetch": prefetch,
-            "pdl": PDL if pdl is None else pdl, "num_warps_down": num_warps_down}
+            "pdl": PDL if pdl is None else pdl, "num_warps_down": num_warps_down, "unrolled": unrolled,
+            "unrolled_down": unrolled_down, "pf_rows": pf_rows, "pf_rows_down": pf_rows_down}
 
 
 def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: int, weights: torch.Tensor,
@@ -361,15 +490,27 @@ def grouped_glu_gemv(x: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, k: 
         xp = xsc = hp = hsc = x  # unused
         h = torch.empty(T * k, I, device=dev, dtype=x.dtype)
     g, u, dn = slab.data["gate"], slab.data["up"], slab.data["down"]
-    _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
-        x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
-        g.stride(0), slab.scale["gate"].stride(0), RS=rs,
-        TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"], BK=bk, DECODE=dec, PF=c.get("prefetch", 0),
-        PDL=pdl, num_warps=c["num_warps"], num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
-    _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
-        h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0), RS=rs,
-        I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
-        num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
+    if dec == 2 and c.get("unrolled"):
+        _gemv_gate_up_rows_kernel[(T * k, triton.cdiv(I, c["BN"]))](
+            xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], hp, hsc, g.stride(0),
+            slab.scale["gate"].stride(0), 1, RS=rs, TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta, BN=c["BN"],
+            BK=bk, PF=c.get("pf_rows", 1), PDL=pdl, num_warps=c["num_warps"], num_stages=1, **pdl_launch(pdl))
+    else:
+        _gemv_gate_up_kernel[(T * k, triton.cdiv(I, c["BN"]))](
+            x, xp, xsc, rows, blk, g, slab.scale["gate"], u, slab.scale["up"], h, hp, hsc, x.stride(0),
+            g.stride(0), slab.scale["gate"].stride(0), RS=rs, TOPK=k, K=K, I=I, ACT=act, BETA=beta, LBETA=lbeta,
+            BN=c["BN"], BK=bk, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl, num_warps=c["num_warps"],
+            num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
+    if dec == 2 and c.get("unrolled_down"):
+        _gemv_down_rows_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
+            hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0), 1, RS=rs,
+            I=I, D=D, BN=c["BN_down"], BK=bk_d, PF=c.get("pf_rows_down", 1), PDL=pdl,
+            num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=1, **pdl_launch(pdl))
+    else:
+        _gemv_down_kernel[(T * k, triton.cdiv(D, c["BN_down"]))](
+            h, hp, hsc, rows, blk, rw, dn, slab.scale["down"], y, dn.stride(0), slab.scale["down"].stride(0), RS=rs,
+            I=I, D=D, BN=c["BN_down"], BK=bk_d, DECODE=dec, PF=c.get("prefetch", 0), PDL=pdl,
+            num_warps=c.get("num_warps_down", c["num_warps"]), num_stages=c.get("num_stages", 3), **pdl_launch(pdl))
     return sum_cast(y.view(T, k, D).transpose(0, 1), x.dtype, pdl)  # each token's k rows in pair order, one launch
 
 
