@@ -159,6 +159,82 @@ def test_runner_static_plan_grouped_kernels_through_interpreter(monkeypatch):
         assert _rel(lb, la) < 1e-3  # 0 when measured; a wrong slot would be off by O(1)
 
 
+class _SlabSource:
+    """The tiny model's experts in one slab (shuffled slots), served as the streaming source's cache serves
+    them: views of their slots; ``resident`` says whether it offers the slot tables (``resident_slots``)."""
+
+    def __init__(self, experts: ResidentExperts, resident: bool):
+        from deltafin.kernels.triton_moe import ExpertSlab
+
+        keys = sorted(experts.experts)
+        self.slab = ExpertSlab(len(keys), experts.experts[keys[0]], "cpu")
+        order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(3)).tolist()
+        self.slot = dict(zip(keys, order, strict=True))
+        for k, s in self.slot.items():
+            self.slab.write(s, experts.experts[k])
+        self.resident, self.fetched, self.served = resident, [], 0
+        self.E = 1 + max(e for _, e in keys)
+
+    def fetch(self, layer, ids):
+        self.fetched.append(layer)
+        for e in ids:
+            yield e, self.slab.views(self.slot[(layer, e)])
+
+    def resident_slots(self, layer):
+        if not self.resident:
+            return None
+        return torch.tensor([self.slot[(layer, e)] for e in range(self.E)], dtype=torch.int32,
+                            device=self.slab.data["gate"].device)
+
+    def served_resident(self, layer, n):
+        self.served += n
+
+
+def test_resident_layers_look_slots_up_on_the_device(monkeypatch):
+    """A source that keeps every expert in its slab for good (``resident_slots``): the runner skips the layer's
+    host fetch and looks the slots up on the device; the logits are the host path's, bit for bit (the same
+    kernels over the same slots), through the kernels (Triton's interpreter on the CPU, compiled on CUDA)."""
+    pytest.importorskip("triton")
+    from deltafin.kernels import cuda as kc
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("DELTAFIN_KERNELS", "interpret")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model, experts = _model(torch.bfloat16, dev, num_hidden_layers=3, mla_every=2)
+    if dev == "cuda":
+        experts.experts = {k: {n: t.cpu() for n, t in v.items()} for k, v in experts.experts.items()}
+    out = {}
+    for resident in (False, True):
+        src = _SlabSource(experts, resident)
+        if dev == "cuda":
+            src.slab = _to_cuda_slab(src.slab, experts)
+        st = model.new_state(12)
+        with torch.inference_mode():
+            forward_batch(model, [(torch.tensor(PROMPT, device=dev), st)], ResidentExperts(experts.experts, dev))
+            runner = DecodeGraphs(model, src, capture=dev == "cuda")
+            kc.USED.clear()
+            out[resident] = [runner.step(torch.tensor([t], device=dev), st).clone() for t in (3, 40, 7)]
+        assert "triton:grouped_mxfp4" in kc.USED
+        assert {kind for kind, _ in runner.decided.values()} == {"plan"}
+        if resident:
+            assert src.fetched == [] and src.served == 3 * len(runner.moe) * runner.k
+        else:
+            assert len(src.fetched) == 3 * len(runner.moe)
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, b)
+
+
+def _to_cuda_slab(slab, experts):
+    from deltafin.kernels.triton_moe import ExpertSlab
+
+    keys = sorted(experts.experts)
+    cuda = ExpertSlab(slab.slots, experts.experts[keys[0]], "cuda")
+    for r in ExpertSlab.ROLES:
+        cuda.data[r].copy_(slab.data[r])
+        cuda.scale[r].copy_(slab.scale[r])
+    return cuda
+
+
 def test_graphs_refused_with_a_reason():
     model, experts = _model()
     assert "cpu" in why_not(model, experts, torch.device("cpu"), torch.bfloat16)
@@ -242,6 +318,49 @@ def test_engine_decodes_through_graphs_by_default(tmp_path, monkeypatch):
     try:
         list(eng.generate(PROMPT, 2, stop_ids=()))
         assert eng._decode_graphs() is None
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_with_the_whole_model_cached_skips_the_host_fetch(tmp_path):
+    """A cache that holds every expert of the model: once a layer's experts are all in the slab the streaming
+    source offers its slot table, decode stops fetching that layer on the host, and each step's logits are those
+    of the host path from the same state, bit for bit."""
+    from deltafin.runtime.engine import Engine, EngineOptions
+    from deltafin.store.drives import parse_drives
+    from deltafin.store.pack import PackOptions, pack
+
+    write_tiny_k3(tmp_path / "src")
+    pack(str(tmp_path / "src"), str(tmp_path / "m"), parse_drives([f"{tmp_path}/d0=2"]), PackOptions(progress=False))
+    eng = Engine(str(tmp_path / "m"), EngineOptions(device="cuda", cache_gb=1.0, exact=False))
+    try:
+        src, moe = eng.source, eng.packed.moe_layers
+        st = eng.new_state()
+        eng.forward(PROMPT, st)
+        for L in moe:  # every expert once, so that every layer becomes resident
+            list(src.fetch(L, list(range(eng.packed.num_experts))))
+        assert all(src.resident_slots(L) is not None for L in moe)
+        for L in moe:
+            assert src.resident_slots(L).tolist() == [src._slot_of[(L, e)] for e in range(eng.packed.num_experts)]
+        toks = [t for t, _ in eng.generate(PROMPT, 8, stop_ids=())]
+        runner = eng._decode_graphs()
+        host, hits, fetched = eng.copy_state(st), src.stats.hits, []
+        fetch = src.fetch
+        src.fetch = lambda L, ids: (fetched.append(L), fetch(L, ids))[1]
+        with torch.inference_mode():
+            a = [eng.forward([t], st) for t in toks]
+            assert fetched == [] and src.stats.hits == hits + len(toks) * len(moe) * runner.k
+            offer = src.resident_slots
+            src.resident_slots = lambda L: None
+            try:
+                b = [eng.forward([t], host) for t in toks]
+            finally:
+                src.resident_slots = offer
+        assert len(fetched) == len(toks) * len(moe)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert all(g is not None for g in runner.graphs)
     finally:
         eng.close()
 

@@ -112,6 +112,20 @@ class SlabExperts:
         self.slot = {(L, e): i * experts + e for i, L in enumerate(moe_layers) for e in range(experts)}
         self.nbytes = sum(t.nbytes for t in ex.values())
         self.views: dict = {}
+        self.layers, self.experts = moe_layers, experts
+        self.resident = True  # False: the decode runner fetches every layer on the host, as a streaming cache does
+        self._tables: dict = {}
+
+    def resident_slots(self, layer: int):
+        if not self.resident:
+            return None
+        if layer not in self._tables:
+            self._tables[layer] = torch.tensor([self.slot[(layer, e)] for e in range(self.experts)],
+                                               dtype=torch.int32, device=self.slab.data["gate"].device)
+        return self._tables[layer]
+
+    def served_resident(self, layer: int, n: int) -> None:
+        pass
 
     def fetch(self, layer: int, ids):
         for e in ids:  # views made once and kept, as the engine's expert cache keeps them
@@ -368,6 +382,9 @@ def run(a, mode: str) -> dict:
         res["copy_GBps"] = _copy_gbps(dev) if dev.type == "cuda" else None
         res["decode"] = run_decode(model, tc, experts, a.tokens)
         res["decode_graphs"] = run_decode_graphs(model, tc, experts, a.tokens)
+        experts.resident = False  # the same step with each layer's host synchronisation, as while streaming
+        res["decode_graphs_host"] = run_decode_graphs(model, tc, experts, a.tokens)
+        experts.resident = True
         res["kernels"] = sorted(kc.USED)
         before = os.environ.get("DELTAFIN_KERNELS")
         os.environ["DELTAFIN_KERNELS"] = "torch"
@@ -414,6 +431,10 @@ def _print_decode(res: dict) -> None:
           f"= {g['k3_93_layers_s'] / 0.025:.2f}x; eager {d['k3_93_layers_s'] * 1e3:.1f} ms "
           f"(graphs {d['k3_93_layers_s'] / g['k3_93_layers_s']:.1f}x faster); torch path "
           f"{dt['k3_93_layers_s'] * 1e3:.0f} ms; kernels {', '.join(res['kernels'])}")
+    h = res.get("decode_graphs_host")
+    if h:
+        print(f"the same with a host synchronisation a MoE layer (experts looked up on the host, as while streaming): "
+              f"{h['k3_93_layers_s'] * 1e3:.1f} ms a K3 token; step {h['step_wall_s'] * 1e3:.2f} ms wall")
     if res.get("copy_GBps"):
         bound = res["k3_token_bytes"] / (res["copy_GBps"] * 1e9)
         print(f"memory-read bound: {res['k3_token_bytes'] / 1e9:.1f} GB a K3 token (trunk and 16 experts a layer, "

@@ -13,7 +13,10 @@ MoE layer's routing (which experts to fetch), into *stages*, each recorded as on
 
 Between side j and trunk j+1 runs the layer's one host synchronisation: wait for the ids, fetch the experts
 from the source (cache or drives) and write the slab slot of each of the k (token, expert) pairs to a
-static device buffer that the grouped launch reads (a fixed grid of k blocks of one pair each). Where the
+static device buffer that the grouped launch reads (a fixed grid of k blocks of one pair each). A layer whose
+experts the source keeps in its slab for good (``resident_slots``: a cache that holds the whole model) has
+no synchronisation: its slots are looked up on the device, and the host queues the next stages at once
+(on the H200's K3 slice the host's decision left the GPU idle 70-110 us a layer). Where the
 source guesses (``--guess-next``), a small graph after trunk j runs MoE layer j+1's router on trunk j's
 stream, and that guess goes to the source at the same synchronisation, before layer j's fetch.
 
@@ -289,6 +292,22 @@ class DecodeGraphs:
         self.blk[L].copy_(self.blk_host[L], non_blocking=True)  # read by this layer's launch, stream-ordered
         self.decided[L] = ("plan", slab)
 
+    def _resident(self, L: int, r=None) -> torch.Tensor | None:
+        """MoE layer L's slot table where the source keeps every expert of it in its slab for good
+        (``resident_slots``) and the layer's launch can take its slots from there (the kernels on, one token):
+        [E] int32 on the device, else None."""
+        slots = getattr(self.experts, "resident_slots", None)
+        if slots is None or (r is not None and not kc.enabled(r.x)):
+            return None
+        return slots(L)
+
+    def _look_up(self, L: int, r, table: torch.Tensor) -> None:
+        """A resident layer's slots found on the device (the slab slot of each routed expert, in routing
+        order): no host synchronisation, so the host queues the next stages while the GPU runs."""
+        torch.index_select(table, 0, r.ids.view(-1), out=self.blk[L])
+        self.experts.served_resident(L, self.k)
+        self.decided[L] = ("plan", self.experts.slab)
+
     def _stage(self, got: list):
         """A slab of k slots holding copies of ``got`` (experts the source keeps outside its slab)."""
         from deltafin.kernels.triton_moe import ExpertSlab
@@ -370,11 +389,16 @@ class DecodeGraphs:
             out = self._run(0, None)
             for j, L in enumerate(self.moe):
                 nxt = self.moe[j + 1] if j + 1 < len(self.moe) else None
-                guessed = nxt if nxt is not None and self._guess(j, nxt, out[0]) else None
-                if self.ids_ready is not None:
+                table = self._resident(L, out[1])
+                guessed = nxt if nxt is not None and self._resident(nxt) is None \
+                    and self._guess(j, nxt, out[0]) else None
+                if self.ids_ready is not None and table is None:
                     self.ids_ready.record()
                 side = self._run(2 * j + 1, out)
-                self._decide(L, out[1], guessed)
+                if table is None:
+                    self._decide(L, out[1], guessed)
+                else:
+                    self._look_up(L, out[1], table)
                 if self.mark is not None:
                     self.mark()
                 out = self._run(2 * j + 2, (out, side))

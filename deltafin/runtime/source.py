@@ -148,6 +148,8 @@ class StreamingExperts:
         self._slab_cache_slots = 0
         self._free: list[int] = []
         self._slot_of: dict = {}  # cache key -> slot
+        self._in_slab: dict[int, int] = {}  # layer -> its experts cached in slab slots
+        self._resident: dict[int, torch.Tensor] = {}  # layer -> its slot table, once resident for good
         self._busy: set[int] = set()  # slots handed out since this fetch began (a launch may still read them)
         self._scratch_next = 0
         self.reserved = (0, 0, 0.0)  # (buffers, bytes, seconds) mapped when the source opened
@@ -615,12 +617,36 @@ class StreamingExperts:
         self._busy.add(slot)
         if cached:
             self._slot_of[(layer, e)] = slot
+            self._in_slab[layer] = self._in_slab.get(layer, 0) + 1
             self.cache.put((layer, e), views, nbytes, lambda k=(layer, e), s=slot: self._slot_freed(k, s))
         return views
 
     def _slot_freed(self, key, slot: int) -> None:
-        self._slot_of.pop(key, None)
+        if self._slot_of.pop(key, None) is not None:
+            self._in_slab[key[0]] -= 1
+            self._resident.pop(key[0], None)
         self._free.append(slot)
+
+    def resident_slots(self, layer: int) -> torch.Tensor | None:
+        """The slab slot of each of ``layer``'s experts ([E] int32 on the device) once every one is cached there
+        for good: the slab's cache slots hold every expert of the model, so none is ever evicted. Else None
+        (also while fetches are logged: the decode runner then looks slots up on the device and never tells the
+        host which experts it used)."""
+        t = self._resident.get(layer)
+        if t is not None or self.slab is None or self.record is not None or self.routes is not None:
+            return t
+        m = self.model
+        if self._in_slab.get(layer, 0) < m.num_experts or self._slab_cache_slots < len(m.moe_layers) * m.num_experts:
+            return None
+        slots = [self._slot_of[(layer, e)] for e in range(m.num_experts)]
+        t = self._resident[layer] = torch.tensor(slots, dtype=torch.int32).to(self.device)
+        return t
+
+    def served_resident(self, layer: int, n: int) -> None:
+        """Count ``n`` experts of a resident layer served from the slab without a fetch (all hits)."""
+        self.stats.hits += n
+        self.cache.hits += n
+        self._note_misses(0)
 
     def _release_after_copy(self, buf) -> None:
         if self.device.type != "cuda":
