@@ -421,6 +421,7 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
     src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
     src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+    src._in_slab, src._resident = {}, {}
     src.model = SimpleNamespace(moe_layers=[1], num_experts=1)  # a model of one expert: one cache slot
     assert src._slab_ready(ex, nbytes, layout) and src.slab.slots == 3
     src.slab, src.model = None, SimpleNamespace(moe_layers=[1, 2], num_experts=8)  # the budget decides
@@ -435,6 +436,56 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     for r in ("gate", "up", "down"):  # the one copy of the file put every tensor where its view reads it
         torch.testing.assert_close(src.slab.views(layer0[3])[r].data.cpu(), ex[r].data)
         torch.testing.assert_close(src.slab.views(layer0[3])[r].scale.cpu(), ex[r].scale)
+
+
+def test_streaming_slab_offers_a_layer_resident_only_when_nothing_can_evict_it():
+    """``resident_slots``: a layer's slot table once all its experts are cached in the slab and the slab's cache
+    slots hold every expert of the model; never while some expert could be evicted, and not after one was."""
+    from collections import deque
+
+    from deltafin.runtime.cache import ExpertCache
+    from deltafin.runtime.source import SourceStats, StreamingExperts
+    from deltafin.store import expert_file as ef
+
+    g = torch.Generator().manual_seed(4)
+    ex = _experts("mxfp4", 1, 64, 32, g)[0]
+    data = memoryview(bytearray(ef.encode(ex, 0, 0)))
+    layout, _, _ = ef.parse_header(data)
+    nbytes = layout.file_bytes
+    ex = ef.decode(data, layout)
+
+    def source(budget_experts: int, num_experts: int):
+        src = StreamingExperts.__new__(StreamingExperts)
+        src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(budget_experts * nbytes), \
+            None, 2
+        src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
+        src._in_slab, src._resident, src.record, src.routes = {}, {}, None, None
+        src.stats, src._miss_log, src._recent_misses = SourceStats(), deque(maxlen=4), 0
+        src.model = SimpleNamespace(moe_layers=[1, 2], num_experts=num_experts)
+        assert src._slab_ready(ex, nbytes, layout)
+        return src
+
+    src = source(4, 2)  # room for all four experts of the model
+    src._to_slot(1, 0, ex, nbytes, data)
+    assert src.resident_slots(1) is None  # expert 1 of layer 1 not in yet
+    src._to_slot(1, 1, ex, nbytes, data)
+    table = src.resident_slots(1)
+    assert table is not None and table.tolist() == [src._slot_of[(1, 0)], src._slot_of[(1, 1)]]
+    assert src.resident_slots(2) is None
+    src.served_resident(1, 2)
+    assert src.stats.hits == 2 and src.cache.hits == 2
+    src.cache.evict((1, 0))  # (a failed check's eviction): the table goes with it
+    assert src.resident_slots(1) is None
+    src.record = []  # fetches logged: the host must see every layer's ids
+    src._to_slot(1, 0, ex, nbytes, data)
+    assert src.resident_slots(1) is None
+    src.record = None
+    assert src.resident_slots(1) is not None
+
+    src = source(3, 2)  # one expert short of the model: any layer could lose one
+    src._to_slot(1, 0, ex, nbytes, data)
+    src._to_slot(1, 1, ex, nbytes, data)
+    assert src.resident_slots(1) is None
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4g32"])
