@@ -8,7 +8,8 @@ float32 and sigmoid(g) is too (g > -87); below, the error is absolute, under 2^-
 The expert (``glu_expert`` past GEMM_TOKENS): gate and up are each df_q4gw_mm's result, the activation is
 df_glu_act's and down is df_q4gw_mm's on it, so the result equals those three steps bit for bit (checked). Against
 the float64 reference y = Wd act(Wg x, Wu x), the error is bounded by propagating the GEMM bound of each matrix
-(test_kernels._gemm_bound: int16 rounding of the activations per block of 32, then the float32 block loop):
+(test_kernels._gemm_bound: int16 rounding of the activations per block of 32, 8-bit on AVX2 builds without VNNI,
+then the float32 block loop):
 |g~ - g| <= Bg, |u~ - u| <= Bu; with L_g, L_u bounds on the activation's partial derivatives over that box,
 |h~ - h| <= L_g Bg + L_u Bu + B_act |h~| =: Dh; and |y~ - y| <= |Wd| Dh + the GEMM bound of Wd on h~.
 """
@@ -24,7 +25,7 @@ import torch
 from deltafin import kernels
 from deltafin.kernels import cpu, native
 from deltafin.quant.record import QTensor, dequantize
-from tests.test_kernels import _gemm_bound, _records
+from tests.test_kernels import _gemm_bound, _records, gemm_u8
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"CPU kernels unavailable: {native.why()}")
 U = 2.0**-24
@@ -168,7 +169,8 @@ def test_fused_gemm_expert_matches_reference(fmt, name, I, D, gemm_build):  # no
         ref, bound, scale = _expert_bound(x, r, h, act, rel)
         err = (y.double() - ref).abs()
         assert torch.all(err <= bound), f"{(err / bound).max():.3g} of the bound"
-        assert torch.all(bound <= 1e-3 * scale)  # about 1e-4 here: the bound is a real constraint
+        # about 1e-4 here (1e-2 with 8-bit activations, the Q8 path's): the bound is a real constraint
+        assert torch.all(bound <= (0.05 if gemm_u8() else 1e-3) * scale)
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "avx2-novnni", "portable"])

@@ -1885,13 +1885,24 @@ _Static_assert(GW_KB % GW_MB == 0, "chunks hold whole groups of blocks");
 #define GW_ROWS (8 * GW_NV)
 
 typedef struct {
-    __m128i tab; /* byte i: the signed value of nibble i (the Q8 table less its offset) */
+    __m128i tab;  /* byte i: the signed value of nibble i (the Q8 table less its offset) */
+    __m128i utab; /* byte i: the Q8 table itself, v + K (unsigned), for the 8-bit-activation GEMM (GW_U8) */
+    int K;        /* the table's offset */
+    int u8;       /* 1 where the 8-bit-activation GEMM takes these weights (see u8_mm) */
 } gw_consts_t;
 
+#define U8_QMAX 32 /* the largest weight byte the 8-bit-activation GEMM takes (its int16 bound, see u8_tile) */
 static void gw_consts(const uint8_t *tab8, int K, gw_consts_t *k) {
     int8_t tab[16];
-    for (int i = 0; i < 16; i++) tab[i] = (int8_t)((int)tab8[i] - K);
+    int most = 0;
+    for (int i = 0; i < 16; i++) {
+        tab[i] = (int8_t)((int)tab8[i] - K);
+        most = tab8[i] > most ? tab8[i] : most;
+    }
     k->tab = _mm_loadu_si128((const __m128i *)tab);
+    k->utab = _mm_loadu_si128((const __m128i *)tab8);
+    k->K = K;
+    k->u8 = most <= U8_QMAX;
 }
 
 /* 8 x 8 int32 transpose in registers: r[a] element e -> r[e] element a. */
@@ -2027,6 +2038,19 @@ static inline gwf_t gw_scale_add(gwf_t f, gwi_t a, gwf_t s, float d) {
 #define gwi_zero _mm256_setzero_si256
 #define gwf_load _mm256_loadu_ps
 
+/* The largest of m's lanes (each a max |x|) and, in *bad, the sum of z's (0, or NaN where a lane met NaN or inf). */
+static inline float gw_reduce8(__m256 m, __m256 z, float *bad) {
+    float mm[8], zz[8], amax = 0.0f, sum = 0.0f;
+    _mm256_storeu_ps(mm, m);
+    _mm256_storeu_ps(zz, z);
+    for (int i = 0; i < 8; i++) {
+        amax = mm[i] > amax ? mm[i] : amax;
+        sum += zz[i];
+    }
+    *bad = sum;
+    return amax;
+}
+
 /* Token row x [C] -> its int16 pairs, every stride-th int32 of xp from the first, and one scale per GW_MB blocks,
  * in each of its blocks' places, every stride-th float of xs: the AVX-512 quantizer's arithmetic (d = max|x| /
  * 32767 over the group; NaN or inf in a group reaches its scale). */
@@ -2041,13 +2065,8 @@ static void gw_quantize(const float *x, int32_t *xp, float *xs, int64_t stride, 
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
             z = _mm256_add_ps(z, _mm256_sub_ps(v, v)); /* 0, or NaN for NaN and inf */
         }
-        float mm[8], zz[8], amax = 0.0f, bad = 0.0f;
-        _mm256_storeu_ps(mm, m);
-        _mm256_storeu_ps(zz, z);
-        for (int i = 0; i < 8; i++) {
-            amax = mm[i] > amax ? mm[i] : amax;
-            bad += zz[i];
-        }
+        float bad;
+        const float amax = gw_reduce8(m, z, &bad);
         const float d = bad != 0.0f || bad != bad ? bad : amax / 32767.0f;
         const float id = amax > 0.0f && d == d ? 32767.0f / amax : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
@@ -2163,11 +2182,11 @@ static void *gw_buffer(int which, size_t n) {
 #define GW_PF_NEXT 2
 #endif
 static inline void gw_prefetch(const uint8_t *packed, const void *scales, int kind, int64_t r0, int64_t R, int64_t C,
-                               int64_t b0, int64_t part, int64_t parts) {
+                               int64_t b0, int64_t part, int64_t parts, int64_t rows, int64_t kb) {
     const int i8 = kind == GW_I8;
-    const int64_t H = i8 ? C : C / 2, nb = C / 32, b1 = b0 + GW_KB < nb ? b0 + GW_KB : nb, bb = i8 ? 32 : 16;
+    const int64_t H = i8 ? C : C / 2, nb = C / 32, b1 = b0 + kb < nb ? b0 + kb : nb, bb = i8 ? 32 : 16;
     const int sb = kind == 0 ? 1 : kind == 2 ? 4 : 2; /* bytes per scale */
-    const int64_t ra = r0 + part * GW_ROWS / parts, rb = r0 + (part + 1) * GW_ROWS / parts;
+    const int64_t ra = r0 + part * rows / parts, rb = r0 + (part + 1) * rows / parts; /* rows: the panel's */
     for (int64_t r = ra; r < rb && r < R; r++) {
         const char *p = (const char *)(packed + r * H);
         for (int64_t o = b0 * bb / 64 * 64; o < b1 * bb; o += 64) _mm_prefetch(p + o, GW_PF_HINT);
@@ -2190,7 +2209,8 @@ static void gw_panel(int kind, const uint8_t *packed, const void *scales, const 
             const int32_t *xp = xq + t0 * (C / 2);
             const float *xsp = xs + t0 * nb;
 #if GW_PF
-            gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * GW_ROWS, R, C, b1 < nb ? b1 : 0, g, ng);
+            gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * GW_ROWS, R, C, b1 < nb ? b1 : 0, g, ng,
+                        GW_ROWS, GW_KB);
 #endif
             switch ((gw_start(g + 1, T) - t0) * 2 + (mb > 1)) { /* GW_MR tokens at most; mb a constant in each */
 #define GW_TILE(m) \
@@ -2235,11 +2255,323 @@ static void gw_panels(int kind, const uint8_t *packed, const void *scales, const
 }
 #endif
 
+/* ---- The 4-bit GEMM with 8-bit activations (AVX2 without VNNI: GW_U8) ----
+ * Without VNNI the int16 GEMM's pair products cost two instructions each (vpmaddwd, vpaddd) for 16 multiply-adds;
+ * vpmaddubsw (u8 x s8 -> int16 sums of two products) makes 32 in one, its int16 sums added in int16 as far as
+ * they cannot overflow. Each token's row is quantized as the one-token Q8 loop quantizes it (q8_quantize with
+ * Q8_TERMS 1: per block of 32, d = max|x| / 127, q = round(x 127 / max|x|) in [-127, 127], |x - d q| <= d / 2), so
+ * the GEMM and the Q8 loop evaluate the same integer block sums. A weight nibble n is read through the Q8 table as
+ * the unsigned byte u = v + K (MXFP4 0..24, INT4 0..15); the block's sum of u q less K sum(q) (the token's
+ * correction, one int32 per block) is the exact sum of v q.
+ * Bounds (all exact, no saturation): a vpmaddubsw lane is u0 q0 + u1 q1, |.| <= 2 x U8_QMAX x 127 = 8128; four of
+ * them (a half block, 16 values) add in int16 to |.| <= 4 x 8128 = 32512 <= 32767 (MXFP4: 24384); vpmaddwd by
+ * ones widens each row's two lanes into int32 and the block's two halves and the correction add in int32 (|.| <=
+ * 32 x 32 x 127 + 32 x 32 x 127 < 2^18); that sum converts to float exactly (< 2^24). Weights with a byte above
+ * U8_QMAX (none of this package's tables) and int8 rows (int8 x u8 would overflow the int16 sums) keep the int16
+ * GEMM. One scale step a block: f + float(s) x (weight scale x value factor x d), one rounding of the scale
+ * product and one fused multiply-add, in block order for each token whatever T, the token grouping or the thread
+ * count: a token's result does not depend on its batch.
+ * Layout: a panel of U8_NV x 8 rows is decoded per chunk of GW_KB blocks into [block][quad][vector][row] dwords
+ * (a row's 4 consecutive weight bytes), one 8 x 8 dword transpose a block and vector; a token group's activations
+ * as [block][quad][token] dwords of 4 q bytes, broadcast into vpmaddubsw's signed operand, and per [block][token]
+ * the scale d and the correction -K sum(q). */
+#if defined(GW_AVX2) && !defined(__AVXVNNI__)
+#ifndef GW_U8
+#define GW_U8 1
+#endif
+#else
+#undef GW_U8
+#define GW_U8 0
+#endif
+
+#if GW_U8
+#ifndef U8_NV
+#define U8_NV 2 /* row vectors (8 rows each) per panel */
+#endif
+#ifndef U8_MR /* tokens per micro-kernel (at most 8): 12 int16 sums, 2 weight vectors and a broadcast in registers,
+               * the int32 sums through L1. On Zen 3 (one thread, interleaved) 6 ran 2-10% ahead of 3 (every sum in
+               * registers) at 32 and 85 tokens, 4 within noise of 3, 8 5-15% behind */
+#define U8_MR 6
+#endif
+#ifndef U8_KB
+#define U8_KB GW_KB /* blocks of 32 per chunk: 16 x 8 quads x U8_NV x 8 rows x 4 bytes = 8 KB of panel per chunk */
+#endif
+#define U8_ROWS (8 * U8_NV)
+_Static_assert(4 * 2 * U8_QMAX * 127 <= 32767, "a half block's int16 sums stay exact");
+
+/* Token group g of T (ceil(T / U8_MR) groups whose sizes differ by at most one) starts at token u8_start. */
+static inline int64_t u8_start(int64_t g, int64_t T) {
+    const int64_t ng = (T + U8_MR - 1) / U8_MR;
+    return g * (T / ng) + (g < T % ng ? g : T % ng);
+}
+
+/* Token row x [C] -> its q bytes, a dword of 4 every stride-th int32 of xp from the first ([block][quad]), and per
+ * block its d every stride-th float of xs and -K sum(q) every stride-th int32 of xc: q8_quantize's arithmetic (d =
+ * max|x| / 127, q = round(x x (127 / max|x|)), nearest-even as nearbyintf). NaN or inf in a block: q and the
+ * correction 0, d NaN (the token's every result NaN, as the int16 GEMM's). */
+static void u8_quantize(const float *x, int32_t *xp, float *xs, int32_t *xc, int64_t stride, int64_t C, int K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* packs' dword order back to quads 0..7 */
+    const int64_t nb = C / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * 32;
+        __m256 v[4], m = _mm256_setzero_ps(), z = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            z = _mm256_add_ps(z, _mm256_sub_ps(v[i], v[i])); /* 0, or NaN for NaN and inf */
+        }
+        float bad;
+        const float amax = gw_reduce8(m, z, &bad);
+        int32_t q[8];
+        if (bad != 0.0f || bad != bad) {
+            memset(q, 0, sizeof q);
+            xs[b * stride] = bad != bad ? bad : NAN;
+            xc[b * stride] = 0;
+        } else {
+            const __m256 vid = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid)); /* |.| <= 127 */
+            const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, order));
+            int32_t s8[8], sum = 0;
+            _mm256_storeu_si256((__m256i *)s8, s4);
+            for (int i = 0; i < 8; i++) sum += s8[i];
+            xs[b * stride] = amax / 127.0f;
+            xc[b * stride] = -K * sum;
+        }
+        for (int p = 0; p < 8; p++) xp[(b * 8 + p) * stride] = q[p];
+    }
+}
+
+/* Every token of x [T, C] into the group layout (tokens of group g at xq + u8_start(g) C / 4, their scales and
+ * corrections at xs and xc + u8_start(g) C / 32); token t is row rows[t] of x where rows is given. Inside an
+ * OpenMP parallel region, groups shared out. */
+static void u8_quantize_all(const float *x, const int64_t *rows, int32_t *xq, float *xs, int32_t *xc, int64_t C,
+                            int64_t T, int K) {
+    const int64_t ng = (T + U8_MR - 1) / U8_MR;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t t0 = u8_start(g, T), w = u8_start(g + 1, T) - t0;
+        for (int64_t i = 0; i < w; i++)
+            u8_quantize(x + (rows ? rows[t0 + i] : t0 + i) * C, xq + t0 * (C / 4) + i, xs + t0 * (C / 32) + i,
+                        xc + t0 * (C / 32) + i, w, C, K);
+    }
+}
+
+/* Blocks [b0, b1) of rows [r0, r0 + U8_ROWS) -> wp ([b - b0][quad][U8_NV][8] dwords of 4 weight bytes u) and ws
+ * ([b - b0][U8_NV][8] weight scales x value factor, 0 past R; rows past R decode as zeros). */
+static void u8_decode_chunk(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                            const gw_consts_t *k, int32_t *wp, float *ws, int64_t r0, int64_t R, int64_t C,
+                            int64_t b0, int64_t b1) {
+    const int64_t nb = C / 32, H = C / 2;
+    const __m256i m15 = _mm256_set1_epi8(15), tab = _mm256_broadcastsi128_si256(k->utab);
+    for (int j = 0; j < U8_NV; j++) {
+        const int64_t r = r0 + 8 * j;
+        for (int64_t b = b0; b < b1; b++) {
+            __m256i v[8]; /* row l's 32 bytes u in column order, then quad p of the 8 rows */
+            for (int l = 0; l < 8; l += 2) { /* rows l and l + 1 in the two 128-bit halves */
+                const __m128i z = _mm_setzero_si128();
+                const __m128i x0 = r + l < R ? _mm_loadu_si128((const __m128i *)(packed + (r + l) * H + b * 16)) : z;
+                const __m128i x1 = r + l + 1 < R ? _mm_loadu_si128((const __m128i *)(packed + (r + l + 1) * H + b * 16)) : z;
+                const __m256i x = _mm256_set_m128i(x1, x0);
+                const __m256i e = _mm256_shuffle_epi8(tab, _mm256_and_si256(x, m15));
+                const __m256i o = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(x, 4), m15));
+                const __m256i lo = _mm256_unpacklo_epi8(e, o), hi = _mm256_unpackhi_epi8(e, o); /* columns 0-15, 16-31 */
+                v[l] = _mm256_permute2x128_si256(lo, hi, 0x20);
+                v[l + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+            }
+            gw_transpose8(v);
+            int32_t *dst = wp + (b - b0) * 8 * U8_ROWS + j * 8;
+            for (int p = 0; p < 8; p++) _mm256_storeu_si256((__m256i *)(dst + p * U8_ROWS), v[p]);
+            float *w = ws + ((b - b0) * U8_NV + j) * 8;
+            for (int l = 0; l < 8; l++) w[l] = r + l >= R ? 0.0f : scale_at(scales, kind, e8m0, (r + l) * nb + b) * mult;
+        }
+    }
+}
+
+/* The vpmaddubsw product of weight dword vector w and the broadcast token dword x, added in int16 to s: in asm so
+ * that GCC keeps each chain as written (see gw_dot). */
+static inline __m256i u8_dot(__m256i s, __m256i w, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddubsw %[x], %[w], %[t]\n\tvpaddw %[t], %[s], %[s]" : [s] "+x"(s), [t] "=&x"(t) : [w] "x"(w), [x] "x"(x));
+    return s;
+}
+
+/* The MR tokens of the group at t0 (xp: their q dwords [nb][8][MR]; xs, xc: scales and corrections [nb][MR]) x
+ * the panel's rows, blocks [b0, b1): accumulates into out (the first chunk starts at 0). */
+static inline __attribute__((always_inline)) void u8_tile(const int32_t *wp, const float *ws, const int32_t *xp,
+                                                          const float *xs, const int32_t *xc, float *out, int64_t t0,
+                                                          const int MR, int64_t r0, const gw_mask_t *mask,
+                                                          int64_t b0, int64_t b1, int64_t R) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    gwf_t f[8][U8_NV]; /* MR <= 8 */
+    for (int t = 0; t < MR; t++)
+        for (int j = 0; j < U8_NV; j++)
+            f[t][j] = b0 == 0 ? gwf_zero() : gwf_maskload(out + (t0 + t) * R + r0 + 8 * j, mask[j]);
+    for (int64_t b = b0; b < b1; b++) {
+        const int32_t *w = wp + (b - b0) * 8 * U8_ROWS, *x = xp + b * 8 * MR;
+        __m256i a[8][U8_NV]; /* int32: the correction, then the two halves' sums */
+        for (int t = 0; t < MR; t++) {
+            const __m256i c = _mm256_set1_epi32(xc[b * MR + t]);
+            for (int j = 0; j < U8_NV; j++) a[t][j] = c;
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const int32_t *wh = w + 4 * h * U8_ROWS, *xh = x + 4 * h * MR;
+            __m256i s[8][U8_NV], wv[U8_NV]; /* s: int16, a half block's sums, |.| <= 32512 */
+            for (int j = 0; j < U8_NV; j++) wv[j] = _mm256_loadu_si256((const __m256i *)(wh + j * 8));
+            for (int t = 0; t < MR; t++) {
+                const __m256i xb = _mm256_set1_epi32(xh[t]);
+                for (int j = 0; j < U8_NV; j++) s[t][j] = _mm256_maddubs_epi16(wv[j], xb);
+            }
+#pragma GCC unroll 4
+            for (int p = 1; p < 4; p++) {
+                for (int j = 0; j < U8_NV; j++) wv[j] = _mm256_loadu_si256((const __m256i *)(wh + (p * U8_NV + j) * 8));
+                for (int t = 0; t < MR; t++) {
+                    const __m256i xb = _mm256_set1_epi32(xh[p * MR + t]);
+                    for (int j = 0; j < U8_NV; j++) s[t][j] = u8_dot(s[t][j], wv[j], xb);
+                }
+            }
+            for (int t = 0; t < MR; t++)
+                for (int j = 0; j < U8_NV; j++) a[t][j] = _mm256_add_epi32(a[t][j], _mm256_madd_epi16(s[t][j], ones));
+        }
+        gwf_t sc[U8_NV];
+        for (int j = 0; j < U8_NV; j++) sc[j] = gwf_load(ws + ((b - b0) * U8_NV + j) * 8);
+        for (int t = 0; t < MR; t++)
+            for (int j = 0; j < U8_NV; j++) f[t][j] = gw_scale_add(f[t][j], a[t][j], sc[j], xs[b * MR + t]);
+    }
+    for (int t = 0; t < MR; t++)
+        for (int j = 0; j < U8_NV; j++) gwf_maskstore(out + (t0 + t) * R + r0 + 8 * j, mask[j], f[t][j]);
+}
+
+/* out [T, R] rows [r0, r0 + U8_ROWS) for the quantized tokens (xq, xs, xc as u8_quantize_all leaves them). */
+static void u8_panel(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                     const gw_consts_t *k, const int32_t *xq, const float *xs, const int32_t *xc, int32_t *wp,
+                     float *ws, float *out, int64_t r0, int64_t R, int64_t C, int64_t T) {
+    const int64_t nb = C / 32, ng = (T + U8_MR - 1) / U8_MR;
+    gw_mask_t mask[U8_NV];
+    for (int j = 0; j < U8_NV; j++) mask[j] = gw_mask_for(R - r0 - 8 * j);
+    for (int64_t b0 = 0; b0 < nb; b0 += U8_KB) {
+        const int64_t b1 = b0 + U8_KB < nb ? b0 + U8_KB : nb;
+        u8_decode_chunk(kind, packed, scales, e8m0, mult, k, wp, ws, r0, R, C, b0, b1);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t t0 = u8_start(g, T);
+            const int32_t *xp = xq + t0 * (C / 4);
+#if GW_PF
+            gw_prefetch(packed, scales, kind, b1 < nb ? r0 : r0 + GW_PF_NEXT * U8_ROWS, R, C, b1 < nb ? b1 : 0, g, ng,
+                        U8_ROWS, U8_KB);
+#endif
+            switch (u8_start(g + 1, T) - t0) { /* U8_MR tokens at most */
+#define U8_TILE(m) \
+    case (m): u8_tile(wp, ws, xp, xs + t0 * nb, xc + t0 * nb, out, t0, (m) <= U8_MR ? (m) : 1, r0, mask, b0, b1, R); break;
+            U8_TILE(1) U8_TILE(2) U8_TILE(3) U8_TILE(4) U8_TILE(5) U8_TILE(6) U8_TILE(7) U8_TILE(8)
+#undef U8_TILE
+            default: break;
+            }
+        }
+    }
+}
+
+/* This thread's decoded-panel buffers for u8_panel (gw_buffer's slots 3 and 6, shared with the int16 GEMM's). */
+static inline void u8_thread_buffers(float **ws, int32_t **wp, int *rc) {
+    *ws = gw_buffer(6, U8_KB * U8_ROWS * sizeof(float));
+    *wp = gw_buffer(3, U8_KB * 8 * U8_ROWS * sizeof(int32_t));
+    if (!*ws || !*wp) {
+#pragma omp atomic write
+        *rc = -1;
+    }
+}
+
+/* Inside a parallel region: out [T, R] for every panel of W [R, C], panels handed to threads as they free up. */
+static void u8_panels(int kind, const uint8_t *packed, const void *scales, const float *e8m0, float mult,
+                      const gw_consts_t *k, const int32_t *xq, const float *xs, const int32_t *xc, int32_t *wp,
+                      float *ws, float *out, int64_t R, int64_t C, int64_t T) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < (R + U8_ROWS - 1) / U8_ROWS; p++)
+        if (wp && ws) u8_panel(kind, packed, scales, e8m0, mult, k, xq, xs, xc, wp, ws, out, p * U8_ROWS, R, C, T);
+}
+
+/* The activations' buffers of a call of T tokens of width C (gw_buffer's slots 0, 1, 2); 0, or -1. */
+static int u8_act_buffers(int64_t T, int64_t C, int32_t **xq, float **xs, int32_t **xc) {
+    *xq = gw_buffer(0, T * (C / 4) * sizeof(int32_t));
+    *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
+    *xc = gw_buffer(2, T * (C / 32) * sizeof(int32_t));
+    return *xq && *xs && *xc ? 0 : -1;
+}
+
+/* The start of an 8-bit-activation GEMM region, in every thread: its panel buffers, then its share of x's
+ * quantization (token t of x is row rows[t] where rows is given). */
+static void u8_region_begin(const float *x, const int64_t *rows, int32_t *xq, float *xs, int32_t *xc, int64_t C,
+                            int64_t T, int K, float **ws, int32_t **wp, int *rc) {
+    u8_thread_buffers(ws, wp, rc);
+    u8_quantize_all(x, rows, xq, xs, xc, C, T, K);
+}
+
+/* gw_mm through the 8-bit-activation GEMM (k->u8 set). */
+static int u8_mm(int kind, const uint8_t *packed, const void *scales, const gw_consts_t *k, float mult,
+                 const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
+    int32_t *xq, *xc;
+    float *xs;
+    int rc = u8_act_buffers(T, C, &xq, &xs, &xc);
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *ws;
+            int32_t *wp;
+            u8_region_begin(x, NULL, xq, xs, xc, C, T, k->K, &ws, &wp, &rc);
+            u8_panels(kind, packed, scales, e8m0, mult, k, xq, xs, xc, wp, ws, out, R, C, T);
+        }
+    }
+    for (int i = 0; i < 3; i++) gw_buffer(i, 0);
+    return rc;
+}
+
+/* df_q4gw_glu through the 8-bit-activation GEMM (k->u8 set): the same steps, each matrix's result bit for bit that
+ * of its own u8_mm call. */
+static int u8_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, const void *gs, const uint8_t *upk,
+                  const void *us, const uint8_t *dp, const void *ds, const gw_consts_t *k, float mult,
+                  const float *e8m0, const float *x, const int64_t *rows, float *out, int64_t I, int64_t D, int64_t T,
+                  int nthreads) {
+    const int64_t C = D > I ? D : I, npi = (I + U8_ROWS - 1) / U8_ROWS;
+    int32_t *xq, *xc;
+    float *xs;
+    float *g = gw_buffer(4, T * I * sizeof(float)), *u = gw_buffer(5, T * I * sizeof(float)); /* h in g */
+    int rc = u8_act_buffers(T, C, &xq, &xs, &xc) == 0 && g && u ? 0 : -1;
+    if (rc == 0) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *ws;
+            int32_t *wp;
+            u8_region_begin(x, rows, xq, xs, xc, D, T, k->K, &ws, &wp, &rc);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < npi; p++) {
+                const int64_t r0 = p * U8_ROWS, n = I - r0 < U8_ROWS ? I - r0 : U8_ROWS;
+                if (!wp || !ws) continue;
+                u8_panel(kind, gp, gs, e8m0, mult, k, xq, xs, xc, wp, ws, g, r0, I, D, T);
+                u8_panel(kind, upk, us, e8m0, mult, k, xq, xs, xc, wp, ws, u, r0, I, D, T);
+                for (int64_t t = 0; t < T; t++) /* h in g's place */
+                    glu_span(act, beta, lbeta, g + t * I + r0, u + t * I + r0, g + t * I + r0, n);
+            }
+            u8_quantize_all(g, NULL, xq, xs, xc, I, T, k->K);
+            u8_panels(kind, dp, ds, e8m0, mult, k, xq, xs, xc, wp, ws, out, D, I, T);
+        }
+    }
+    for (int i = 0; i < 6; i++)
+        if (i != 3) gw_buffer(i, 0);
+    return rc;
+}
+#endif
+
 #ifdef GW_VEC
 /* y [T, R] = x [T, C] @ W^T through the GEMM for any kind it decodes (k: the 4-bit kinds' constants): x quantized,
  * then W's panels shared out, in one parallel region. Returns 0, or -1 when buffers could not be allocated. */
 static int gw_mm(int kind, const uint8_t *packed, const void *scales, const gw_consts_t *k, float mult,
                  const float *e8m0, const float *x, float *out, int64_t R, int64_t C, int64_t T, int nthreads) {
+#if GW_U8
+    if (k->u8 && kind != GW_I8) return u8_mm(kind, packed, scales, k, mult, e8m0, x, out, R, C, T, nthreads);
+#endif
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t));
     float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
     int rc = xq && xs ? 0 : -1;
@@ -2303,13 +2635,17 @@ int df_q4gw_glu(int act, float beta, float lbeta, int kind, const uint8_t *gp, c
                 const float *e8m0, const float *x, const int64_t *rows, float *out, int64_t I, int64_t D, int64_t T,
                 int nthreads) {
 #ifdef GW_VEC
+    gw_consts_t k;
+    gw_consts(tab8, K, &k);
+#if GW_U8
+    if (k.u8)
+        return u8_glu(act, beta, lbeta, kind, gp, gs, upk, us, dp, ds, &k, mult, e8m0, x, rows, out, I, D, T, nthreads);
+#endif
     const int64_t C = D > I ? D : I, npi = (I + GW_ROWS - 1) / GW_ROWS;
     int32_t *xq = gw_buffer(0, T * (C / 2) * sizeof(int32_t)); /* x's, then h's */
     float *xs = gw_buffer(1, T * (C / 32) * sizeof(float));
     float *g = gw_buffer(4, T * I * sizeof(float)), *u = gw_buffer(5, T * I * sizeof(float)); /* h in g */
     int rc = xq && xs && g && u ? 0 : -1;
-    gw_consts_t k;
-    gw_consts(tab8, K, &k);
     if (rc == 0) {
 #pragma omp parallel num_threads(nthreads)
         {
@@ -2391,6 +2727,16 @@ int df_gw_merge(int kind, const void *scales, int64_t r0, int64_t r1, int64_t nb
 /* 1 when this build has OpenMP (its kernels share out over threads), 0 when it runs them on the calling thread. */
 int df_openmp(void) {
 #ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when this build's 4-bit GEMM takes 8-bit activations (GW_U8: AVX2 without VNNI; the Q8 loop's quantization),
+ * 0 when int16 ones. */
+int df_gw_u8(void) {
+#if defined(GW_VEC) && GW_U8
     return 1;
 #else
     return 0;

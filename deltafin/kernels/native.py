@@ -65,6 +65,7 @@ _SIGNATURES = {
     "df_i8gw_mm": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4gw_mm": [_INT, _P, _P, _P, _INT, ctypes.c_float, _P, _P, _P, _I64, _I64, _I64, _INT],
     "df_q4gw_vnni": [],
+    "df_gw_u8": [],
     "df_gw_peak": [_INT, _I64],
     "df_gw_merge": [_INT, _P, _I64, _I64, _I64, _I64, _I64],
     "df_openmp": [],
@@ -214,7 +215,7 @@ def library(extra: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(path))
                 for name, args in _SIGNATURES.items():
                     getattr(lib, name).argtypes = args
-                lib.df_q4gw_mm.restype = lib.df_q4gw_vnni.restype = lib.df_i8gw_mm.restype = _INT
+                lib.df_q4gw_mm.restype = lib.df_q4gw_vnni.restype = lib.df_i8gw_mm.restype = lib.df_gw_u8.restype = _INT
                 lib.df_gw_peak.restype = ctypes.c_double
                 lib.df_simd_width.restype = lib.df_isa.restype = lib.df_one_row_loops.restype = lib.df_q8_terms.restype = lib.df_ftz.restype = lib.df_q8_vnni.restype = lib.df_q4q8_mm.restype = _INT
                 lib.df_i8a16_mm.restype = lib.df_a16_vnni.restype = lib.df_q4q8_glu.restype = lib.df_gw_merge.restype = _INT
