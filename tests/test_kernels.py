@@ -24,7 +24,7 @@ multiply-add per block, n <= C/32 + 2 roundings on any term's path (no lane redu
 int8 rows take the same GEMM past GEMM_TOKENS (whole blocks of 32) with the row's scale as every block's weight
 scale: their block sums are exact in int32 (|sum| <= 128 x 32767 x 32 < 2^31) but past 2^24 their float conversion
 rounds, and the reference's weights q x s are rounded to float32 once: n <= C/32 + 4.
-On AVX2 builds without VNNI the 4-bit GEMM takes 8-bit activations instead (``df_gw_u8``), quantized as the Q8
+AVX2 builds without VNNI made with -DGW_U8=1 (not the default) take 8-bit activations in the 4-bit GEMM (``df_gw_u8``), quantized as the Q8
 path's: d_b = max|x| / 127 per block of 32, |x - xq| <= d_b (1/2 + 2^-10); its integer block sums are exact too
 (tests/test_kernels_gemm_u8.py), and its float steps are the int16 GEMM's: n <= C/32 + 2. int8 rows keep int16.
 """

@@ -1,4 +1,5 @@
-"""The 4-bit GEMM with 8-bit activations (``GW_U8``: AVX2 builds without VNNI), against a plain-torch restatement.
+"""The 4-bit GEMM with 8-bit activations (``GW_U8``: AVX2 builds without VNNI, built with -DGW_U8=1; off by default,
+see cpu_kernels.c), against a plain-torch restatement.
 
 Each token's row is quantized as the one-token Q8 loop's (per block of 32: d = max|x| / 127, q = round(x x (127 /
 max|x|)), nearest-even, all in float32), the weights are read as their integers v (MXFP4 2 x E2M1, INT4 n - 8), the
@@ -23,6 +24,7 @@ from deltafin.quant import mxfp4
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 builds are x86's")
 U = 2.0**-24
+U8 = ("-DGW_U8=1",)  # the opt-in build
 KINDS = {"mxfp4": 0, "int4_bf16": 1, "int4_f32": 2}
 _V = {0: torch.from_numpy((2 * mxfp4.E2M1_VALUES).astype(np.int64)), 1: torch.arange(16) - 8, 2: torch.arange(16) - 8}
 
@@ -31,7 +33,7 @@ def _u8_libs():
     """The builds here whose GEMM takes 8-bit activations (AVX2 without VNNI, and this CPU's own where it is one)."""
     out = []
     for isa in ("native", "avx2-novnni"):
-        lib = native.library(native.ISA_FLAGS[isa])
+        lib = native.library(native.ISA_FLAGS[isa] + U8)
         if lib is not None and lib.df_gw_u8():
             out.append(lib)
     return out
@@ -39,7 +41,7 @@ def _u8_libs():
 
 @pytest.fixture(params=["native", "avx2-novnni"])
 def lib(request):
-    lib = native.library(native.ISA_FLAGS[request.param])
+    lib = native.library(native.ISA_FLAGS[request.param] + U8)
     if lib is None or not lib.df_gw_u8():
         pytest.skip(f"the {request.param} build here has no 8-bit-activation GEMM")
     return lib
@@ -174,8 +176,8 @@ def test_a_tokens_result_does_not_depend_on_the_call():
                 assert torch.equal(_gemm(lib, 0, x[a:b], packed, scales, nt), full[a:b])
         perm = torch.randperm(61, generator=g)
         assert torch.equal(_gemm(lib, 0, x[perm], packed, scales), full[perm])
-    # the gated expert (df_q4gw_glu) through the native build, whole and by rows
-    if native.library().df_gw_u8():
+    # the gated expert (df_q4gw_glu) through the 8-bit build, whole and by rows
+    for lib in libs[:1]:
         from deltafin.quant.record import QTensor
 
         D, I = 512, 256  # noqa: E741
@@ -185,11 +187,11 @@ def test_a_tokens_result_does_not_depend_on_the_call():
             recs.append(QTensor("mxfp4", (r, c), p, s))
         try:
             torch.set_num_threads(2)
-            whole = cpu.glu_expert(x, *recs)
+            whole = cpu.glu_expert(x, *recs, lib=lib)
             rows = torch.tensor([60, 3, 17, 17, 40, 8, 9, 10, 11, 12, 13, 30])
-            assert torch.equal(cpu.glu_expert(x, *recs, rows=rows), whole[rows])
+            assert torch.equal(cpu.glu_expert(x, *recs, lib=lib, rows=rows), whole[rows])
             torch.set_num_threads(1)
-            assert torch.equal(cpu.glu_expert(x[20:45], *recs), whole[20:45])
+            assert torch.equal(cpu.glu_expert(x[20:45], *recs, lib=lib), whole[20:45])
         finally:
             torch.set_num_threads(threads)
 
@@ -221,15 +223,13 @@ def test_nan_and_inf(lib):
     assert torch.equal(y.double(), (s.double() * scz.double()).sum(-1))  # powers of two, few bits: exact
 
 
-def test_int16_gemm_behind_the_switch_and_for_int8_rows():
-    """-DGW_U8=0 builds the int16 GEMM on AVX2 without VNNI (int16 activations, 2^-16 of the block's max), and
+def test_int16_gemm_by_default_and_for_int8_rows():
+    """The default build keeps the int16 GEMM on AVX2 without VNNI (int16 activations, 2^-16 of the block's max), and
     int8 rows take the int16 GEMM in either build."""
     libs = _u8_libs()
     if not libs:
         pytest.skip("no 8-bit-activation GEMM build here")
-    off = native.library(native.isa_flags() + ("-DGW_U8=0",)) if native.library().df_gw_u8() else None
-    if off is None:
-        off = native.library(native.ISA_FLAGS["avx2-novnni"] + ("-DGW_U8=0",))
+    off = native.library(native.ISA_FLAGS["avx2-novnni"])  # the default build: the int16 GEMM
     assert off is not None and off.df_gw_u8() == 0 and off.df_q4gw_vnni() == 1
     g = torch.Generator().manual_seed(9)
     R, C = 40, 256

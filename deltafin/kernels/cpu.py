@@ -13,8 +13,8 @@ of 32 weight rows is decoded once per call into exact small integers (16 blocks 
 vpdpwssd sums the blocks in int32 for up to six tokens at a time (groups of near-equal size); one float
 multiply-add per block applies both scales. About 2^-16 of each block's largest
 activation is lost (bf16 loses 2^-9 of each value), so it is the fast path only; ``DELTAFIN_CPU_GEMM=0`` selects
-the loops below. On AVX2 without VNNI (``df_gw_u8``; off with the build flag -DGW_U8=0) the 4-bit GEMM takes 8-bit
-activations instead, quantized as the Q8 path's (d = max|x| / 127 per block of 32), multiplied by vpmaddubsw with
+the loops below. Built with -DGW_U8=1 (off by default: below the fast path's agreement bar on two tiny families), on
+AVX2 without VNNI (``df_gw_u8``) the 4-bit GEMM takes 8-bit activations instead, quantized as the Q8 path's (d = max|x| / 127 per block of 32), multiplied by vpmaddubsw with
 exact int16 and int32 sums: the same integer block sums as the one-token Q8 loop, in fewer instructions than the
 int16 pair products; int8 rows keep the int16 GEMM.
 
