@@ -108,6 +108,26 @@ def test_route1_picks_torchs_experts_with_its_weights(E, D, k, renorm):
     assert cpu.route1(x, ln, 1e-6, router, E + 1, renorm) is None
 
 
+@pytest.mark.parametrize(("E", "D"), [(131, 2048), (514, 4096), (6, 64)])
+def test_route1_logits_do_not_depend_on_the_thread_count(E, D):
+    """Each router row's sum, and so the routing, is the same bits on one thread and on several (the engine picks
+    its thread count by measurement), at widths that are and are not multiples of the vector."""
+    g = torch.Generator().manual_seed(E)
+    x, ln, router = torch.randn(1, D, generator=g), torch.rand(D, generator=g) + 0.5, torch.randn(E, D, generator=g)
+    lib = native.library()
+    out = []
+    for nt in (1, 2, 3):
+        h, ids, w = torch.empty(1, D), torch.empty(E, dtype=torch.int64), torch.empty(E)
+        assert lib.df_route1(x.data_ptr(), ln.data_ptr(), 1e-6, router.data_ptr(), E, D, E, 0, h.data_ptr(),
+                             ids.data_ptr(), w.data_ptr(), nt) == 0
+        out.append((ids.clone(), w.clone()))  # every expert ranked: the whole softmax, in order
+    for ids, w in out[1:]:
+        assert torch.equal(ids, out[0][0]) and torch.equal(w, out[0][1])
+    h, ids, w = cpu.route1(x, ln, 1e-6, router, min(8, E), True)
+    ref_ids, _ = softmax_topk(h @ router.T, min(8, E), True)
+    assert ids == ref_ids[0].tolist()
+
+
 def test_moe_sum1_adds_the_weighted_slots_in_slot_order():
     g = torch.Generator().manual_seed(5)
     x, y, w = torch.randn(1, 300, generator=g), torch.randn(6, 300, generator=g), torch.rand(6, generator=g)
