@@ -421,7 +421,7 @@ def test_streaming_slab_slots_never_reused_within_a_layer():
     src = StreamingExperts.__new__(StreamingExperts)  # the slot logic alone, without drives
     src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(2 * nbytes), None, 2
     src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
-    src._in_slab, src._resident = {}, {}
+    src._in_slab, src._resident, src._holds_all = {}, {}, False
     src.model = SimpleNamespace(moe_layers=[1], num_experts=1)  # a model of one expert: one cache slot
     assert src._slab_ready(ex, nbytes, layout) and src.slab.slots == 3
     src.slab, src.model = None, SimpleNamespace(moe_layers=[1, 2], num_experts=8)  # the budget decides
@@ -459,7 +459,7 @@ def test_streaming_slab_offers_a_layer_resident_only_when_nothing_can_evict_it()
         src.device, src.cache, src.slab, src.SCRATCH_SLOTS = torch.device(DEV), ExpertCache(budget_experts * nbytes), \
             None, 2
         src._slab_cache_slots, src._free, src._slot_of, src._busy, src._scratch_next = 0, [], {}, set(), 0
-        src._in_slab, src._resident, src.record, src.routes = {}, {}, None, None
+        src._in_slab, src._resident, src.record, src.routes, src._holds_all = {}, {}, None, None, False
         src.stats, src._miss_log, src._recent_misses = SourceStats(), deque(maxlen=4), 0
         src.model = SimpleNamespace(moe_layers=[1, 2], num_experts=num_experts)
         assert src._slab_ready(ex, nbytes, layout)
@@ -474,6 +474,10 @@ def test_streaming_slab_offers_a_layer_resident_only_when_nothing_can_evict_it()
     assert src.resident_slots(2) is None
     src.served_resident(1, 2)
     assert src.stats.hits == 2 and src.cache.hits == 2
+    src.routes = []  # the routing-trace recorder on: the host must see the ids, even of a layer made resident
+    assert src.resident_slots(1) is None
+    src.routes = None
+    assert src.resident_slots(1) is table
     src.cache.evict((1, 0))  # (a failed check's eviction): the table goes with it
     assert src.resident_slots(1) is None
     src.record = []  # fetches logged: the host must see every layer's ids

@@ -112,7 +112,7 @@ class SlabExperts:
         self.slot = {(L, e): i * experts + e for i, L in enumerate(moe_layers) for e in range(experts)}
         self.nbytes = sum(t.nbytes for t in ex.values())
         self.views: dict = {}
-        self.layers, self.experts = moe_layers, experts
+        self.experts = experts
         self.resident = True  # False: the decode runner fetches every layer on the host, as a streaming cache does
         self._tables: dict = {}
 

@@ -150,6 +150,7 @@ class StreamingExperts:
         self._slot_of: dict = {}  # cache key -> slot
         self._in_slab: dict[int, int] = {}  # layer -> its experts cached in slab slots
         self._resident: dict[int, torch.Tensor] = {}  # layer -> its slot table, once resident for good
+        self._holds_all = False  # the slab's cache slots hold every expert of the model: none is ever evicted
         self._busy: set[int] = set()  # slots handed out since this fetch began (a launch may still read them)
         self._scratch_next = 0
         self.reserved = (0, 0, 0.0)  # (buffers, bytes, seconds) mapped when the source opened
@@ -586,6 +587,7 @@ class StreamingExperts:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 slots = min(slots, max(int(free - (2 << 30)) // nbytes - self.SCRATCH_SLOTS, 0))
             self._slab_cache_slots = slots
+            self._holds_all = slots >= len(self.model.moe_layers) * self.model.num_experts
             self.slab = ExpertSlab(self._slab_cache_slots + self.SCRATCH_SLOTS, tensors, self.device, layout)
             self._free = list(range(self._slab_cache_slots))
         return self.slab.layout == layout and self.slab.fits(tensors)
@@ -632,14 +634,12 @@ class StreamingExperts:
         for good: the slab's cache slots hold every expert of the model, so none is ever evicted. Else None
         (also while fetches are logged: the decode runner then looks slots up on the device and never tells the
         host which experts it used)."""
-        t = self._resident.get(layer)
-        if t is not None or self.slab is None or self.record is not None or self.routes is not None:
-            return t
-        m = self.model
-        if self._in_slab.get(layer, 0) < m.num_experts or self._slab_cache_slots < len(m.moe_layers) * m.num_experts:
+        if not self._holds_all or self.record is not None or self.routes is not None:
             return None
-        slots = [self._slot_of[(layer, e)] for e in range(m.num_experts)]
-        t = self._resident[layer] = torch.tensor(slots, dtype=torch.int32).to(self.device)
+        t = self._resident.get(layer)
+        if t is None and self._in_slab.get(layer, 0) == self.model.num_experts:
+            slots = [self._slot_of[(layer, e)] for e in range(self.model.num_experts)]
+            t = self._resident[layer] = torch.tensor(slots, dtype=torch.int32).to(self.device)
         return t
 
     def served_resident(self, layer: int, n: int) -> None:
